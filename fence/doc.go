@@ -1,0 +1,49 @@
+// Package fence makes writes safe against stale leaders: a write carries the
+// fencing token of the lease under which it was made, and is refused, in the
+// same transaction as the protected data, once a greater token exists.
+//
+// # Guarantees
+//
+// Guard (a lease guard, checked against the pgfence_leases table):
+// a transaction in which Guard.Check (or Guard.Exec, or Guard.RunTx) succeeded
+// commits only if, at commit, no token greater than the guard's token has been
+// issued for the lease. The check takes a FOR KEY SHARE lock on the lease row;
+// the token is a key column (UNIQUE (name, token)), so an acquisition that
+// would raise the token waits until the guarded transaction ends, while the
+// holder's own renewals do not wait. A refused transaction is aborted by the
+// database: none of its statements commit, even if the caller tries.
+//
+// Resource (a resource fence, kept next to the protected data in any
+// database that has the pgfence migrations): Admit accepts a token only if it
+// is >= the highest token the resource has admitted, and holds the fence row's
+// lock until the transaction ends.
+//
+// Token-column pattern: for rows that carry their own token, write with
+//
+//	UPDATE accounts SET balance = $1, fence_token = $2
+//	 WHERE id = $3 AND fence_token <= $2
+//
+// and treat zero rows affected as a stale write. Concurrent writers are
+// ordered by the row lock.
+//
+// Resources outside PostgreSQL (object stores, HTTP APIs, other services)
+// are protected only if they check the token themselves: send Token.String()
+// with each request, have the resource remember the highest token it has
+// accepted for the lease (atomically with the write, e.g. a conditional put),
+// and refuse any request with a lower one.
+//
+// # What is not guaranteed
+//
+//   - A resource that does not check the token is not protected.
+//   - A guarded transaction holds the lease row's KEY SHARE lock until it
+//     ends: while it is open, a takeover waits. Bound guarded transactions
+//     (statement_timeout, idle_in_transaction_session_timeout) so a paused
+//     holder cannot stall the next one for long.
+//   - With asynchronous replication, a standby promoted after a failover may
+//     lack the newest acquisitions and issue a token a second time. Data in
+//     the same database rolls back with it, so guarded writes stay
+//     consistent; effects outside the database do not roll back. Use
+//     synchronous replication for the leases table's database to close this.
+//   - RunTx returns ErrOutcomeUnknown when the connection fails during
+//     COMMIT: the write may or may not have happened.
+package fence

@@ -1,0 +1,171 @@
+package fence
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/internal/ident"
+)
+
+// Guard fences writes with a lease's token. Used inside a transaction, it
+// makes that transaction commit only if no token greater than Token has been
+// issued for Lease by the time it commits.
+//
+// The check takes a FOR KEY SHARE lock on the lease row. Because the token is
+// a key column of the leases table, a takeover (which must raise the token)
+// waits until the guarded transaction ends, while renewals of the current
+// holder (which only move the expiry) are not blocked. A guarded transaction
+// that stays open therefore delays a takeover: keep guarded transactions short,
+// and bound them with statement_timeout / idle_in_transaction_session_timeout.
+//
+// A Guard is a value; the zero Schema means the connection's search_path.
+type Guard struct {
+	// Lease is the lease name.
+	Lease string
+	// Token is the token obtained when the lease was acquired.
+	Token Token
+	// Schema holds the pgfence_leases table ("" = search_path).
+	Schema string
+}
+
+// Beginner starts transactions: *pgxpool.Pool, *pgx.Conn and pgx.Tx (for a
+// savepoint) all satisfy it.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// MaxAttempts is how many times RunTx runs a transaction that the database
+// aborted with a serialization failure (40001) or a deadlock (40P01).
+const MaxAttempts = 3
+
+func (g Guard) validate() error {
+	if err := ValidateName(g.Lease); err != nil {
+		return err
+	}
+	if !g.Token.Valid() {
+		return fmt.Errorf("%w: %d (tokens start at 1)", ErrInvalidToken, g.Token)
+	}
+	return ident.ValidateSchema(g.Schema)
+}
+
+func (g Guard) checkSQL() string {
+	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2)"
+}
+
+// Check fences tx: it returns nil if Token is the newest token issued for the
+// lease, and from then until tx ends no takeover can commit, so tx's commit is
+// fenced. Otherwise it returns a *StaleTokenError (or ErrUnknownLease,
+// ErrTokenNotIssued) and tx is aborted: nothing it did or does can commit.
+// It costs one round trip; see Exec to save it.
+func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
+	if tx == nil {
+		return ErrNilTx
+	}
+	if err := g.validate(); err != nil {
+		return err
+	}
+	var cur int64
+	if err := tx.QueryRow(ctx, g.checkSQL(), g.Lease, int64(g.Token)).Scan(&cur); err != nil {
+		return translate(err, g.Lease, g.Token)
+	}
+	return nil
+}
+
+// Exec runs sql in tx with the fence check pipelined in front of it: one round
+// trip for both. If the check fails, sql does not run and tx is aborted. Use it
+// for a guarded transaction's first statement on hot paths.
+func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pgconn.CommandTag, error) {
+	if tx == nil {
+		return pgconn.CommandTag{}, ErrNilTx
+	}
+	if err := g.validate(); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	b := &pgx.Batch{}
+	b.Queue(g.checkSQL(), g.Lease, int64(g.Token))
+	b.Queue(sql, args...)
+	br := tx.SendBatch(ctx, b)
+	_, checkErr := br.Exec()
+	tag, execErr := br.Exec()
+	closeErr := br.Close()
+	if checkErr != nil {
+		return pgconn.CommandTag{}, translate(checkErr, g.Lease, g.Token)
+	}
+	if execErr != nil {
+		return pgconn.CommandTag{}, execErr
+	}
+	return tag, closeErr
+}
+
+// RunTx runs fn in a guarded transaction on db: begin, Check, fn, commit.
+// If the check fails, fn does not run. If fn returns an error the transaction
+// rolls back and the error is returned unchanged. If the database aborts the
+// transaction with 40001 or 40P01, the whole transaction, fn included, runs
+// again, up to MaxAttempts times: fn must not have effects outside the
+// transaction. A connection lost during COMMIT returns ErrOutcomeUnknown.
+func (g Guard) RunTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) error {
+	if err := g.validate(); err != nil {
+		return err
+	}
+	if db == nil {
+		return errors.New("fence: nil database handle")
+	}
+	if fn == nil {
+		return errors.New("fence: nil function")
+	}
+	var err error
+	for attempt := 1; attempt <= MaxAttempts; attempt++ {
+		err = g.runOnce(ctx, db, fn)
+		if !retryable(err) || ctx.Err() != nil {
+			return err
+		}
+	}
+	return err
+}
+
+func (g Guard) runOnce(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) (err error) {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			_ = tx.Rollback(context.WithoutCancel(ctx))
+		}
+	}()
+	if err := g.Check(ctx, tx); err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return commit(ctx, tx)
+}
+
+// commit classifies a failed COMMIT: a server error or a request that was
+// never sent means the transaction did not commit; anything else (the
+// connection broke while COMMIT was in flight) leaves the outcome unknown.
+func commit(ctx context.Context, tx pgx.Tx) error {
+	err := tx.Commit(ctx)
+	if err == nil {
+		return nil
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) || errors.Is(err, pgx.ErrTxCommitRollback) || pgconn.SafeToRetry(err) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
+}
+
+// retryable reports a definite abort that is safe to run again.
+func retryable(err error) bool {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) {
+		return false
+	}
+	return pg.Code == "40001" || pg.Code == "40P01"
+}

@@ -1,0 +1,78 @@
+package fence
+
+import (
+	"context"
+	"errors"
+	"strconv"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/internal/ident"
+)
+
+// Resource is a resource fence: a high-water mark of admitted tokens kept in
+// the pgfence_fences table next to the protected data (run the migrations in
+// that database and schema). Use it when the data does not live next to the
+// leases table, or when several leases write the same data.
+//
+// Admit in the transaction that writes the data: the token is admitted only if
+// it is >= the highest token admitted so far, and the fence row stays locked
+// until the transaction ends, so two writers with different tokens are
+// ordered and the lower one is refused.
+type Resource struct {
+	// Name identifies the protected resource (1-255 bytes of UTF-8).
+	Name string
+	// Schema holds the pgfence_fences table ("" = search_path).
+	Schema string
+}
+
+func (r Resource) validate(t Token) error {
+	if err := ValidateName(r.Name); err != nil {
+		return err
+	}
+	if !t.Valid() {
+		return ErrInvalidToken
+	}
+	return ident.ValidateSchema(r.Schema)
+}
+
+// Admit raises the resource's high-water mark to t inside tx, or returns a
+// *StaleTokenError (Resource set) if a greater token has been admitted, in
+// which case tx is aborted and nothing it did can commit.
+func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
+	if tx == nil {
+		return ErrNilTx
+	}
+	if err := r.validate(t); err != nil {
+		return err
+	}
+	var cur int64
+	err := tx.QueryRow(ctx, "SELECT "+ident.Table(r.Schema, "pgfence_admit")+"($1, $2)", r.Name, int64(t)).Scan(&cur)
+	if err != nil {
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) && pg.Code == codeStale {
+			c, _ := strconv.ParseInt(pg.Detail, 10, 64)
+			return &StaleTokenError{Resource: r.Name, Presented: t, Current: Token(c)}
+		}
+		return err
+	}
+	return nil
+}
+
+// Querier runs a query returning one row: a pool, a connection and a
+// transaction all satisfy it.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Current returns the highest token the resource has admitted, or 0 if it has
+// admitted none.
+func (r Resource) Current(ctx context.Context, q Querier) (Token, error) {
+	if err := r.validate(1); err != nil {
+		return 0, err
+	}
+	var cur int64
+	err := q.QueryRow(ctx, "SELECT coalesce(max(token), 0) FROM "+ident.Table(r.Schema, "pgfence_fences")+" WHERE resource = $1", r.Name).Scan(&cur)
+	return Token(cur), err
+}

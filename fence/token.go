@@ -1,0 +1,48 @@
+package fence
+
+import (
+	"fmt"
+	"strconv"
+)
+
+// Token is a fencing token: the version of a lease at the moment it was
+// acquired. Every acquisition of a lease gets a token strictly greater than
+// every token issued before it for that lease, so a resource that remembers the
+// highest token it has seen can refuse a holder whose lease has moved on.
+// Valid tokens are >= 1.
+type Token int64
+
+// String returns the token in decimal, the form to send to a resource outside
+// PostgreSQL (a header, an object's metadata, a conditional request).
+func (t Token) String() string { return strconv.FormatInt(int64(t), 10) }
+
+// Valid reports whether t could have been issued (t >= 1).
+func (t Token) Valid() bool { return t >= 1 }
+
+// MarshalText implements encoding.TextMarshaler (decimal).
+func (t Token) MarshalText() ([]byte, error) { return []byte(t.String()), nil }
+
+// UnmarshalText implements encoding.TextUnmarshaler; it accepts what
+// ParseToken accepts.
+func (t *Token) UnmarshalText(b []byte) error {
+	v, err := ParseToken(string(b))
+	if err != nil {
+		return err
+	}
+	*t = v
+	return nil
+}
+
+// ParseToken parses a decimal token as written by Token.String. It returns an
+// error wrapping ErrInvalidToken for anything that is not a valid token.
+func ParseToken(s string) (Token, error) {
+	v, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %q is not a decimal integer", ErrInvalidToken, s)
+	}
+	t := Token(v)
+	if !t.Valid() {
+		return 0, fmt.Errorf("%w: %d (tokens start at 1)", ErrInvalidToken, v)
+	}
+	return t, nil
+}

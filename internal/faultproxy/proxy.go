@@ -1,0 +1,185 @@
+// Package faultproxy is a small TCP proxy for fault injection in tests: it
+// sits between clients and PostgreSQL and can pass traffic, delay it, drop it
+// silently (blackhole, like a network partition) or reset every connection.
+package faultproxy
+
+import (
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"time"
+)
+
+// Mode is what the proxy does with traffic.
+type Mode int
+
+const (
+	// Pass forwards traffic unchanged.
+	Pass Mode = iota
+	// Blackhole keeps connections open but forwards nothing, in either
+	// direction; new connections are accepted and hang.
+	Blackhole
+	// Reset closes every connection and refuses new ones.
+	Reset
+)
+
+// Proxy forwards connections from Addr to a target address.
+type Proxy struct {
+	ln     net.Listener
+	target string
+
+	mu    sync.Mutex
+	cond  *sync.Cond
+	mode  Mode
+	delay time.Duration
+	conns map[net.Conn]struct{}
+	done  bool
+	wg    sync.WaitGroup
+}
+
+// New starts a proxy on 127.0.0.1 (a free port) forwarding to target.
+func New(target string) (*Proxy, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	p := &Proxy{ln: ln, target: target, conns: make(map[net.Conn]struct{})}
+	p.cond = sync.NewCond(&p.mu)
+	p.wg.Add(1)
+	go p.accept()
+	return p, nil
+}
+
+// Addr is the host:port clients should connect to.
+func (p *Proxy) Addr() string { return p.ln.Addr().String() }
+
+// Set switches the mode; Reset also closes every open connection.
+func (p *Proxy) Set(m Mode) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.mode = m
+	if m == Reset {
+		for c := range p.conns {
+			if tc, ok := c.(*net.TCPConn); ok {
+				_ = tc.SetLinger(0)
+			}
+			_ = c.Close()
+		}
+	}
+	p.cond.Broadcast()
+}
+
+// SetDelay adds d of latency to every chunk forwarded (0 removes it).
+func (p *Proxy) SetDelay(d time.Duration) {
+	p.mu.Lock()
+	p.delay = d
+	p.mu.Unlock()
+}
+
+// Close stops the proxy and closes every connection.
+func (p *Proxy) Close() error {
+	p.mu.Lock()
+	p.done = true
+	for c := range p.conns {
+		_ = c.Close()
+	}
+	p.cond.Broadcast()
+	p.mu.Unlock()
+	err := p.ln.Close()
+	p.wg.Wait()
+	return err
+}
+
+func (p *Proxy) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		p.mu.Lock()
+		if p.done || p.mode == Reset {
+			p.mu.Unlock()
+			_ = c.Close()
+			continue
+		}
+		p.conns[c] = struct{}{}
+		p.wg.Add(1)
+		p.mu.Unlock()
+		go p.serve(c)
+	}
+}
+
+func (p *Proxy) serve(client net.Conn) {
+	defer p.wg.Done()
+	defer p.forget(client)
+	server, err := net.DialTimeout("tcp", p.target, 5*time.Second)
+	if err != nil {
+		_ = client.Close()
+		return
+	}
+	p.mu.Lock()
+	if p.done {
+		p.mu.Unlock()
+		_ = server.Close()
+		_ = client.Close()
+		return
+	}
+	p.conns[server] = struct{}{}
+	p.mu.Unlock()
+	defer p.forget(server)
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); p.pipe(server, client) }()
+	go func() { defer wg.Done(); p.pipe(client, server) }()
+	wg.Wait()
+}
+
+func (p *Proxy) forget(c net.Conn) {
+	_ = c.Close()
+	p.mu.Lock()
+	delete(p.conns, c)
+	p.mu.Unlock()
+}
+
+// pipe copies src to dst, holding data while blackholed and delaying it when
+// a delay is set. Either side closing ends both.
+func (p *Proxy) pipe(dst, src net.Conn) {
+	defer dst.Close()
+	defer src.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if !p.gate() {
+				return
+			}
+			p.mu.Lock()
+			d := p.delay
+			p.mu.Unlock()
+			if d > 0 {
+				time.Sleep(d)
+			}
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			if !errors.Is(err, io.EOF) {
+				return
+			}
+			return
+		}
+	}
+}
+
+// gate blocks while the proxy is blackholed and reports whether to go on.
+func (p *Proxy) gate() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for p.mode == Blackhole && !p.done {
+		p.cond.Wait()
+	}
+	return !p.done && p.mode != Reset
+}

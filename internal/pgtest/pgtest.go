@@ -1,0 +1,156 @@
+// Package pgtest is pgfence's test harness: every test gets its own schema
+// with the migrations applied, on a real PostgreSQL server found through
+// TEST_DATABASE_URL or, where Docker is available, a throwaway container.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
+
+	"github.com/pgfence/pgfence/internal/devdb"
+	"github.com/pgfence/pgfence/migrations"
+)
+
+// EnvURL names the environment variable that points the tests at a server.
+const EnvURL = "TEST_DATABASE_URL"
+
+var baseURL string
+
+// Main finds the database, runs the package's tests and checks that no
+// goroutine outlives them. Call it from TestMain. Without a database it fails
+// the run with a message that says how to provide one; it never skips.
+func Main(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	if u := os.Getenv(EnvURL); u != "" {
+		baseURL = u
+	} else {
+		u, stop, err := devdb.Container(context.Background())
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "pgfence tests need PostgreSQL: set %s (for example\n"+
+				"  %s='postgres://postgres@127.0.0.1:5432/test?sslmode=disable')\n"+
+				"or make a Docker engine available for testcontainers.\n(%v)\n", EnvURL, EnvURL, err)
+			return 2
+		}
+		defer stop()
+		baseURL = u
+	}
+	code := m.Run()
+	if code == 0 {
+		if err := goleak.Find(IgnoreLeaks()...); err != nil {
+			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
+			return 1
+		}
+	}
+	return code
+}
+
+// IgnoreLeaks lists goroutines that belong to the test infrastructure.
+func IgnoreLeaks() []goleak.Option {
+	return []goleak.Option{
+		goleak.IgnoreTopFunction("github.com/testcontainers/testcontainers-go.(*Reaper).connect.func1"),
+		goleak.IgnoreAnyFunction("github.com/testcontainers/testcontainers-go/internal/core.(*Reaper)"),
+	}
+}
+
+// URL returns the server URL the package's tests use.
+func URL(tb testing.TB) string {
+	tb.Helper()
+	if baseURL == "" {
+		tb.Fatalf("pgtest: no database: call pgtest.Main from TestMain")
+	}
+	return baseURL
+}
+
+// DB is one test's isolated database area.
+type DB struct {
+	// Pool connects to the server; its search_path is left alone, so code
+	// under test must be given Schema.
+	Pool *pgxpool.Pool
+	// Schema holds this test's pgfence objects (migrations applied).
+	Schema string
+	// URL is the server URL.
+	URL string
+}
+
+// New creates a fresh schema, applies the migrations in it and returns a pool.
+// The schema and pool are removed when the test ends.
+func New(tb testing.TB) *DB {
+	tb.Helper()
+	url := URL(tb)
+	schema := "t_" + strings.ToLower(randHex(6))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pool := NewPool(tb, "pgfence-test")
+	if _, err := migrations.Up(ctx, pool, schema); err != nil {
+		tb.Fatalf("pgtest: migrate schema %s: %v", schema, err)
+	}
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	})
+	return &DB{Pool: pool, Schema: schema, URL: url}
+}
+
+// NewPool opens a pool to the test server whose connections carry
+// application_name, so a test can find (and kill) exactly its own backends.
+// It is closed when the test ends.
+func NewPool(tb testing.TB, appName string, opts ...func(*pgxpool.Config)) *pgxpool.Pool {
+	tb.Helper()
+	cfg, err := pgxpool.ParseConfig(URL(tb))
+	if err != nil {
+		tb.Fatalf("pgtest: parse %s: %v", EnvURL, err)
+	}
+	cfg.ConnConfig.RuntimeParams["application_name"] = appName
+	for _, o := range opts {
+		o(cfg)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		tb.Fatalf("pgtest: connect: %v", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		tb.Fatalf("pgtest: ping %s: %v", EnvURL, err)
+	}
+	tb.Cleanup(pool.Close)
+	return pool
+}
+
+// UniqueName returns a random application or lease name with a prefix.
+func UniqueName(prefix string) string { return prefix + "-" + randHex(6) }
+
+// Terminate kills every backend whose application_name is appName, from an
+// admin connection, and returns how many it killed.
+func Terminate(tb testing.TB, admin *pgxpool.Pool, appName string) int {
+	tb.Helper()
+	var n int
+	err := admin.QueryRow(context.Background(),
+		`SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+		  WHERE application_name = $1 AND pid <> pg_backend_pid()) k`, appName).Scan(&n)
+	if err != nil {
+		tb.Fatalf("pgtest: terminate %s: %v", appName, err)
+	}
+	return n
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}

@@ -1,0 +1,240 @@
+package lock
+
+import (
+	"context"
+	cryptorand "crypto/rand"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// Client acquires and renews leases. It is safe for concurrent use. A client
+// runs one background goroutine while it holds leases (the renewer) and one
+// while some Acquire is waiting (the release listener); both stop on their own
+// when idle, and Close stops them at once.
+type Client struct {
+	pool *pgxpool.Pool
+	cfg  Config
+	q    queries
+	lis  *listener
+
+	mu       sync.Mutex
+	held     map[*Lease]struct{}
+	renewing bool
+	kick     chan struct{} // wakes the renewer (a lease left the set, or Close)
+	closed   bool
+	wg       sync.WaitGroup
+}
+
+// New returns a client that keeps leases in pool's database. It validates cfg
+// (see Config for defaults) and returns a *ConfigError naming the bad field.
+func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
+	if pool == nil {
+		return nil, ErrNilPool
+	}
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	c := &Client{
+		pool: pool,
+		cfg:  cfg,
+		q:    newQueries(cfg.Schema),
+		held: make(map[*Lease]struct{}),
+		kick: make(chan struct{}, 1),
+	}
+	c.lis = newListener(c)
+	return c, nil
+}
+
+// Config returns the client's configuration with defaults filled in.
+func (c *Client) Config() Config { return c.cfg }
+
+// Pool returns the pool the client was built from.
+func (c *Client) Pool() *pgxpool.Pool { return c.pool }
+
+// TryAcquire acquires the lease name in one round trip if it is free, was
+// released, or has expired at the database; otherwise it returns a *HeldError.
+// The new lease's token is greater than every token issued for name before.
+func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
+	if err := fence.ValidateName(name); err != nil {
+		return nil, err
+	}
+	if c.isClosed() {
+		return nil, ErrClosed
+	}
+	secret := make([]byte, 16)
+	_, _ = cryptorand.Read(secret)
+	sent := time.Now()
+	var (
+		won       bool
+		token     int64
+		holder    string
+		expiresAt time.Time
+		inMicros  int64
+	)
+	err := c.pool.QueryRow(ctx, c.q.acquire, name, c.cfg.Holder, secret, c.cfg.TTL.Microseconds()).
+		Scan(&won, &token, &holder, &expiresAt, &inMicros)
+	if err != nil {
+		return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
+	}
+	if !won {
+		return nil, &HeldError{Name: name, Holder: holder, Token: token, ExpiresAt: expiresAt,
+			ExpiresIn: time.Duration(inMicros) * time.Microsecond}
+	}
+	l := newLease(c, name, fence.Token(token), secret, expiresAt, sent)
+	if !c.track(l) {
+		// Closed while acquiring: give it straight back.
+		_ = l.Release(context.WithoutCancel(ctx))
+		return nil, ErrClosed
+	}
+	return l, nil
+}
+
+// Acquire blocks until it acquires the lease name or ctx ends. It wakes
+// within milliseconds of a release (LISTEN/NOTIFY) and otherwise retries
+// every PollInterval (jittered), or sooner when the holder's lease is due to
+// expire. It returns ctx's error when ctx ends first.
+func (c *Client) Acquire(ctx context.Context, name string) (*Lease, error) {
+	if err := fence.ValidateName(name); err != nil {
+		return nil, err
+	}
+	var sub *subscription
+	defer func() {
+		if sub != nil {
+			sub.cancel()
+		}
+	}()
+	for {
+		l, err := c.TryAcquire(ctx, name)
+		var held *HeldError
+		if !errors.As(err, &held) {
+			if err != nil && ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			if err != nil && !errors.Is(err, ErrClosed) {
+				// A transient failure (connection lost, failover): keep
+				// trying until ctx ends, logging what happened.
+				c.cfg.Logger.Warn("pgfence: acquire failed, retrying", "lease", name, "err", err)
+				if !sleepCtx(ctx, c.jitter(c.cfg.PollInterval)) {
+					return nil, ctx.Err()
+				}
+				continue
+			}
+			return l, err
+		}
+		if sub == nil {
+			// Subscribe, wait for the LISTEN to be in place, and try once
+			// more, so that a release between the first attempt and the
+			// LISTEN is not missed.
+			sub = c.lis.subscribe(name)
+			select {
+			case <-sub.ready:
+			case <-time.After(c.cfg.PollInterval):
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			continue
+		}
+		wait := c.jitter(c.cfg.PollInterval)
+		if held.ExpiresIn >= 0 && held.ExpiresIn+time.Millisecond < wait {
+			wait = held.ExpiresIn + time.Millisecond
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-sub.C:
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+		t.Stop()
+	}
+}
+
+// Close releases every lease the client holds (their contexts are cancelled
+// with ErrReleased) and stops its goroutines. Later acquisitions fail with
+// ErrClosed. It returns the first release error.
+func (c *Client) Close(ctx context.Context) error {
+	c.mu.Lock()
+	c.closed = true
+	leases := make([]*Lease, 0, len(c.held))
+	for l := range c.held {
+		leases = append(leases, l)
+	}
+	c.mu.Unlock()
+	var first error
+	for _, l := range leases {
+		if err := l.Release(ctx); err != nil && first == nil {
+			first = err
+		}
+	}
+	c.poke()
+	c.lis.stop()
+	c.wg.Wait()
+	return first
+}
+
+func (c *Client) isClosed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closed
+}
+
+// track adds a lease to the renewal set and starts the renewer if needed.
+func (c *Client) track(l *Lease) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.held[l] = struct{}{}
+	if !c.renewing {
+		c.renewing = true
+		c.wg.Add(1)
+		go c.renewLoop()
+	}
+	return true
+}
+
+func (c *Client) untrack(l *Lease) {
+	c.mu.Lock()
+	delete(c.held, l)
+	empty := len(c.held) == 0
+	c.mu.Unlock()
+	if empty {
+		c.poke()
+	}
+}
+
+func (c *Client) poke() {
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+}
+
+// jitter spreads d by ±25% so that many waiters do not retry in lockstep.
+func (c *Client) jitter(d time.Duration) time.Duration {
+	if d <= 0 {
+		return d
+	}
+	return d*3/4 + time.Duration(rand.Int64N(int64(d)/2+1))
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}

@@ -1,0 +1,129 @@
+package lock
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+	"unicode/utf8"
+
+	"github.com/pgfence/pgfence/internal/ident"
+)
+
+// Config configures a Client. The zero value is usable: every field documents
+// its default.
+type Config struct {
+	// TTL is how long a lease stays valid at the database after it was
+	// acquired or last renewed, judged by the database's clock.
+	// Default 15s. Must be at least 2 x RenewInterval.
+	TTL time.Duration
+
+	// RenewInterval is how often the client renews all the leases it holds,
+	// in one statement. Default TTL/3.
+	RenewInterval time.Duration
+
+	// SafetyMargin is taken off the TTL to get the local trust window: a
+	// holder trusts its lease until (the time its last successful
+	// acquire/renew request was sent) + TTL - SafetyMargin on Go's monotonic
+	// clock, and cancels the lease's context then at the latest. It absorbs
+	// the client's and server's clocks running at slightly different rates.
+	// Default TTL/10. Must be smaller than TTL - RenewInterval, so that
+	// at least one renewal can land inside the window.
+	SafetyMargin time.Duration
+
+	// PollInterval is how often a blocked Acquire retries when no release
+	// notification arrives (a lease that expires without being released
+	// sends none). Each wait is jittered by ±25%. Default 1s.
+	PollInterval time.Duration
+
+	// Holder identifies this client in the leases table (for operators and
+	// HeldError). At most 255 bytes of UTF-8. Default "host:pid:random".
+	Holder string
+
+	// Schema holds pgfence's tables. Default "" (the connection's
+	// search_path).
+	Schema string
+
+	// Logger receives renewal failures and lease losses. Default
+	// slog.Default().
+	Logger *slog.Logger
+}
+
+// ErrInvalidConfig is matched by every *ConfigError.
+var ErrInvalidConfig = errors.New("lock: invalid config")
+
+// ConfigError names the configuration field that is wrong and why.
+type ConfigError struct {
+	Field  string
+	Reason string
+}
+
+func (e *ConfigError) Error() string { return "lock: invalid config: " + e.Field + ": " + e.Reason }
+
+// Is makes errors.Is(err, ErrInvalidConfig) true.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+func (c Config) withDefaults() Config {
+	if c.TTL == 0 {
+		c.TTL = 15 * time.Second
+	}
+	if c.RenewInterval == 0 {
+		c.RenewInterval = c.TTL / 3
+	}
+	if c.SafetyMargin == 0 {
+		c.SafetyMargin = c.TTL / 10
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = time.Second
+	}
+	if c.Holder == "" {
+		c.Holder = defaultHolder()
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	bad := func(field, format string, args ...any) error {
+		return &ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+	}
+	switch {
+	case c.TTL < time.Millisecond:
+		return bad("TTL", "must be at least 1ms, got %v", c.TTL)
+	case c.RenewInterval <= 0:
+		return bad("RenewInterval", "must be positive, got %v", c.RenewInterval)
+	case c.SafetyMargin < 0:
+		return bad("SafetyMargin", "must not be negative, got %v", c.SafetyMargin)
+	case c.PollInterval <= 0:
+		return bad("PollInterval", "must be positive, got %v", c.PollInterval)
+	case c.TTL < 2*c.RenewInterval:
+		return bad("RenewInterval", "%v leaves no room for a failed renewal: TTL (%v) must be at least twice RenewInterval", c.RenewInterval, c.TTL)
+	case c.SafetyMargin >= c.TTL-c.RenewInterval:
+		return bad("SafetyMargin", "%v must be smaller than TTL - RenewInterval (%v)", c.SafetyMargin, c.TTL-c.RenewInterval)
+	case len(c.Holder) > 255 || !utf8.ValidString(c.Holder):
+		return bad("Holder", "must be at most 255 bytes of UTF-8")
+	}
+	if err := ident.ValidateSchema(c.Schema); err != nil {
+		return bad("Schema", "%v", err)
+	}
+	return nil
+}
+
+func defaultHolder() string {
+	host, err := os.Hostname()
+	if err != nil {
+		host = "unknown"
+	}
+	return fmt.Sprintf("%s:%d:%s", host, os.Getpid(), randHex(4))
+}
+
+func randHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}

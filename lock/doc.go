@@ -1,0 +1,43 @@
+// Package lock provides leases on PostgreSQL: named, expiring locks whose
+// version column is also a fencing token, and leader election on top.
+//
+// # Model
+//
+// A lease is one row of pgfence_leases. Acquiring it is a single
+// compare-and-set upsert that succeeds only if the row is free, released, or
+// expired by the database's clock, and raises the row's token by one. So:
+//
+//   - at most one client holds a lease at any moment by the database's clock;
+//   - every acquisition returns a token strictly greater than every token
+//     issued before for that name; renewals keep the token; rows are never
+//     deleted and the schema refuses a token decrease, so tokens never go
+//     back, not after release, crash or restart.
+//
+// A Client renews all of its leases in one statement every RenewInterval.
+// Each Lease carries a context that is cancelled the moment the lease is lost
+// (the database refused a renewal, or Check found it taken) or can no longer
+// be trusted: the holder trusts its lease only until the time its last
+// successful acquire or renew was sent + TTL - SafetyMargin, on Go's monotonic
+// clock, and gives up then even if the database cannot be reached.
+//
+// # What is not guaranteed
+//
+// A lease by itself cannot stop a paused holder from acting: a process frozen
+// past its TTL wakes up with its context not yet cancelled, and may act before
+// it notices. No timeout can tell "dead" from "frozen". Correctness comes from
+// the fencing token, checked at the resource: use Lease.RunTx or
+// Lease.Guard (package fence) for writes in PostgreSQL, or send Lease.Token to
+// any other resource that refuses lower tokens. With asynchronous replication,
+// a promoted standby may lack the newest acquisitions and issue a token again;
+// see the fence package documentation.
+//
+// # Waiting
+//
+// Acquire blocks until the lease is free. Releases are announced with
+// NOTIFY on the channel pgfence_released, so a waiter wakes within
+// milliseconds; leases that expire without release are noticed by polling
+// (PollInterval, jittered) or at the holder's expiry.
+//
+// Election is the loop most programs want: campaign, lead with a context that
+// is cancelled on loss, release, campaign again.
+package lock

@@ -1,0 +1,201 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// Lease is a held lease: the right to act for a name, with the fencing token
+// that proves it to resources. Its context is cancelled (and Done closed) the
+// moment the lease is lost, released, or can no longer be trusted locally;
+// act only while it is live, and put the token on every protected write.
+type Lease struct {
+	c      *Client
+	name   string
+	token  fence.Token
+	secret []byte
+
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
+	mu         sync.Mutex
+	expiresAt  time.Time // database clock
+	trustUntil time.Time // local monotonic clock
+	timer      *time.Timer
+	ended      bool
+}
+
+func newLease(c *Client, name string, token fence.Token, secret []byte, expiresAt, sent time.Time) *Lease {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	l := &Lease{c: c, name: name, token: token, secret: secret, ctx: ctx, cancel: cancel,
+		expiresAt: expiresAt, trustUntil: sent.Add(c.cfg.TTL - c.cfg.SafetyMargin)}
+	l.timer = time.AfterFunc(time.Until(l.trustUntil), l.trustElapsed)
+	return l
+}
+
+// Name returns the lease name.
+func (l *Lease) Name() string { return l.name }
+
+// Token returns the fencing token of this acquisition. Renewals keep it.
+func (l *Lease) Token() fence.Token { return l.token }
+
+// Holder returns the holder identity recorded for the lease.
+func (l *Lease) Holder() string { return l.c.cfg.Holder }
+
+// ExpiresAt returns the expiry the database recorded at the last successful
+// acquire or renewal, on the database's clock.
+func (l *Lease) ExpiresAt() time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.expiresAt
+}
+
+// TrustedUntil returns the local deadline (monotonic clock) until which the
+// lease may be trusted without another successful renewal.
+func (l *Lease) TrustedUntil() time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.trustUntil
+}
+
+// Context returns a context that is cancelled when the lease ends; its cause
+// (context.Cause) wraps ErrLeaseLost or is ErrReleased.
+func (l *Lease) Context() context.Context { return l.ctx }
+
+// Done is closed when the lease ends (lost or released).
+func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
+
+// Err returns nil while the lease is live, then why it ended (wrapping
+// ErrLeaseLost, or ErrReleased).
+func (l *Lease) Err() error {
+	if l.ctx.Err() == nil {
+		return nil
+	}
+	return context.Cause(l.ctx)
+}
+
+// Guard returns the fence guard for this lease's token.
+func (l *Lease) Guard() fence.Guard {
+	return fence.Guard{Lease: l.name, Token: l.token, Schema: l.c.cfg.Schema}
+}
+
+// RunTx runs fn in a transaction fenced by this lease (see fence.Guard.RunTx)
+// on the client's pool. It refuses at once with the lease's error when the
+// lease has already ended, and the transaction is cancelled if the lease ends
+// while it runs.
+func (l *Lease) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	if err := l.Err(); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(l.ctx, cancel)
+	defer stop()
+	err := l.Guard().RunTx(ctx, l.c.pool, fn)
+	if err != nil && l.ctx.Err() != nil && ctx.Err() != nil {
+		return fmt.Errorf("%w (%w)", l.Err(), err)
+	}
+	return err
+}
+
+// Check confirms at the database that the lease is still held with this token
+// and has not expired by the database's clock. If it has not, the lease ends
+// with ErrLeaseLost and Check returns that error. A failure to reach the
+// database is returned as is and does not end the lease.
+func (l *Lease) Check(ctx context.Context) error {
+	if err := l.Err(); err != nil {
+		return err
+	}
+	var (
+		token     int64
+		ours      bool
+		live      bool
+		expiresAt time.Time
+	)
+	err := l.c.pool.QueryRow(ctx, l.c.q.check, l.name, l.secret).Scan(&token, &ours, &live, &expiresAt)
+	if err != nil {
+		return fmt.Errorf("lock: check %q: %w", l.name, err)
+	}
+	switch {
+	case fence.Token(token) != l.token:
+		l.lose(fmt.Errorf("%w: %q was taken over (token %d, ours %d)", ErrLeaseLost, l.name, token, l.token))
+	case !ours:
+		l.lose(fmt.Errorf("%w: %q was freed by someone else", ErrLeaseLost, l.name))
+	case !live:
+		l.lose(fmt.Errorf("%w: %q expired at the database at %s", ErrLeaseLost, l.name, expiresAt.UTC().Format(time.RFC3339Nano)))
+	}
+	return l.Err()
+}
+
+// Release frees the lease at once for the next holder (a blocked Acquire
+// wakes) and ends it with ErrReleased. It is idempotent: releasing an ended
+// lease does nothing and returns nil. It never touches a lease that has since
+// been taken by someone else. If the database cannot be reached the lease
+// still ends locally and the error is returned; the row then expires by TTL.
+func (l *Lease) Release(ctx context.Context) error {
+	l.mu.Lock()
+	if l.ended {
+		l.mu.Unlock()
+		return nil
+	}
+	l.ended = true
+	l.timer.Stop()
+	l.mu.Unlock()
+	l.cancel(ErrReleased)
+	l.c.untrack(l)
+	if _, err := l.c.pool.Exec(ctx, l.c.q.release, l.name, int64(l.token), l.secret); err != nil {
+		return fmt.Errorf("lock: release %q: %w", l.name, err)
+	}
+	return nil
+}
+
+// lose ends the lease with cause (which wraps ErrLeaseLost).
+func (l *Lease) lose(cause error) {
+	l.mu.Lock()
+	if l.ended {
+		l.mu.Unlock()
+		return
+	}
+	l.ended = true
+	l.timer.Stop()
+	l.mu.Unlock()
+	l.cancel(cause)
+	l.c.untrack(l)
+	l.c.cfg.Logger.Warn("pgfence: lease lost", "lease", l.name, "token", int64(l.token), "cause", cause)
+}
+
+// renewed extends the trust window after a successful renewal sent at sent.
+func (l *Lease) renewed(sent, expiresAt time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.ended {
+		return
+	}
+	l.expiresAt = expiresAt
+	if until := sent.Add(l.c.cfg.TTL - l.c.cfg.SafetyMargin); until.After(l.trustUntil) {
+		l.trustUntil = until
+		l.timer.Reset(time.Until(until))
+	}
+}
+
+// trustElapsed runs when the trust window's timer fires. A renewal may have
+// moved the window while the timer was firing; then it has been reset.
+func (l *Lease) trustElapsed() {
+	l.mu.Lock()
+	if l.ended || time.Now().Before(l.trustUntil) {
+		l.mu.Unlock()
+		return
+	}
+	until := l.trustUntil
+	l.mu.Unlock()
+	l.lose(fmt.Errorf("%w: %q not renewed within its trust window (until %s)", ErrLeaseLost, l.name, until.Format(time.RFC3339Nano)))
+}
+
+var errNotRenewed = errors.New("renewal matched no row")

@@ -1,0 +1,155 @@
+package lock
+
+import (
+	"context"
+	"encoding/json"
+	"sync"
+	"time"
+)
+
+// releaseChannel is the NOTIFY channel the leases table's trigger uses.
+const releaseChannel = "pgfence_released"
+
+// listener holds one LISTEN connection per client while any Acquire waits,
+// and wakes the waiters of a lease when it is released.
+type listener struct {
+	c *Client
+
+	mu      sync.Mutex
+	subs    map[string]map[*subscription]struct{}
+	cancel  context.CancelFunc // stops the running goroutine; nil when idle
+	ready   chan struct{}      // closed once LISTEN is in place
+	stopped bool
+}
+
+type subscription struct {
+	// C receives a value when the lease may have been freed.
+	C     chan struct{}
+	ready <-chan struct{}
+	name  string
+	l     *listener
+}
+
+func newListener(c *Client) *listener {
+	return &listener{c: c, subs: make(map[string]map[*subscription]struct{})}
+}
+
+func (li *listener) subscribe(name string) *subscription {
+	li.mu.Lock()
+	defer li.mu.Unlock()
+	s := &subscription{C: make(chan struct{}, 1), name: name, l: li}
+	if li.subs[name] == nil {
+		li.subs[name] = make(map[*subscription]struct{})
+	}
+	li.subs[name][s] = struct{}{}
+	if li.cancel == nil && !li.stopped {
+		ctx, cancel := context.WithCancel(context.Background())
+		li.cancel = cancel
+		li.ready = make(chan struct{})
+		li.c.wg.Add(1)
+		go li.run(ctx, li.ready)
+	}
+	s.ready = li.ready
+	if s.ready == nil { // client closed: never ready, the waiter polls
+		s.ready = make(chan struct{})
+	}
+	return s
+}
+
+func (s *subscription) cancel() {
+	li := s.l
+	li.mu.Lock()
+	defer li.mu.Unlock()
+	delete(li.subs[s.name], s)
+	if len(li.subs[s.name]) == 0 {
+		delete(li.subs, s.name)
+	}
+	if len(li.subs) == 0 && li.cancel != nil {
+		li.cancel()
+		li.cancel = nil
+	}
+}
+
+func (li *listener) stop() {
+	li.mu.Lock()
+	li.stopped = true
+	if li.cancel != nil {
+		li.cancel()
+		li.cancel = nil
+	}
+	li.mu.Unlock()
+}
+
+// wake notifies the waiters of name, or of every lease when name is "".
+func (li *listener) wake(name string) {
+	li.mu.Lock()
+	defer li.mu.Unlock()
+	for n, set := range li.subs {
+		if name != "" && n != name {
+			continue
+		}
+		for s := range set {
+			select {
+			case s.C <- struct{}{}:
+			default:
+			}
+		}
+	}
+}
+
+// run keeps a LISTEN connection open until ctx ends, reconnecting with a
+// growing delay. The connection is hijacked from the pool so it never goes
+// back with LISTEN still active.
+func (li *listener) run(ctx context.Context, ready chan struct{}) {
+	defer li.c.wg.Done()
+	readyOnce := sync.OnceFunc(func() { close(ready) })
+	defer readyOnce() // waiters never hang on ready, even if LISTEN failed
+	backoff := 50 * time.Millisecond
+	for ctx.Err() == nil {
+		err := li.listen(ctx, readyOnce)
+		if ctx.Err() != nil {
+			return
+		}
+		li.c.cfg.Logger.Warn("pgfence: release listener failed, reconnecting", "err", err)
+		if !sleepCtx(ctx, backoff) {
+			return
+		}
+		backoff = min(2*backoff, li.c.cfg.PollInterval)
+	}
+}
+
+func (li *listener) listen(ctx context.Context, onReady func()) error {
+	pc, err := li.c.pool.Acquire(ctx)
+	if err != nil {
+		return err
+	}
+	conn := pc.Hijack()
+	defer conn.Close(context.Background())
+	var schema string
+	if li.c.cfg.Schema != "" {
+		schema = li.c.cfg.Schema
+	} else if err := conn.QueryRow(ctx, `SELECT coalesce((SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.oid = to_regclass('pgfence_leases')), '')`).Scan(&schema); err != nil {
+		return err
+	}
+	if _, err := conn.Exec(ctx, "LISTEN "+releaseChannel); err != nil {
+		return err
+	}
+	onReady()
+	// A release may have happened while the connection was down.
+	li.wake("")
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			return err
+		}
+		var p struct {
+			Schema string `json:"schema"`
+			Name   string `json:"name"`
+		}
+		if json.Unmarshal([]byte(n.Payload), &p) != nil || p.Schema != schema {
+			continue
+		}
+		li.wake(p.Name)
+	}
+}

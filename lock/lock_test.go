@@ -1,0 +1,489 @@
+package lock_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+)
+
+// Acceptance 1: 64 goroutines race for one free lease; exactly one wins.
+func TestRaceExactlyOneWinner(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	clients := make([]*lock.Client, 8)
+	for i := range clients {
+		clients[i] = newClient(t, db, lock.Config{TTL: 30 * time.Second})
+	}
+	const n = 64
+	var (
+		wg    sync.WaitGroup
+		start = make(chan struct{})
+		wins  atomic.Int32
+		held  atomic.Int32
+		mu    sync.Mutex
+		won   *lock.Lease
+	)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			l, err := clients[i%len(clients)].TryAcquire(ctx, "race")
+			switch {
+			case err == nil:
+				wins.Add(1)
+				mu.Lock()
+				won = l
+				mu.Unlock()
+			case errors.Is(err, lock.ErrHeld):
+				held.Add(1)
+			default:
+				t.Errorf("TryAcquire: %v", err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	if wins.Load() != 1 || held.Load() != n-1 {
+		t.Fatalf("wins=%d held=%d, want 1 and %d", wins.Load(), held.Load(), n-1)
+	}
+	if won.Token() != 1 {
+		t.Fatalf("first token = %d, want 1", won.Token())
+	}
+}
+
+// Acceptance 1: over 1,000 acquire/release rounds by competing clients, the
+// tokens handed out are strictly increasing with no repeats.
+func TestTokensStrictlyIncreaseUnderContention(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, 2*time.Minute)
+	const rounds, workers = 1000, 8
+	var (
+		mu     sync.Mutex
+		tokens []fence.Token
+		left   atomic.Int32
+		wg     sync.WaitGroup
+	)
+	left.Store(rounds)
+	for range workers {
+		c := newClient(t, db, lock.Config{TTL: 30 * time.Second, PollInterval: 50 * time.Millisecond})
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for left.Add(-1) >= 0 {
+				l, err := c.Acquire(ctx, "rounds")
+				if err != nil {
+					t.Errorf("Acquire: %v", err)
+					return
+				}
+				// Appending while holding the lease orders the slice by
+				// acquisition.
+				mu.Lock()
+				tokens = append(tokens, l.Token())
+				mu.Unlock()
+				if err := l.Release(ctx); err != nil {
+					t.Errorf("Release: %v", err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if len(tokens) != rounds {
+		t.Fatalf("got %d tokens, want %d", len(tokens), rounds)
+	}
+	for i := 1; i < len(tokens); i++ {
+		if tokens[i] <= tokens[i-1] {
+			t.Fatalf("token %d at round %d is not greater than %d before it", tokens[i], i, tokens[i-1])
+		}
+	}
+	t.Logf("%d rounds, tokens %d..%d", rounds, tokens[0], tokens[len(tokens)-1])
+}
+
+// Acceptance 2: renewal keeps the token; release then re-acquire yields a
+// greater token; a stale handle's release does nothing to the new holder.
+func TestRenewReleaseReacquire(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	c := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond})
+	l, err := c.TryAcquire(ctx, "renew")
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := l.ExpiresAt()
+	time.Sleep(1500 * time.Millisecond) // 2.5 TTLs: alive only if renewed
+	if err := l.Check(ctx); err != nil {
+		t.Fatalf("lease not kept alive by renewal: %v", err)
+	}
+	if !l.ExpiresAt().After(first) {
+		t.Fatalf("expiry did not move: %v then %v", first, l.ExpiresAt())
+	}
+	var dbToken int64
+	if err := db.Pool.QueryRow(ctx, "SELECT token FROM "+db.Schema+".pgfence_leases WHERE name='renew'").Scan(&dbToken); err != nil {
+		t.Fatal(err)
+	}
+	if fence.Token(dbToken) != l.Token() {
+		t.Fatalf("renewal changed the token: %d -> %d", l.Token(), dbToken)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatalf("second Release: %v", err)
+	}
+	if !errors.Is(l.Err(), lock.ErrReleased) {
+		t.Fatalf("Err after release = %v", l.Err())
+	}
+	l2, err := c.TryAcquire(ctx, "renew")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l2.Token() <= l.Token() {
+		t.Fatalf("re-acquired token %d not greater than %d", l2.Token(), l.Token())
+	}
+
+	// Takeover: expire l2 at the database, let another client take it,
+	// then release through the stale handle.
+	other := newClient(t, db, lock.Config{TTL: 30 * time.Second})
+	expire(t, db, "renew")
+	l3, err := other.TryAcquire(ctx, "renew")
+	if err != nil {
+		t.Fatalf("takeover: %v", err)
+	}
+	if err := l2.Release(ctx); err != nil {
+		t.Fatalf("stale release: %v", err)
+	}
+	if err := l3.Check(ctx); err != nil {
+		t.Fatalf("new holder harmed by stale release: %v", err)
+	}
+	if _, err := c.TryAcquire(ctx, "renew"); !errors.Is(err, lock.ErrHeld) {
+		t.Fatalf("lease free after stale release: %v", err)
+	}
+}
+
+// expire moves a lease's expiry into the past at the database.
+func expire(t testing.TB, db *pgtest.DB, name string) {
+	t.Helper()
+	_, err := db.Pool.Exec(context.Background(), "UPDATE "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
+		" SET expires_at = now() - interval '1 millisecond' WHERE name = $1", name)
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Acceptance 3 (renewals blocked): a holder whose renewals cannot get
+// through ends its lease no later than its trust deadline, and before another
+// client can acquire it.
+func TestLeaseEndsBeforeTakeoverWhenRenewalsBlocked(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	ttl := 1200 * time.Millisecond
+	app := pgtest.UniqueName("holder")
+	holderPool := pgtest.NewPool(t, app)
+	holder, err := lock.New(holderPool, lock.Config{TTL: ttl, RenewInterval: 200 * time.Millisecond,
+		SafetyMargin: 100 * time.Millisecond, Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Close(context.Background())
+	other := newClient(t, db, lock.Config{TTL: ttl, PollInterval: 20 * time.Millisecond})
+
+	l, err := holder.TryAcquire(ctx, "blocked")
+	if err != nil {
+		t.Fatal(err)
+	}
+	trustDeadline := l.TrustedUntil()
+
+	// Block renewals: an admin transaction holds the row's FOR UPDATE lock
+	// (which renewal's UPDATE needs), and the holder's backends are killed.
+	admin, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, "SELECT 1 FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name='blocked' FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	killed := pgtest.Terminate(t, db.Pool, app)
+
+	var doneAt time.Time
+	select {
+	case <-l.Done():
+		doneAt = time.Now()
+	case <-time.After(5 * ttl):
+		t.Fatal("lease context never cancelled")
+	}
+	if doneAt.After(trustDeadline.Add(50 * time.Millisecond)) {
+		t.Fatalf("lease ended %v after its trust deadline", doneAt.Sub(trustDeadline))
+	}
+	if !errors.Is(l.Err(), lock.ErrLeaseLost) {
+		t.Fatalf("cause = %v, want ErrLeaseLost", l.Err())
+	}
+	// Let the takeover through and see when it succeeds.
+	if err := admin.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l2, err := other.Acquire(ctx, "blocked")
+	if err != nil {
+		t.Fatal(err)
+	}
+	acquiredAt := time.Now()
+	if !doneAt.Before(acquiredAt) {
+		t.Fatalf("holder's lease ended at %v, after the takeover at %v", doneAt, acquiredAt)
+	}
+	if l2.Token() <= l.Token() {
+		t.Fatalf("takeover token %d not greater than %d", l2.Token(), l.Token())
+	}
+	t.Logf("killed %d backends; lease ended %v after its trust deadline (timer latency); takeover %v after loss",
+		killed, doneAt.Sub(trustDeadline), acquiredAt.Sub(doneAt))
+}
+
+// Acceptance 4: a waiter gets the lease promptly after a release, through
+// the notification (its polling interval is far longer than the bound).
+func TestWaiterWakesOnRelease(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	holder := newClient(t, db, lock.Config{TTL: 30 * time.Second})
+	waiter := newClient(t, db, lock.Config{TTL: 30 * time.Second, PollInterval: 20 * time.Second})
+	l, err := holder.TryAcquire(ctx, "wake")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan time.Time, 1)
+	go func() {
+		l2, err := waiter.Acquire(ctx, "wake")
+		if err != nil {
+			t.Errorf("Acquire: %v", err)
+			close(got)
+			return
+		}
+		got <- time.Now()
+		_ = l2.Release(ctx)
+	}()
+	time.Sleep(500 * time.Millisecond) // the waiter is now parked on LISTEN
+	released := time.Now()
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	at, ok := <-got
+	if !ok {
+		t.FailNow()
+	}
+	lat := at.Sub(released)
+	t.Logf("waiter acquired %v after release", lat)
+	if lat > 500*time.Millisecond {
+		t.Fatalf("waiter took %v after release (poll interval 20s: notification missed)", lat)
+	}
+}
+
+// Acceptance 5: expiry is judged by the database clock. The client sends no
+// time at all; moving the row's expiry decides who may acquire.
+func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	tbl := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
+	c := newClient(t, db, lock.Config{TTL: 2 * time.Second, RenewInterval: 500 * time.Millisecond})
+
+	// A holder whose row says "expires in an hour" by the database clock
+	// holds, whatever the client thinks of time.
+	if _, err := db.Pool.Exec(ctx, "INSERT INTO "+tbl+` (name, token, holder, secret, acquired_at, renewed_at, expires_at)
+		VALUES ('clock', 7, 'ghost', '\x00', now() - interval '2 hours', now(), now() + interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	_, err := c.TryAcquire(ctx, "clock")
+	var held *lock.HeldError
+	if !errors.As(err, &held) {
+		t.Fatalf("TryAcquire = %v, want *HeldError", err)
+	}
+	if held.Holder != "ghost" || held.Token != 7 || held.ExpiresIn < 59*time.Minute || held.ExpiresIn > time.Hour {
+		t.Fatalf("HeldError = %+v", held)
+	}
+	// Move the database's view: expired now. The same client acquires.
+	expire(t, db, "clock")
+	l, err := c.TryAcquire(ctx, "clock")
+	if err != nil {
+		t.Fatalf("after expiry at the database: %v", err)
+	}
+	if l.Token() != 8 {
+		t.Fatalf("token = %d, want 8", l.Token())
+	}
+	// And expiring a live holder's row at the database ends its lease at
+	// the next renewal, long before its local trust window would.
+	expire(t, db, "clock")
+	select {
+	case <-l.Done():
+	case <-time.After(1500 * time.Millisecond):
+		t.Fatal("holder kept its lease after the database expired it")
+	}
+	if !errors.Is(l.Err(), lock.ErrLeaseLost) {
+		t.Fatalf("cause = %v", l.Err())
+	}
+}
+
+// Acceptance 6: the schema refuses a token decrease, deletes and truncation.
+func TestSchemaRefusesTokenDecrease(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	tbl := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
+	c := newClient(t, db, lock.Config{})
+	l, err := c.TryAcquire(ctx, "mono")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l.Release(ctx)
+	for _, stmt := range []string{
+		"UPDATE " + tbl + " SET token = token - 1",
+		"DELETE FROM " + tbl,
+		"TRUNCATE " + tbl,
+		"UPDATE " + tbl + " SET name = 'other'",
+	} {
+		_, err := db.Pool.Exec(ctx, stmt)
+		var pg *pgconn.PgError
+		if !errors.As(err, &pg) || pg.Code != "PF010" {
+			t.Errorf("%s: err = %v, want SQLSTATE PF010", stmt, err)
+		}
+	}
+	var tok int64
+	if err := db.Pool.QueryRow(ctx, "SELECT token FROM "+tbl+" WHERE name = 'mono'").Scan(&tok); err != nil || tok != 1 {
+		t.Fatalf("token after refused statements = %d, %v", tok, err)
+	}
+	var persistence string
+	if err := db.Pool.QueryRow(ctx, "SELECT relpersistence FROM pg_class WHERE oid = $1::regclass", tbl).Scan(&persistence); err != nil || persistence != "p" {
+		t.Fatalf("leases table persistence = %q, %v; want permanent", persistence, err)
+	}
+}
+
+// Acceptance 7: bad input returns the documented errors, never a panic.
+func TestBadInput(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	if _, err := lock.New(nil, lock.Config{}); !errors.Is(err, lock.ErrNilPool) {
+		t.Errorf("nil pool: %v", err)
+	}
+	cfgs := []struct {
+		cfg   lock.Config
+		field string
+	}{
+		{lock.Config{TTL: -time.Second}, "TTL"},
+		{lock.Config{RenewInterval: -time.Second}, "RenewInterval"},
+		{lock.Config{SafetyMargin: -time.Second}, "SafetyMargin"},
+		{lock.Config{PollInterval: -time.Second}, "PollInterval"},
+		{lock.Config{TTL: time.Second, RenewInterval: 600 * time.Millisecond}, "RenewInterval"},
+		{lock.Config{TTL: time.Second, RenewInterval: 400 * time.Millisecond, SafetyMargin: 700 * time.Millisecond}, "SafetyMargin"},
+		{lock.Config{Holder: strings.Repeat("h", 256)}, "Holder"},
+		{lock.Config{Holder: "\xff"}, "Holder"},
+		{lock.Config{Schema: strings.Repeat("s", 64)}, "Schema"},
+	}
+	for _, tc := range cfgs {
+		_, err := lock.New(db.Pool, tc.cfg)
+		var ce *lock.ConfigError
+		if !errors.As(err, &ce) || ce.Field != tc.field || !errors.Is(err, lock.ErrInvalidConfig) {
+			t.Errorf("%+v: err = %v, want ConfigError on %s", tc.cfg, err, tc.field)
+		}
+	}
+	c := newClient(t, db, lock.Config{})
+	for _, name := range []string{"", strings.Repeat("n", 256), "bad\xffutf8", "nul\x00byte"} {
+		if _, err := c.TryAcquire(ctx, name); !errors.Is(err, lock.ErrInvalidName) {
+			t.Errorf("TryAcquire(%q): %v", name, err)
+		}
+		if _, err := c.Acquire(ctx, name); !errors.Is(err, lock.ErrInvalidName) {
+			t.Errorf("Acquire(%q): %v", name, err)
+		}
+	}
+	if _, err := c.TryAcquire(ctx, strings.Repeat("é", 127)); err != nil {
+		t.Errorf("254-byte UTF-8 name refused: %v", err)
+	}
+	if err := (&lock.Election{Name: "x"}).Run(ctx); !errors.Is(err, lock.ErrInvalidElection) {
+		t.Errorf("election without client: %v", err)
+	}
+	_ = c.Close(ctx)
+	if _, err := c.TryAcquire(ctx, "after-close"); !errors.Is(err, lock.ErrClosed) {
+		t.Errorf("after Close: %v", err)
+	}
+}
+
+// A client holding many leases renews them in one statement per interval.
+func TestBatchRenewalIsConstantStatements(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	counter := &stmtCounter{}
+	pool := pgtest.NewPool(t, "renew-count", func(c *pgxpool.Config) { c.ConnConfig.Tracer = counter })
+	c, err := lock.New(pool, lock.Config{TTL: 900 * time.Millisecond, RenewInterval: 100 * time.Millisecond,
+		SafetyMargin: 50 * time.Millisecond, Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
+	const n = 50
+	leases := make([]*lock.Lease, n)
+	for i := range leases {
+		if leases[i], err = c.TryAcquire(ctx, "many-"+string(rune('a'+i%26))+string(rune('a'+i/26))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	counter.reset()
+	time.Sleep(1 * time.Second)
+	renewals := counter.count("UPDATE")
+	for _, l := range leases {
+		if l.Err() != nil {
+			t.Fatalf("lease %s lost: %v", l.Name(), l.Err())
+		}
+	}
+	// About 10 intervals passed; one statement each, not 50.
+	if renewals < 5 || renewals > 15 {
+		t.Fatalf("%d renewal statements in ~10 intervals for %d leases; want one per interval", renewals, n)
+	}
+	t.Logf("%d leases renewed with %d statements in 1s", n, renewals)
+}
+
+type stmtCounter struct {
+	mu    sync.Mutex
+	stmts []string
+}
+
+func (s *stmtCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	s.mu.Lock()
+	s.stmts = append(s.stmts, d.SQL)
+	s.mu.Unlock()
+	return ctx
+}
+
+func (s *stmtCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (s *stmtCounter) reset() {
+	s.mu.Lock()
+	s.stmts = nil
+	s.mu.Unlock()
+}
+
+func (s *stmtCounter) count(prefix string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, q := range s.stmts {
+		if strings.HasPrefix(strings.TrimSpace(q), prefix) {
+			n++
+		}
+	}
+	return n
+}

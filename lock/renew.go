@@ -1,0 +1,98 @@
+package lock
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// renewLoop renews every held lease once per RenewInterval, in one statement,
+// until the client holds none or is closed. A failed renewal is retried after
+// a quarter interval; leases whose trust window runs out meanwhile end on
+// their own timers.
+func (c *Client) renewLoop() {
+	defer c.wg.Done()
+	wait := c.cfg.RenewInterval
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-c.kick:
+		}
+		c.mu.Lock()
+		if len(c.held) == 0 || c.closed {
+			c.renewing = false
+			c.mu.Unlock()
+			return
+		}
+		if !t.Stop() {
+			select { // drain a fired timer before checking it again
+			case <-t.C:
+			default:
+			}
+		}
+		batch := make([]*Lease, 0, len(c.held))
+		for l := range c.held {
+			batch = append(batch, l)
+		}
+		c.mu.Unlock()
+		if err := c.renew(batch); err != nil {
+			c.cfg.Logger.Warn("pgfence: renewal failed", "leases", len(batch), "err", err)
+			wait = c.jitter(c.cfg.RenewInterval / 4)
+		} else {
+			wait = c.cfg.RenewInterval
+		}
+		t.Reset(wait)
+	}
+}
+
+// renew renews batch in one statement. Leases the database did not renew
+// (taken over, freed, or expired there) are lost.
+func (c *Client) renew(batch []*Lease) error {
+	names := make([]string, len(batch))
+	tokens := make([]int64, len(batch))
+	secrets := make([][]byte, len(batch))
+	for i, l := range batch {
+		names[i], tokens[i], secrets[i] = l.name, int64(l.token), l.secret
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.RenewInterval)
+	defer cancel()
+	sent := time.Now()
+	rows, err := c.pool.Query(ctx, c.q.renew, names, tokens, secrets, c.cfg.TTL.Microseconds())
+	if err != nil {
+		return err
+	}
+	type key struct {
+		name  string
+		token fence.Token
+	}
+	got := make(map[key]time.Time, len(batch))
+	for rows.Next() {
+		var (
+			k   key
+			tok int64
+			exp time.Time
+		)
+		if err := rows.Scan(&k.name, &tok, &exp); err != nil {
+			rows.Close()
+			return err
+		}
+		k.token = fence.Token(tok)
+		got[k] = exp
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for _, l := range batch {
+		if exp, ok := got[key{l.name, l.token}]; ok {
+			l.renewed(sent, exp)
+		} else {
+			l.lose(fmt.Errorf("%w: %q (token %d): %w", ErrLeaseLost, l.name, l.token, errNotRenewed))
+		}
+	}
+	return nil
+}
