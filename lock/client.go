@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
@@ -17,7 +18,8 @@ import (
 // Client acquires and renews leases. It is safe for concurrent use. A client
 // runs one background goroutine while it holds leases (the renewer) and one
 // while some Acquire is waiting (the release listener); both stop on their own
-// when idle, and Close stops them at once.
+// when idle (the renewer after one RenewInterval without leases), and Close
+// stops them at once.
 type Client struct {
 	pool *pgxpool.Pool
 	cfg  Config
@@ -27,7 +29,7 @@ type Client struct {
 	mu       sync.Mutex
 	held     map[*Lease]struct{}
 	renewing bool
-	kick     chan struct{} // wakes the renewer (a lease left the set, or Close)
+	kick     chan struct{} // wakes the renewer on Close
 	closed   bool
 	wg       sync.WaitGroup
 }
@@ -79,8 +81,17 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 		expiresAt time.Time
 		inMicros  int64
 	)
-	err := c.pool.QueryRow(ctx, c.q.acquire, name, c.cfg.Holder, secret, c.cfg.TTL.Microseconds()).
-		Scan(&won, &token, &holder, &expiresAt, &inMicros)
+	args := []any{name, c.cfg.Holder, secret, c.cfg.TTL.Microseconds()}
+	scan := func(sql string) error {
+		return c.pool.QueryRow(ctx, sql, args...).Scan(&won, &token, &holder, &expiresAt, &inMicros)
+	}
+	err := scan(c.q.acquire)
+	for i := 0; i < 3 && errors.Is(err, pgx.ErrNoRows); i++ {
+		// No row yet: this is the name's first acquisition.
+		if err = scan(c.q.acquireNew); errors.Is(err, pgx.ErrNoRows) {
+			err = scan(c.q.acquire) // someone else inserted it first
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
 	}
@@ -129,10 +140,13 @@ func (c *Client) Acquire(ctx context.Context, name string) (*Lease, error) {
 			}
 			return l, err
 		}
-		if sub == nil {
-			// Subscribe, wait for the LISTEN to be in place, and try once
-			// more, so that a release between the first attempt and the
-			// LISTEN is not missed.
+		// Waiting: subscribe to releases (once), and ask the holder's
+		// release to send a NOTIFY, for a little longer than the next wait.
+		// After the first request, try again at once: a release that came
+		// before the request is caught by that attempt, one after it by the
+		// NOTIFY.
+		first := sub == nil
+		if first {
 			sub = c.lis.subscribe(name)
 			select {
 			case <-sub.ready:
@@ -140,6 +154,11 @@ func (c *Client) Acquire(ctx context.Context, name string) (*Lease, error) {
 			case <-ctx.Done():
 				return nil, ctx.Err()
 			}
+		}
+		if err := c.markWaiting(ctx, name); err != nil && ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		if first {
 			continue
 		}
 		wait := c.jitter(c.cfg.PollInterval)
@@ -156,6 +175,11 @@ func (c *Client) Acquire(ctx context.Context, name string) (*Lease, error) {
 		}
 		t.Stop()
 	}
+}
+
+func (c *Client) markWaiting(ctx context.Context, name string) error {
+	_, err := c.pool.Exec(ctx, c.q.markWaiting, name, (2 * c.cfg.PollInterval).Microseconds())
+	return err
 }
 
 // Close releases every lease the client holds (their contexts are cancelled
@@ -206,11 +230,7 @@ func (c *Client) track(l *Lease) bool {
 func (c *Client) untrack(l *Lease) {
 	c.mu.Lock()
 	delete(c.held, l)
-	empty := len(c.held) == 0
 	c.mu.Unlock()
-	if empty {
-		c.poke()
-	}
 }
 
 func (c *Client) poke() {

@@ -9,7 +9,8 @@ import (
 )
 
 // renewLoop renews every held lease once per RenewInterval, in one statement,
-// until the client holds none or is closed. A failed renewal is retried after
+// until the client is closed or has held none for a whole interval (so that a
+// client acquiring and releasing in a loop does not start a goroutine each time). A failed renewal is retried after
 // a quarter interval; leases whose trust window runs out meanwhile end on
 // their own timers.
 func (c *Client) renewLoop() {

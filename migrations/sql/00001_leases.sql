@@ -13,6 +13,10 @@ CREATE TABLE pgfence_leases (
     acquired_at timestamptz NOT NULL,
     renewed_at  timestamptz NOT NULL,
     expires_at  timestamptz NOT NULL,
+    -- Set by blocked acquirers (and refreshed while they wait) so that a
+    -- release sends NOTIFY only when someone is waiting: a committing NOTIFY
+    -- takes a database-wide lock that would serialise every release.
+    waiters_until timestamptz,
     -- Makes token a key column: a takeover (which changes token) then needs
     -- the FOR UPDATE row lock and waits for a guarded transaction's
     -- FOR KEY SHARE lock, while a renewal (only expires_at changes) does not.
@@ -44,15 +48,18 @@ END
 $$;
 -- +goose StatementEnd
 
+-- The WHEN clause is evaluated without calling the function, so the
+-- function (and its cost) runs only for an update that is about to be refused.
 CREATE TRIGGER pgfence_leases_protect_update BEFORE UPDATE ON pgfence_leases
-    FOR EACH ROW EXECUTE FUNCTION pgfence_leases_protect();
+    FOR EACH ROW WHEN (NEW.token < OLD.token OR NEW.name IS DISTINCT FROM OLD.name)
+    EXECUTE FUNCTION pgfence_leases_protect();
 CREATE TRIGGER pgfence_leases_protect_delete BEFORE DELETE ON pgfence_leases
     FOR EACH ROW EXECUTE FUNCTION pgfence_leases_protect();
 CREATE TRIGGER pgfence_leases_protect_truncate BEFORE TRUNCATE ON pgfence_leases
     FOR EACH STATEMENT EXECUTE FUNCTION pgfence_leases_protect();
 
 -- Wakes blocked acquirers the moment a lease is freed (by the library or by an
--- operator). The payload names the schema so clients of other schemas that
+-- operator), if any are waiting. The payload names the schema so clients of other schemas that
 -- share the database can ignore it.
 -- +goose StatementBegin
 CREATE FUNCTION pgfence_leases_notify() RETURNS trigger
@@ -66,7 +73,7 @@ $$;
 -- +goose StatementEnd
 
 CREATE TRIGGER pgfence_leases_released AFTER UPDATE ON pgfence_leases
-    FOR EACH ROW WHEN (OLD.holder IS NOT NULL AND NEW.holder IS NULL)
+    FOR EACH ROW WHEN (OLD.holder IS NOT NULL AND NEW.holder IS NULL AND OLD.waiters_until > now())
     EXECUTE FUNCTION pgfence_leases_notify();
 
 -- pgfence_check is the fence: called inside the protected transaction, it

@@ -31,7 +31,8 @@ $$;
 -- +goose StatementEnd
 
 CREATE TRIGGER pgfence_fences_protect_update BEFORE UPDATE ON pgfence_fences
-    FOR EACH ROW EXECUTE FUNCTION pgfence_fences_protect();
+    FOR EACH ROW WHEN (NEW.token < OLD.token OR NEW.resource IS DISTINCT FROM OLD.resource)
+    EXECUTE FUNCTION pgfence_fences_protect();
 CREATE TRIGGER pgfence_fences_protect_delete BEFORE DELETE ON pgfence_fences
     FOR EACH ROW EXECUTE FUNCTION pgfence_fences_protect();
 CREATE TRIGGER pgfence_fences_protect_truncate BEFORE TRUNCATE ON pgfence_fences

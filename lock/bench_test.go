@@ -1,0 +1,100 @@
+package lock_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+)
+
+// BenchmarkAcquireRelease measures acquire+release pairs per second against
+// the durable floor on the same server in the same run: pairs of plain
+// single-row UPDATE commits (acquire and release are two commits each).
+// The two alternate in sixteen rounds so drift on a noisy machine hits both; the
+// "ratio" metric is pgfence's pairs/s over the floor's.
+//
+//	go test -run '^$' -bench AcquireRelease -benchtime 2000x ./lock
+func BenchmarkAcquireRelease(b *testing.B) {
+	for _, clients := range []int{1, 8} {
+		b.Run(fmt.Sprintf("clients=%d", clients), func(b *testing.B) {
+			db := pgtest.New(b)
+			ctx := context.Background()
+			pool := pgtest.NewPool(b, "bench", func(c *pgxpool.Config) { c.MaxConns = int32(clients) + 2 })
+			tbl := pgx.Identifier{db.Schema, "bench_floor"}.Sanitize()
+			if _, err := pool.Exec(ctx, "CREATE TABLE "+tbl+" (id int PRIMARY KEY, v bigint NOT NULL)"); err != nil {
+				b.Fatal(err)
+			}
+			for i := range clients {
+				if _, err := pool.Exec(ctx, "INSERT INTO "+tbl+" VALUES ($1, 0)", i); err != nil {
+					b.Fatal(err)
+				}
+			}
+			c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: time.Minute, Logger: quiet})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer c.Close(ctx)
+			upd := "UPDATE " + tbl + " SET v = v + 1 WHERE id = $1"
+			floor := func(id, n int) {
+				for range n {
+					for range 2 {
+						if _, err := pool.Exec(ctx, upd, id); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				}
+			}
+			pairs := func(id, n int) {
+				name := fmt.Sprintf("bench-%d", id)
+				for range n {
+					l, err := c.TryAcquire(ctx, name)
+					if err != nil {
+						b.Error(err)
+						return
+					}
+					if err := l.Release(ctx); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			}
+			// Warm both paths (connections, prepared statements, rows).
+			parallel(clients, 20, floor)
+			parallel(clients, 20, pairs)
+			b.ResetTimer()
+			const rounds = 16
+			per := max(b.N/clients/rounds, 1)
+			var tFloor, tLib time.Duration
+			for range rounds {
+				tFloor += parallel(clients, per, floor)
+				tLib += parallel(clients, per, pairs)
+			}
+			b.StopTimer()
+			total := float64(rounds * per * clients)
+			libRate, floorRate := total/tLib.Seconds(), total/tFloor.Seconds()
+			b.ReportMetric(libRate, "pairs/s")
+			b.ReportMetric(floorRate, "floor_pairs/s")
+			b.ReportMetric(libRate/floorRate, "ratio")
+		})
+	}
+}
+
+// parallel runs fn(id, n) on `clients` goroutines and returns the wall time.
+func parallel(clients, n int, fn func(id, n int)) time.Duration {
+	var wg sync.WaitGroup
+	start := time.Now()
+	for id := range clients {
+		wg.Add(1)
+		go func() { defer wg.Done(); fn(id, n) }()
+	}
+	wg.Wait()
+	return time.Since(start)
+}
