@@ -101,8 +101,11 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 	return tag, closeErr
 }
 
-// RunTx runs fn in a guarded transaction on db: begin, Check, fn, commit.
-// If the check fails, fn does not run. If fn returns an error the transaction
+// RunTx runs fn in a guarded transaction on db: begin, check, fn, commit.
+// The check is pipelined with fn's first Exec, Query or QueryRow, so guarding
+// costs no extra round trip; no statement of fn runs unless the check passed,
+// and the check's error (a *StaleTokenError, ErrUnknownLease,
+// ErrTokenNotIssued) is what that first call returns. If fn returns an error the transaction
 // rolls back and the error is returned unchanged. If the database aborts the
 // transaction with 40001 or 40P01, the whole transaction, fn included, runs
 // again, up to MaxAttempts times: fn must not have effects outside the
@@ -137,10 +140,11 @@ func (g Guard) runOnce(ctx context.Context, db Beginner, fn func(tx pgx.Tx) erro
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	if err := g.Check(ctx, tx); err != nil {
+	gtx := &guardedTx{Tx: tx, g: g}
+	if err := fn(gtx); err != nil {
 		return err
 	}
-	if err := fn(tx); err != nil {
+	if err := gtx.ensure(ctx); err != nil {
 		return err
 	}
 	return commit(ctx, tx)

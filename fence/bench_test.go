@@ -1,0 +1,89 @@
+package fence_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+)
+
+// BenchmarkGuardedTx measures guarded transaction throughput against the same
+// transaction unguarded (BEGIN; INSERT; COMMIT), alternating in rounds in the
+// same run. Metrics: runtx_ratio (Guard.RunTx: a separate check round trip)
+// and exec_ratio (Guard.Exec: the check pipelined with the INSERT), each as
+// guarded tx/s over unguarded tx/s.
+//
+//	go test -run '^$' -bench GuardedTx -benchtime 8000x ./fence
+func BenchmarkGuardedTx(b *testing.B) {
+	db := pgtest.New(b)
+	ctx := context.Background()
+	tbl := table(db, "bench_events")
+	mustExec(b, db, "CREATE TABLE "+tbl+" (id bigserial PRIMARY KEY, payload text)")
+	c := newClient(b, db, lock.Config{TTL: time.Minute})
+	l, err := c.TryAcquire(ctx, "bench")
+	if err != nil {
+		b.Fatal(err)
+	}
+	g := l.Guard()
+	ins := "INSERT INTO " + tbl + " (payload) VALUES ($1)"
+	unguarded := func() error {
+		tx, err := db.Pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback(ctx)
+		if _, err := tx.Exec(ctx, ins, "x"); err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	runTx := func() error {
+		return g.RunTx(ctx, db.Pool, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, ins, "x")
+			return err
+		})
+	}
+	pipelined := func() error {
+		tx, err := db.Pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback(ctx)
+		if _, err := g.Exec(ctx, tx, ins, "x"); err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	timeN := func(n int, fn func() error) time.Duration {
+		start := time.Now()
+		for range n {
+			if err := fn(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		return time.Since(start)
+	}
+	for _, fn := range []func() error{unguarded, runTx, pipelined} {
+		timeN(50, fn) // warm up
+	}
+	const rounds = 16
+	per := max(b.N/rounds/3, 1)
+	var tu, tr, tp time.Duration
+	b.ResetTimer()
+	for range rounds {
+		tu += timeN(per, unguarded)
+		tr += timeN(per, runTx)
+		tp += timeN(per, pipelined)
+	}
+	b.StopTimer()
+	n := float64(per * rounds)
+	b.ReportMetric(n/tu.Seconds(), "unguarded_tx/s")
+	b.ReportMetric(n/tr.Seconds(), "runtx_tx/s")
+	b.ReportMetric(n/tp.Seconds(), "exec_tx/s")
+	b.ReportMetric(tu.Seconds()/tr.Seconds(), "runtx_ratio")
+	b.ReportMetric(tu.Seconds()/tp.Seconds(), "exec_ratio")
+}

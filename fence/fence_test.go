@@ -1,0 +1,421 @@
+package fence_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
+)
+
+// Acceptance 1: the seed scenario. A writes with n; A's lease expires; B
+// acquires n+1 and writes; A's write with n is refused and leaves nothing.
+func TestStaleLeaderIsRefused(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	charges := table(db, "charges")
+	mustExec(t, db, "CREATE TABLE "+charges+" (who text, token bigint)")
+	a := newClient(t, db, lock.Config{Holder: "A"})
+	b := newClient(t, db, lock.Config{Holder: "B"})
+
+	la, err := a.TryAcquire(ctx, "billing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := la.Token()
+	ga := la.Guard() // A keeps its guard, as a paused process keeps its state
+	write := func(g fence.Guard, who string) error {
+		return g.RunTx(ctx, db.Pool, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "INSERT INTO "+charges+" VALUES ($1, $2)", who, int64(g.Token))
+			return err
+		})
+	}
+	if err := write(ga, "A"); err != nil {
+		t.Fatalf("A's first write: %v", err)
+	}
+	expire(t, db, "billing")
+	lb, err := b.TryAcquire(ctx, "billing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lb.Token() != n+1 {
+		t.Fatalf("B's token = %d, want %d", lb.Token(), n+1)
+	}
+	if err := write(lb.Guard(), "B"); err != nil {
+		t.Fatalf("B's write: %v", err)
+	}
+	err = write(ga, "A")
+	var stale *fence.StaleTokenError
+	if !errors.As(err, &stale) || !errors.Is(err, fence.ErrStaleToken) {
+		t.Fatalf("A's stale write: err = %v, want *StaleTokenError", err)
+	}
+	if stale.Presented != n || stale.Current != n+1 || stale.Lease != "billing" {
+		t.Fatalf("StaleTokenError = %+v", stale)
+	}
+	if got := rows(t, db, "SELECT who || ':' || token FROM "+charges+" ORDER BY token"); fmt.Sprint(got) != fmt.Sprintf("[A:%d B:%d]", n, n+1) {
+		t.Fatalf("charges = %v", got)
+	}
+	// The lease handle itself refuses at once after it learns of the loss.
+	if err := la.Check(ctx); !errors.Is(err, lock.ErrLeaseLost) {
+		t.Fatalf("Check = %v", err)
+	}
+	if err := la.RunTx(ctx, func(pgx.Tx) error { return nil }); !errors.Is(err, lock.ErrLeaseLost) {
+		t.Fatalf("RunTx after loss = %v", err)
+	}
+}
+
+// Acceptance 1, resource fence: the same story with the data and its fence
+// in a second schema, which knows nothing of the leases table.
+func TestStaleLeaderIsRefusedByResourceFence(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	data := db.Schema + "_data"
+	if _, err := migrations.Up(ctx, db.Pool, data); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = db.Pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{data}.Sanitize()+" CASCADE")
+	})
+	ledger := pgx.Identifier{data, "ledger"}.Sanitize()
+	mustExec(t, db, "CREATE TABLE "+ledger+" (who text, token bigint)")
+	res := fence.Resource{Name: "ledger", Schema: data}
+
+	a := newClient(t, db, lock.Config{Holder: "A"})
+	b := newClient(t, db, lock.Config{Holder: "B"})
+	write := func(tok fence.Token, who string) error {
+		tx, err := db.Pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback(ctx)
+		if _, err := tx.Exec(ctx, "INSERT INTO "+ledger+" VALUES ($1, $2)", who, int64(tok)); err != nil {
+			return err
+		}
+		if err := res.Admit(ctx, tx, tok); err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	la, _ := a.TryAcquire(ctx, "ledger-writer")
+	if err := write(la.Token(), "A"); err != nil {
+		t.Fatal(err)
+	}
+	expire(t, db, "ledger-writer")
+	lb, err := b.TryAcquire(ctx, "ledger-writer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := write(lb.Token(), "B"); err != nil {
+		t.Fatal(err)
+	}
+	err = write(la.Token(), "A")
+	var stale *fence.StaleTokenError
+	if !errors.As(err, &stale) || stale.Resource != "ledger" || stale.Presented != la.Token() || stale.Current != lb.Token() {
+		t.Fatalf("stale write through resource fence: %v", err)
+	}
+	if got := rows(t, db, "SELECT who FROM "+ledger+" ORDER BY token"); fmt.Sprint(got) != "[A B]" {
+		t.Fatalf("ledger = %v", got)
+	}
+	if cur, err := res.Current(ctx, db.Pool); err != nil || cur != lb.Token() {
+		t.Fatalf("Current = %d, %v", cur, err)
+	}
+	// The same token again is admitted (>=): B may write many times.
+	if err := write(lb.Token(), "B"); err != nil {
+		t.Fatalf("second write with the current token: %v", err)
+	}
+}
+
+// Acceptance 2: a refused guarded transaction leaves no trace, even when the
+// caller ran statements before the check and tries to commit anyway.
+func TestRefusedTransactionLeavesNoTrace(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	tbl := table(db, "items")
+	mustExec(t, db, "CREATE TABLE "+tbl+" (v text)")
+	c := newClient(t, db, lock.Config{})
+	l, _ := c.TryAcquire(ctx, "items")
+	old := l.Guard()
+	_ = l.Release(ctx)
+	if _, err := c.TryAcquire(ctx, "items"); err != nil { // token moves on
+		t.Fatal(err)
+	}
+
+	// Caller-managed transaction: write, check, commit regardless.
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES ('before-check')"); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Check(ctx, tx); !errors.Is(err, fence.ErrStaleToken) {
+		t.Fatalf("Check = %v", err)
+	}
+	if err := tx.Commit(ctx); err == nil {
+		t.Fatal("commit of a refused transaction succeeded")
+	}
+	// Pipelined form: the statement behind a failed check never runs.
+	tx, _ = db.Pool.Begin(ctx)
+	if _, err := old.Exec(ctx, tx, "INSERT INTO "+tbl+" VALUES ('pipelined')"); !errors.Is(err, fence.ErrStaleToken) {
+		t.Fatalf("Exec = %v", err)
+	}
+	_ = tx.Commit(ctx)
+	// RunTx: fn's first statement carries the check and never runs;
+	// an fn that sends nothing is checked before COMMIT.
+	var execErr error
+	err = old.RunTx(ctx, db.Pool, func(tx pgx.Tx) error {
+		_, execErr = tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES ('runtx')")
+		return execErr
+	})
+	if !errors.Is(err, fence.ErrStaleToken) || !errors.Is(execErr, fence.ErrStaleToken) {
+		t.Fatalf("RunTx = %v, fn's Exec = %v", err, execErr)
+	}
+	err = old.RunTx(ctx, db.Pool, func(tx pgx.Tx) error {
+		var n int
+		return tx.QueryRow(ctx, "SELECT count(*) FROM "+tbl).Scan(&n)
+	})
+	if !errors.Is(err, fence.ErrStaleToken) {
+		t.Fatalf("RunTx with QueryRow = %v", err)
+	}
+	if err := old.RunTx(ctx, db.Pool, func(pgx.Tx) error { return nil }); !errors.Is(err, fence.ErrStaleToken) {
+		t.Fatalf("RunTx with an empty fn = %v", err)
+	}
+	// RunTx whose fn fails: rolled back, error returned as is.
+	boom := errors.New("boom")
+	l2, _ := c.TryAcquire(ctx, "items2")
+	err = l2.RunTx(ctx, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES ('fn-failed')"); err != nil {
+			return err
+		}
+		return boom
+	})
+	if err != boom {
+		t.Fatalf("RunTx = %v, want fn's error", err)
+	}
+	if got := rows(t, db, "SELECT v FROM "+tbl); len(got) != 0 {
+		t.Fatalf("refused transactions left rows: %v", got)
+	}
+}
+
+// Acceptance 3: a takeover waits for an open guarded transaction (seen in
+// pg_locks and by time), while the holder's renewals are not blocked.
+func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	holder := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond})
+	app := pgtest.UniqueName("taker")
+	takerPool := pgtest.NewPool(t, app)
+	taker, err := lock.New(takerPool, lock.Config{Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taker.Close(context.Background())
+
+	l, err := holder.TryAcquire(ctx, "wait")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if err := l.Guard().Check(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	// Renewals go through while the guarded transaction is open: after 3
+	// TTLs the lease is still live.
+	time.Sleep(1800 * time.Millisecond)
+	if err := l.Check(ctx); err != nil {
+		t.Fatalf("renewal blocked by the guarded transaction: %v", err)
+	}
+	// Now the holder "pauses": its lease expires at the database, and a
+	// takeover starts. It must wait for the open guarded transaction.
+	expire(t, db, "wait")
+	type res struct {
+		l   *lock.Lease
+		err error
+		at  time.Time
+	}
+	done := make(chan res, 1)
+	go func() {
+		l2, err := taker.TryAcquire(ctx, "wait")
+		done <- res{l2, err, time.Now()}
+	}()
+	// Observe the taker's backend waiting on a lock held by the guard.
+	var waiting bool
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && !waiting; time.Sleep(20 * time.Millisecond) {
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE application_name = $1 AND wait_event_type = 'Lock')`, app).Scan(&waiting)
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !waiting {
+		t.Fatal("the takeover did not wait on a lock held by the guarded transaction")
+	}
+	select {
+	case r := <-done:
+		t.Fatalf("takeover completed while the guarded transaction was open: %+v", r)
+	case <-time.After(300 * time.Millisecond):
+	}
+	committed := time.Now()
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("guarded commit: %v", err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r.at.Before(committed) || r.l.Token() != l.Token()+1 {
+		t.Fatalf("takeover at %v (commit at %v), token %d", r.at, committed, r.l.Token())
+	}
+	t.Logf("takeover waited; it completed %v after the guarded commit", r.at.Sub(committed))
+}
+
+// Acceptance 6: bad input gets the documented errors.
+func TestBadInput(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	c := newClient(t, db, lock.Config{})
+	l, _ := c.TryAcquire(ctx, "known")
+	tx, _ := db.Pool.Begin(ctx)
+	defer tx.Rollback(ctx)
+	cases := []struct {
+		name string
+		err  error
+		want error
+	}{
+		{"zero token", fence.Guard{Lease: "known", Token: 0, Schema: db.Schema}.Check(ctx, tx), fence.ErrInvalidToken},
+		{"negative token", fence.Guard{Lease: "known", Token: -3, Schema: db.Schema}.Check(ctx, tx), fence.ErrInvalidToken},
+		{"empty lease", fence.Guard{Lease: "", Token: 1, Schema: db.Schema}.Check(ctx, tx), fence.ErrInvalidName},
+		{"nil tx", l.Guard().Check(ctx, nil), fence.ErrNilTx},
+		{"nil tx exec", func() error { _, err := l.Guard().Exec(ctx, nil, "SELECT 1"); return err }(), fence.ErrNilTx},
+		{"future token", fence.Guard{Lease: "known", Token: l.Token() + 5, Schema: db.Schema}.RunTx(ctx, db.Pool, func(pgx.Tx) error { return nil }), fence.ErrTokenNotIssued},
+		{"unknown lease", fence.Guard{Lease: "never-acquired", Token: 1, Schema: db.Schema}.RunTx(ctx, db.Pool, func(pgx.Tx) error { return nil }), fence.ErrUnknownLease},
+		{"resource zero token", fence.Resource{Name: "r", Schema: db.Schema}.Admit(ctx, tx, 0), fence.ErrInvalidToken},
+		{"resource nil tx", fence.Resource{Name: "r", Schema: db.Schema}.Admit(ctx, nil, 1), fence.ErrNilTx},
+		{"resource bad name", fence.Resource{Name: "a\x00b", Schema: db.Schema}.Admit(ctx, tx, 1), fence.ErrInvalidName},
+		{"parse", func() error { _, err := fence.ParseToken("12x"); return err }(), fence.ErrInvalidToken},
+		{"parse zero", func() error { _, err := fence.ParseToken("0"); return err }(), fence.ErrInvalidToken},
+	}
+	for _, tc := range cases {
+		if !errors.Is(tc.err, tc.want) {
+			t.Errorf("%s: err = %v, want %v", tc.name, tc.err, tc.want)
+		}
+	}
+	closed, _ := db.Pool.Begin(ctx)
+	_ = closed.Rollback(ctx)
+	if err := l.Guard().Check(ctx, closed); !errors.Is(err, fence.ErrTxClosed) {
+		t.Errorf("closed tx: %v", err)
+	}
+	if err := (fence.Resource{Name: "r", Schema: db.Schema}).Admit(ctx, closed, 1); !errors.Is(err, fence.ErrTxClosed) {
+		t.Errorf("resource closed tx: %v", err)
+	}
+	tok, err := fence.ParseToken(l.Token().String())
+	if err != nil || tok != l.Token() {
+		t.Errorf("round trip %v: %v, %v", l.Token(), tok, err)
+	}
+}
+
+// Retries: a serialization failure inside RunTx runs the whole transaction
+// again; a stale token is never retried.
+func TestRunTxRetriesSerializationFailures(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	c := newClient(t, db, lock.Config{})
+	l, _ := c.TryAcquire(ctx, "retry")
+	var mu sync.Mutex
+	attempts := 0
+	err := l.RunTx(ctx, func(tx pgx.Tx) error {
+		mu.Lock()
+		attempts++
+		n := attempts
+		mu.Unlock()
+		if n < 3 {
+			_, err := tx.Exec(ctx, "DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = '40001'; END $$")
+			return err
+		}
+		return nil
+	})
+	if err != nil || attempts != 3 {
+		t.Fatalf("err = %v after %d attempts, want success on the third", err, attempts)
+	}
+}
+
+func rows(t testing.TB, db *pgtest.DB, sql string) []string {
+	t.Helper()
+	r, err := db.Pool.Query(context.Background(), sql)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := pgx.CollectRows(r, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// The pipelined first statement works for every way of sending it.
+func TestRunTxPipelinedForms(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	tbl := table(db, "forms")
+	mustExec(t, db, "CREATE TABLE "+tbl+" (v int)")
+	c := newClient(t, db, lock.Config{})
+	l, _ := c.TryAcquire(ctx, "forms")
+	forms := map[string]func(tx pgx.Tx) error{
+		"exec": func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES (1)"); return err },
+		"query": func(tx pgx.Tx) error {
+			r, err := tx.Query(ctx, "INSERT INTO "+tbl+" VALUES (2) RETURNING v")
+			if err != nil {
+				return err
+			}
+			vs, err := pgx.CollectRows(r, pgx.RowTo[int32])
+			if err == nil && (len(vs) != 1 || vs[0] != 2) {
+				err = fmt.Errorf("got %v", vs)
+			}
+			return err
+		},
+		"queryrow": func(tx pgx.Tx) error {
+			var v int32
+			return tx.QueryRow(ctx, "INSERT INTO "+tbl+" VALUES (3) RETURNING v").Scan(&v)
+		},
+		"batch": func(tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			b.Queue("INSERT INTO " + tbl + " VALUES (4)")
+			return tx.SendBatch(ctx, b).Close()
+		},
+		"norows": func(tx pgx.Tx) error {
+			var v int32
+			if err := tx.QueryRow(ctx, "SELECT v FROM "+tbl+" WHERE v < 0").Scan(&v); !errors.Is(err, pgx.ErrNoRows) {
+				return fmt.Errorf("want ErrNoRows, got %v", err)
+			}
+			_, err := tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES (5)")
+			return err
+		},
+	}
+	for name, fn := range forms {
+		if err := l.RunTx(ctx, fn); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if got := rows(t, db, "SELECT string_agg(v::text, ',' ORDER BY v) FROM "+tbl); got[0] != "1,2,3,4,5" {
+		t.Fatalf("rows = %v", got)
+	}
+}
