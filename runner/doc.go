@@ -1,0 +1,49 @@
+// Package runner runs scheduled jobs on exactly one machine at a time, fenced.
+//
+// Every replica of an application builds a Runner, registers the same jobs
+// ("compact the events table every 10 minutes", "charge subscriptions at
+// 02:00 Europe/Paris") and calls Run. For each job one replica holds the
+// job's lease (package lock) and runs its schedule slots; the others wait and
+// take over within milliseconds of a graceful release, or within the lease
+// TTL (plus one poll interval) when the leader dies or freezes.
+//
+// # Ledger
+//
+// Every slot has one row in pgfence_runs: job, shard, slot, attempt, token,
+// status (running, succeeded, failed, fenced), times and error. A slot is
+// claimed in a transaction guarded by the claimant's lease token; success is
+// recorded in a guarded transaction conditioned on that token. Therefore a
+// slot succeeds at most once, even if two replicas both believe they lead:
+// the one with the older token is refused. A succeeded row can never change
+// again (the schema refuses it).
+//
+// Jobs get a *Run with the slot, the token and guarded transactions:
+// Run.RunTx for intermediate writes and Run.CommitTx for the final write, which
+// records the slot's success in the same transaction so the job's effects and
+// the ledger match one to one. A job whose lease is lost mid-run has its
+// context cancelled and its later guarded writes refused; its slot is then
+// claimed again (attempt + 1) by the next leader.
+//
+// # What is not guaranteed
+//
+//   - Writes that do not go through the run's guard (or a resource that
+//     checks the token) are not fenced: a frozen leader can still make them.
+//   - A slot whose effects are written outside CommitTx may have those
+//     effects twice if its runner dies between the write and the success
+//     record: the slot is retried. Make such effects idempotent.
+//   - Slots are computed from each replica's clock; the ledger makes a slot
+//     run once whatever the skew, but a replica with a wrong clock runs slots
+//     at the wrong time.
+//   - Slots missed while no replica ran: only the latest runs (RunLatest), or
+//     none (Skip). Slots that pass while a long run is still going are not
+//     queued; the latest due slot runs next.
+//
+// # Sharded jobs
+//
+// RegisterSharded gives a job N shards, each with its own lease and token.
+// Live instances heartbeat into pgfence_instances; with the live instances
+// sorted by id, shard s belongs to instance s mod n, so shards spread evenly
+// (n divides N: exactly N/n each; otherwise within one). When an instance
+// joins or leaves, owners release shards that are no longer theirs and new
+// owners take them; a shard's lease ensures no two instances hold it at once.
+package runner

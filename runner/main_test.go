@@ -1,0 +1,125 @@
+package runner_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/runner"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// instance is one runner replica running in the test.
+type instance struct {
+	r      *runner.Runner
+	cancel context.CancelFunc
+	done   chan struct{} // closed when Run has returned (err set)
+	err    error
+}
+
+func (in *instance) stop(t testing.TB) {
+	t.Helper()
+	in.cancel()
+	select {
+	case <-in.done:
+		if in.err != nil {
+			t.Errorf("Run: %v", in.err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Error("Run did not return")
+	}
+}
+
+// events collects runner events from every instance.
+type events struct {
+	mu  sync.Mutex
+	all []runner.Event
+	who []string
+	fn  func(who string, e runner.Event)
+}
+
+func (ev *events) hook(who string) func(runner.Event) {
+	return func(e runner.Event) {
+		ev.mu.Lock()
+		ev.all = append(ev.all, e)
+		ev.who = append(ev.who, who)
+		fn := ev.fn
+		ev.mu.Unlock()
+		if fn != nil {
+			fn(who, e)
+		}
+	}
+}
+
+func (ev *events) count(k runner.EventKind) int {
+	ev.mu.Lock()
+	defer ev.mu.Unlock()
+	n := 0
+	for _, e := range ev.all {
+		if e.Kind == k {
+			n++
+		}
+	}
+	return n
+}
+
+// start builds and runs a runner; it is stopped when the test ends.
+func start(t testing.TB, pool *pgxpool.Pool, cfg runner.Config, register func(r *runner.Runner) error) *instance {
+	t.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = quiet
+	}
+	r, err := runner.New(pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := register(r); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	in := &instance{r: r, cancel: cancel, done: make(chan struct{})}
+	go func() { in.err = r.Run(ctx); close(in.done) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-in.done:
+		case <-time.After(30 * time.Second):
+			buf := make([]byte, 1<<20)
+			t.Errorf("Run did not return within 30s of cancel:\n%s", buf[:runtime.Stack(buf, true)])
+		}
+	})
+	return in
+}
+
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func tbl(db *pgtest.DB, name string) string { return pgx.Identifier{db.Schema, name}.Sanitize() }
+
+func queryInt(t testing.TB, db *pgtest.DB, sql string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := db.Pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}

@@ -1,0 +1,66 @@
+package runner
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/lock"
+)
+
+// Run is one attempt of a job for one slot (and shard), handed to Job.Run.
+type Run struct {
+	// Job is the job's name.
+	Job string
+	// Shard is the shard this run is for (0 for an unsharded job).
+	Shard int
+	// Shards is the job's shard count (0 for an unsharded job).
+	Shards int
+	// Slot is the schedule slot this run is for.
+	Slot time.Time
+	// Attempt counts attempts at this slot, from 1.
+	Attempt int
+	// Token is the fencing token of the lease the run holds. Send it to
+	// any resource outside PostgreSQL that the run writes to.
+	Token fence.Token
+
+	w         *worker
+	lease     *lock.Lease
+	committed bool
+}
+
+// Lease returns the lease the run holds.
+func (r *Run) Lease() *lock.Lease { return r.lease }
+
+// Guard returns the fence guard for the run's token.
+func (r *Run) Guard() fence.Guard { return r.lease.Guard() }
+
+// RunTx runs fn in a transaction fenced by the run's token: if another
+// replica has taken the job over, it is refused (fence.ErrStaleToken) and
+// nothing of it commits.
+func (r *Run) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	return r.lease.RunTx(ctx, fn)
+}
+
+// CommitTx is RunTx that also records the slot's success in the same
+// transaction: the run's final writes and its success commit together or not
+// at all, so the job's effects and the ledger stay one to one even if the
+// process dies right after. Call it at most once, as the run's last step;
+// after it succeeds, the runner records nothing more for this run. If the
+// slot was claimed by a newer attempt it returns ErrFenced.
+func (r *Run) CommitTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	// The database decides, not the local view of the lease: this is the
+	// write that must be refused for a zombie, whatever it believes.
+	err := r.Guard().RunTx(ctx, r.w.r.pool, func(tx pgx.Tx) error {
+		if err := fn(tx); err != nil {
+			return err
+		}
+		return r.w.r.recordSuccess(ctx, tx, r)
+	})
+	if err == nil {
+		r.committed = true
+	}
+	return err
+}

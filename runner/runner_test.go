@@ -1,0 +1,312 @@
+package runner_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/runner"
+)
+
+// chargeJob writes one side-effect row per run, in the same transaction as
+// the run's success.
+func chargeJob(db *pgtest.DB, name, schedule string) runner.Job {
+	return runner.Job{Name: name, Schedule: schedule, Run: func(ctx context.Context, run *runner.Run) error {
+		return run.CommitTx(ctx, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "INSERT INTO "+tbl(db, "effects")+" (slot, token) VALUES ($1, $2)", run.Slot, int64(run.Token))
+			return err
+		})
+	}}
+}
+
+// Acceptance 1: three instances, one interval job: every slot succeeds
+// exactly once, and the side effects match the ledger one to one.
+func TestEverySlotSucceedsExactlyOnce(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	mustExec(t, db, "CREATE TABLE "+tbl(db, "effects")+" (slot timestamptz, token bigint)")
+	const interval = 300 * time.Millisecond
+	for i := range 3 {
+		start(t, db.Pool, runner.Config{Schema: db.Schema, Instance: fmt.Sprintf("i%d", i), TTL: 3 * time.Second,
+			PollInterval: 100 * time.Millisecond}, func(r *runner.Runner) error {
+			return r.Register(chargeJob(db, "tick", "@every 300ms"))
+		})
+	}
+	runs := tbl(db, "pgfence_runs")
+	waitFor(t, 60*time.Second, "30 succeeded slots", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+runs+" WHERE status = 'succeeded'") >= 31
+	})
+	// Consider the first 30 slots from the first one run.
+	type slot struct {
+		At     time.Time
+		Status string
+	}
+	r, err := db.Pool.Query(context.Background(), "SELECT slot, status FROM "+runs+" WHERE job = 'tick' ORDER BY slot LIMIT 30")
+	if err != nil {
+		t.Fatal(err)
+	}
+	slots, err := pgx.CollectRows(r, pgx.RowToStructByPos[slot])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, s := range slots {
+		if s.Status != "succeeded" {
+			t.Errorf("slot %v: status %s", s.At, s.Status)
+		}
+		if i > 0 && s.At.Sub(slots[i-1].At) != interval {
+			t.Errorf("gap in slots: %v then %v", slots[i-1].At, s.At)
+		}
+	}
+	first, last := slots[0].At, slots[len(slots)-1].At
+	mismatch := queryInt(t, db, `SELECT count(*) FROM (
+		SELECT slot, token FROM `+runs+` WHERE status = 'succeeded' AND slot BETWEEN $1 AND $2
+		EXCEPT ALL SELECT slot, token FROM `+tbl(db, "effects")+` WHERE slot BETWEEN $1 AND $2) d`, first, last)
+	extra := queryInt(t, db, `SELECT count(*) FROM (
+		SELECT slot, token FROM `+tbl(db, "effects")+` WHERE slot BETWEEN $1 AND $2
+		EXCEPT ALL SELECT slot, token FROM `+runs+` WHERE status = 'succeeded' AND slot BETWEEN $1 AND $2) d`, first, last)
+	if mismatch != 0 || extra != 0 {
+		t.Fatalf("ledger and side effects differ: %d ledger rows without effect, %d effects without ledger row", mismatch, extra)
+	}
+}
+
+// Acceptance 2: the leader is stopped mid-run (its lease revoked while the
+// run is stuck); another instance takes over within TTL + one poll interval;
+// the old run's later write and its late success are refused; the slot ends
+// with exactly one success.
+func TestLeaderRevokedMidRun(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	mustExec(t, db, "CREATE TABLE "+tbl(db, "effects")+" (slot timestamptz, token bigint)")
+	const ttl, poll = 1500 * time.Millisecond, 200 * time.Millisecond
+	var (
+		mu         sync.Mutex
+		zombieRun  *runner.Run
+		stuck      = make(chan struct{})
+		wake       = make(chan struct{})
+		zombieErrs = make(chan [2]error, 1)
+	)
+	job := chargeJob(db, "nightly", "@every 2s")
+	normal := job.Run
+	job.Run = func(ctx context.Context, run *runner.Run) error {
+		if run.Attempt > 1 {
+			return normal(ctx, run)
+		}
+		mu.Lock()
+		first := zombieRun == nil
+		if first {
+			zombieRun = run
+		}
+		mu.Unlock()
+		if !first {
+			return normal(ctx, run)
+		}
+		close(stuck)
+		<-wake // frozen: ignores its context
+		bg := context.Background()
+		writeErr := run.RunTx(bg, func(tx pgx.Tx) error {
+			_, err := tx.Exec(bg, "INSERT INTO "+tbl(db, "effects")+" VALUES ($1, $2)", run.Slot, int64(run.Token))
+			return err
+		})
+		commitErr := normal(bg, run) // the late success, through CommitTx
+		zombieErrs <- [2]error{writeErr, commitErr}
+		return commitErr
+	}
+	ev := &events{}
+	var gained sync.Map
+	ev.fn = func(who string, e runner.Event) {
+		if e.Kind == runner.LeadershipGained {
+			gained.Store(who, time.Now())
+		}
+	}
+	for i := range 3 {
+		who := fmt.Sprintf("i%d", i)
+		start(t, db.Pool, runner.Config{Schema: db.Schema, Instance: who, TTL: ttl, PollInterval: poll,
+			OnEvent: ev.hook(who)}, func(r *runner.Runner) error { return r.Register(job) })
+	}
+	select {
+	case <-stuck:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no run started")
+	}
+	mu.Lock()
+	zr := zombieRun
+	mu.Unlock()
+	leader := holderOf(t, db, "pgfence/job/nightly")
+	// Revoke: the lease ends at the database (as if the holder had been
+	// frozen past its TTL), and the leader's renewals are refused.
+	revoked := time.Now()
+	mustExec(t, db, "UPDATE "+tbl(db, "pgfence_leases")+" SET expires_at = now() WHERE name = $1", "pgfence/job/nightly")
+	waitFor(t, 10*time.Second, "the slot to succeed under a new leader", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE slot = $1 AND status = 'succeeded'", zr.Slot) == 1
+	})
+	var took time.Duration
+	gained.Range(func(k, v any) bool {
+		if k.(string) != leader && v.(time.Time).After(revoked) {
+			took = v.(time.Time).Sub(revoked)
+		}
+		return true
+	})
+	if took == 0 || took > ttl+poll {
+		t.Fatalf("takeover took %v, want <= TTL + poll = %v", took, ttl+poll)
+	}
+	close(wake)
+	errs := <-zombieErrs
+	if !errors.Is(errs[0], lock.ErrLeaseLost) && !errors.Is(errs[0], fence.ErrStaleToken) {
+		t.Fatalf("zombie's late write: %v", errs[0])
+	}
+	if !errors.Is(errs[1], fence.ErrStaleToken) {
+		t.Fatalf("zombie's late success: %v, want fence.ErrStaleToken", errs[1])
+	}
+	var attempt int
+	var token int64
+	if err := db.Pool.QueryRow(context.Background(), "SELECT attempt, token FROM "+tbl(db, "pgfence_runs")+" WHERE slot = $1 AND status = 'succeeded'", zr.Slot).Scan(&attempt, &token); err != nil {
+		t.Fatal(err)
+	}
+	if attempt != 2 || fence.Token(token) <= zr.Token {
+		t.Fatalf("slot succeeded with attempt %d token %d; zombie had token %d", attempt, token, zr.Token)
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "effects")+" WHERE slot = $1", zr.Slot); n != 1 {
+		t.Fatalf("%d effects for the slot, want 1", n)
+	}
+	t.Logf("takeover %v after revocation (TTL %v, poll %v)", took, ttl, poll)
+}
+
+// Acceptance 3: graceful shutdown of the leader hands the job over within 1s
+// (the others poll every 10s, so only the release notification is fast).
+func TestGracefulShutdownHandsOver(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	mustExec(t, db, "CREATE TABLE "+tbl(db, "effects")+" (slot timestamptz, token bigint)")
+	ev := &events{}
+	gainedAt := make(chan string, 10)
+	ev.fn = func(who string, e runner.Event) {
+		if e.Kind == runner.LeadershipGained {
+			gainedAt <- who
+		}
+	}
+	ins := map[string]*instance{}
+	for i := range 3 {
+		who := fmt.Sprintf("i%d", i)
+		ins[who] = start(t, db.Pool, runner.Config{Schema: db.Schema, Instance: who, TTL: 30 * time.Second,
+			PollInterval: 10 * time.Second, OnEvent: ev.hook(who)},
+			func(r *runner.Runner) error { return r.Register(chargeJob(db, "handover", "@every 1h")) })
+	}
+	first := <-gainedAt
+	time.Sleep(300 * time.Millisecond) // the others are waiting on LISTEN
+	stopped := time.Now()
+	ins[first].stop(t)
+	select {
+	case next := <-gainedAt:
+		if next == first {
+			t.Fatal("the stopped instance led again")
+		}
+		if d := time.Since(stopped); d > time.Second {
+			t.Fatalf("handover took %v", d)
+		} else {
+			t.Logf("handover took %v", d)
+		}
+	case <-time.After(time.Second):
+		t.Fatal("no handover within 1s of graceful shutdown")
+	}
+}
+
+// Acceptance 5: bad registrations and configs are clear errors.
+func TestBadInput(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	if _, err := runner.New(nil, runner.Config{}); !errors.Is(err, runner.ErrNilPool) {
+		t.Errorf("nil pool: %v", err)
+	}
+	if _, err := runner.New(db.Pool, runner.Config{TTL: time.Second, RebalanceInterval: 2 * time.Second}); err == nil || !strings.Contains(err.Error(), "RebalanceInterval") {
+		t.Errorf("rebalance > TTL: %v", err)
+	}
+	if _, err := runner.New(db.Pool, runner.Config{TTL: time.Second, RenewInterval: 900 * time.Millisecond}); !errors.Is(err, lock.ErrInvalidConfig) {
+		t.Errorf("renew too close to TTL: %v", err)
+	}
+	r, err := runner.New(db.Pool, runner.Config{Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok := func(context.Context, *runner.Run) error { return nil }
+	cases := []struct {
+		name string
+		err  error
+		want error
+	}{
+		{"bad cron", r.Register(runner.Job{Name: "a", Schedule: "61 * * * *", Run: ok}), runner.ErrInvalidSchedule},
+		{"bad cron tz", r.Register(runner.Job{Name: "a", Schedule: "CRON_TZ=Mars/Olympus 0 2 * * *", Run: ok}), runner.ErrInvalidSchedule},
+		{"bad every", r.Register(runner.Job{Name: "a", Schedule: "@every -5m", Run: ok}), runner.ErrInvalidSchedule},
+		{"empty schedule", r.Register(runner.Job{Name: "a", Run: ok}), runner.ErrInvalidJob},
+		{"nil run", r.Register(runner.Job{Name: "a", Schedule: "@every 1m"}), runner.ErrInvalidJob},
+		{"no name", r.Register(runner.Job{Schedule: "@every 1m", Run: ok}), runner.ErrInvalidJob},
+		{"zero shards", r.RegisterSharded(runner.Job{Name: "s", Schedule: "@every 1m", Run: ok}, 0), runner.ErrInvalidJob},
+		{"negative timeout", r.Register(runner.Job{Name: "a", Schedule: "@every 1m", Run: ok, Timeout: -1}), runner.ErrInvalidJob},
+	}
+	for _, tc := range cases {
+		if !errors.Is(tc.err, tc.want) {
+			t.Errorf("%s: err = %v, want %v", tc.name, tc.err, tc.want)
+		}
+	}
+	if err := r.Register(runner.Job{Name: "dup", Schedule: "CRON_TZ=Europe/Paris 0 2 * * *", Run: ok}); err != nil {
+		t.Fatalf("valid cron job: %v", err)
+	}
+	if err := r.Register(runner.Job{Name: "dup", Schedule: "@every 1m", Run: ok}); !errors.Is(err, runner.ErrDuplicateJob) {
+		t.Errorf("duplicate: %v", err)
+	}
+}
+
+// Retries: a failing attempt is recorded and retried up to MaxAttempts; a
+// panic is an ordinary failure.
+func TestRetriesAndFailures(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	var mu sync.Mutex
+	attempts := map[time.Time]int{}
+	job := runner.Job{Name: "flaky", Schedule: "@every 500ms", Retry: runner.Retry{MaxAttempts: 3, Backoff: 10 * time.Millisecond},
+		Run: func(ctx context.Context, run *runner.Run) error {
+			mu.Lock()
+			attempts[run.Slot]++
+			n := attempts[run.Slot]
+			mu.Unlock()
+			switch n {
+			case 1:
+				return errors.New("transient")
+			case 2:
+				panic("boom")
+			}
+			return nil
+		}}
+	ev := &events{}
+	start(t, db.Pool, runner.Config{Schema: db.Schema, OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
+	waitFor(t, 10*time.Second, "a slot to succeed on its third attempt", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE status = 'succeeded' AND attempt = 3") >= 1
+	})
+	if ev.count(runner.RunFailed) < 2 {
+		t.Fatalf("RunFailed events = %d", ev.count(runner.RunFailed))
+	}
+}
+
+func holderOf(t testing.TB, db *pgtest.DB, lease string) string {
+	t.Helper()
+	var h string
+	if err := db.Pool.QueryRow(context.Background(), "SELECT coalesce(holder, '') FROM "+tbl(db, "pgfence_leases")+" WHERE name = $1", lease).Scan(&h); err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func mustExec(t testing.TB, db *pgtest.DB, sql string, args ...any) {
+	t.Helper()
+	if _, err := db.Pool.Exec(context.Background(), sql, args...); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}

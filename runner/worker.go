@@ -1,0 +1,260 @@
+package runner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/lock"
+)
+
+// worker campaigns for one job's (or shard's) lease and, while it leads,
+// runs the job's slots.
+type worker struct {
+	r     *Runner
+	j     *job
+	shard int
+}
+
+func (w *worker) leaseName() string {
+	if w.j.shards == 0 {
+		return "pgfence/job/" + w.j.Name
+	}
+	return "pgfence/job/" + w.j.Name + "/" + strconv.Itoa(w.shard)
+}
+
+func (w *worker) event(k EventKind, slot time.Time, l *lock.Lease, attempt int, err error) {
+	e := Event{Kind: k, Job: w.j.Name, Shard: w.shard, Slot: slot, Attempt: attempt, Err: err}
+	if l != nil {
+		e.Token = int64(l.Token())
+	}
+	w.r.emit(e)
+}
+
+// loop campaigns, leads, releases and campaigns again until ctx ends.
+func (w *worker) loop(ctx context.Context) {
+	log := w.r.cfg.Logger.With("job", w.j.Name, "shard", w.shard)
+	for ctx.Err() == nil {
+		l, err := w.r.lc.Acquire(ctx, w.leaseName())
+		if err != nil {
+			if ctx.Err() == nil {
+				log.Warn("pgfence runner: campaign failed", "err", err)
+				sleep(ctx, w.r.cfg.PollInterval)
+			}
+			continue
+		}
+		log.Info("pgfence runner: leading", "token", int64(l.Token()))
+		w.event(LeadershipGained, time.Time{}, l, 0, nil)
+		err = w.lead(ctx, l)
+		// Nothing runs under the lease any more: say so before the
+		// release, which may take a while if the database is unreachable.
+		w.event(LeadershipLost, time.Time{}, l, 0, err)
+		rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = l.Release(rctx)
+		cancel()
+	}
+}
+
+// lead runs slots while l is held and ctx lives, and returns why it stopped.
+func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
+	lctx, cancel := context.WithCancelCause(l.Context())
+	defer cancel(nil)
+	stop := context.AfterFunc(ctx, func() { cancel(context.Cause(ctx)) })
+	defer stop()
+
+	// Taking over: finish the last slot if it was left unfinished (its
+	// runner died or paused), then the latest missed slot, by policy.
+	var last *time.Time
+	if err := w.r.pool.QueryRow(lctx, w.r.q.lastSlot, w.j.Name, w.shard).Scan(&last); err != nil {
+		return err
+	}
+	now := time.Now()
+	if last != nil {
+		w.runSlot(lctx, l, *last)
+		if due := latestDue(w.j.sched, *last, now); !due.IsZero() &&
+			(w.j.Missed == RunLatest || now.Sub(due) < time.Second) {
+			w.runSlot(lctx, l, due)
+		}
+	}
+	cursor := now
+	for {
+		next := w.j.sched.Next(cursor)
+		if !sleepUntil(lctx, next) {
+			return context.Cause(lctx)
+		}
+		// Slots that passed while the previous run was still going are
+		// not queued up: the latest due one runs.
+		slot := next
+		if due := latestDue(w.j.sched, next, time.Now()); !due.IsZero() {
+			slot = due
+		}
+		w.runSlot(lctx, l, slot)
+		cursor = slot
+		if lctx.Err() != nil {
+			return context.Cause(lctx)
+		}
+	}
+}
+
+// runSlot claims slot and runs it, with retries, while the lease holds.
+func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
+	for ctx.Err() == nil {
+		attempt, claimed, err := w.claim(ctx, l, slot)
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, fence.ErrStaleToken) || errors.Is(err, lock.ErrLeaseLost) {
+				return
+			}
+			w.r.cfg.Logger.Warn("pgfence runner: claim failed", "job", w.j.Name, "slot", slot, "err", err)
+			sleep(ctx, w.r.cfg.PollInterval)
+			continue
+		}
+		if !claimed {
+			return // already succeeded, or out of attempts
+		}
+		run := &Run{Job: w.j.Name, Shard: w.shard, Shards: w.j.shards, Slot: slot, Attempt: attempt, Token: l.Token(), w: w, lease: l}
+		w.event(RunStarted, slot, l, attempt, nil)
+		err = w.call(ctx, run)
+		if !w.finish(ctx, l, run, err) {
+			return
+		}
+		if !sleep(ctx, w.j.Retry.Backoff) {
+			return
+		}
+	}
+}
+
+// finish records the attempt's outcome and reports whether to retry.
+func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr error) (retry bool) {
+	slot, attempt := run.Slot, run.Attempt
+	if runErr == nil && run.committed {
+		w.event(RunSucceeded, slot, l, attempt, nil)
+		return false
+	}
+	if l.Err() != nil || errors.Is(runErr, fence.ErrStaleToken) || errors.Is(runErr, ErrFenced) {
+		w.fenced(l, run, cmp(runErr, l.Err()))
+		return false
+	}
+	if errors.Is(context.Cause(ctx), errShutdown) {
+		// Shutting down with the lease still ours: leave the slot
+		// "running"; the next leader's claim (with a greater token) runs it.
+		return false
+	}
+	var err error
+	if runErr == nil {
+		err = l.RunTx(ctx, func(tx pgx.Tx) error { return w.r.recordSuccess(ctx, tx, run) })
+		if err == nil {
+			w.event(RunSucceeded, slot, l, attempt, nil)
+			return false
+		}
+	} else {
+		err = l.RunTx(ctx, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, w.r.q.fail, w.j.Name, w.shard, slot, int64(l.Token()), runErr.Error())
+			return err
+		})
+		if err == nil {
+			w.event(RunFailed, slot, l, attempt, runErr)
+			return attempt < w.j.Retry.MaxAttempts
+		}
+	}
+	if errors.Is(err, fence.ErrStaleToken) || errors.Is(err, ErrFenced) || l.Err() != nil {
+		w.fenced(l, run, err)
+		return false
+	}
+	w.r.cfg.Logger.Warn("pgfence runner: recording the outcome failed; the next leader will rerun the slot",
+		"job", w.j.Name, "slot", slot, "err", err)
+	return false
+}
+
+// fenced marks this attempt's own row as fenced (only if no newer attempt has
+// claimed it) and reports the event.
+func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	msg := "fenced"
+	if cause != nil {
+		msg = cause.Error()
+	}
+	_, _ = w.r.pool.Exec(ctx, w.r.q.markFenced, w.j.Name, w.shard, run.Slot, int64(l.Token()), msg)
+	w.event(RunFenced, run.Slot, l, run.Attempt, cause)
+}
+
+func (w *worker) claim(ctx context.Context, l *lock.Lease, slot time.Time) (attempt int, claimed bool, err error) {
+	err = l.RunTx(ctx, func(tx pgx.Tx) error {
+		err := tx.QueryRow(ctx, w.r.q.claim, w.j.Name, w.shard, slot, int64(l.Token()), w.r.cfg.Instance,
+			w.j.Retry.MaxAttempts).Scan(&attempt)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil
+		}
+		claimed = err == nil
+		return err
+	})
+	return attempt, claimed && err == nil, err
+}
+
+// call runs the job function with its timeout, turning a panic into an error.
+func (w *worker) call(ctx context.Context, run *Run) (err error) {
+	if w.j.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, w.j.Timeout)
+		defer cancel()
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("runner: job %q panicked: %v\n%s", w.j.Name, p, debug.Stack())
+		}
+	}()
+	return w.j.Run(ctx, run)
+}
+
+func (r *Runner) recordSuccess(ctx context.Context, tx pgx.Tx, run *Run) error {
+	tag, err := tx.Exec(ctx, r.q.succeed, run.Job, run.Shard, run.Slot, int64(run.Token))
+	if err != nil {
+		return err
+	}
+	if tag.RowsAffected() != 1 {
+		return ErrFenced
+	}
+	return nil
+}
+
+// latestDue returns the latest slot in (after, now], or the zero time.
+func latestDue(s Schedule, after, now time.Time) time.Time {
+	if e, ok := s.(every); ok {
+		due := now.Truncate(time.Duration(e))
+		if due.After(after) {
+			return due
+		}
+		return time.Time{}
+	}
+	var due time.Time
+	for t, i := s.Next(after), 0; !t.IsZero() && !t.After(now) && i < 1_000_000; t, i = s.Next(t), i+1 {
+		due = t
+	}
+	return due
+}
+
+func cmp(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func sleepUntil(ctx context.Context, t time.Time) bool { return sleep(ctx, time.Until(t)) }
