@@ -419,3 +419,37 @@ func TestRunTxPipelinedForms(t *testing.T) {
 		t.Fatalf("rows = %v", got)
 	}
 }
+
+// Fold: a single autocommitted statement carries its own fence.
+func TestFoldedCheck(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	tbl := table(db, "folded")
+	mustExec(t, db, "CREATE TABLE "+tbl+" (v int)")
+	c := newClient(t, db, lock.Config{})
+	l, _ := c.TryAcquire(ctx, "fold")
+	old := l.Guard()
+	insert := func(g fence.Guard, v int) error {
+		expr, args := g.Fold(2)
+		_, err := db.Pool.Exec(ctx, "INSERT INTO "+tbl+" SELECT $1 FROM (SELECT "+expr+") f", append([]any{v}, args...)...)
+		return g.Err(err)
+	}
+	if err := insert(old, 1); err != nil {
+		t.Fatal(err)
+	}
+	_ = l.Release(ctx)
+	l2, _ := c.TryAcquire(ctx, "fold")
+	if err := insert(old, 2); !errors.Is(err, fence.ErrStaleToken) {
+		t.Fatalf("stale folded insert: %v", err)
+	}
+	if err := insert(l2.Guard(), 3); err != nil {
+		t.Fatal(err)
+	}
+	if got := rows(t, db, "SELECT string_agg(v::text, ',' ORDER BY v) FROM "+tbl); got[0] != "1,3" {
+		t.Fatalf("rows = %v", got)
+	}
+	if expr, _ := (fence.Guard{Lease: "fold", Token: 0}).Fold(1); expr != "" {
+		t.Fatalf("Fold of an invalid guard = %q", expr)
+	}
+}

@@ -173,3 +173,38 @@ func retryable(err error) bool {
 	}
 	return pg.Code == "40001" || pg.Code == "40P01"
 }
+
+// Fold returns an SQL expression that performs the guard's check wherever
+// the statement evaluates it, with its two arguments at placeholders $first
+// and $first+1, and those arguments' values. It lets a single autocommitted
+// statement carry its own fence, for one round trip in all:
+//
+//	expr, args := g.Fold(3)
+//	_, err := pool.Exec(ctx, `UPDATE jobs SET state = $1 FROM (SELECT `+expr+`) f WHERE id = $2`,
+//		append([]any{state, id}, args...)...)
+//	err = g.Err(err)
+//
+// The expression must be evaluated before the statement writes (a FROM
+// subquery or a CTE referenced in FROM is), and the statement's transaction
+// then holds the lease row's KEY SHARE lock until it commits. It returns an
+// empty expression if the guard is invalid; call Validate first to get why.
+func (g Guard) Fold(first int) (expr string, args []any) {
+	if g.validate() != nil || first < 1 {
+		return "", nil
+	}
+	return fmt.Sprintf("%s($%d::text, $%d::bigint)", ident.Table(g.Schema, "pgfence_check"), first, first+1),
+		[]any{g.Lease, int64(g.Token)}
+}
+
+// Validate reports whether the guard's fields are usable (name, token >= 1,
+// schema), with the same errors Check returns.
+func (g Guard) Validate() error { return g.validate() }
+
+// Err turns the errors the database's fence raises (in a statement built with
+// Fold) into this package's typed errors, and returns any other error as is.
+func (g Guard) Err(err error) error {
+	if err == nil {
+		return nil
+	}
+	return translate(err, g.Lease, g.Token)
+}

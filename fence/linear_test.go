@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -103,7 +105,7 @@ func TestFencedRegisterIsLinearizable(t *testing.T) {
 	t.Parallel()
 	res := runRegisterHistory(t, guardCheck, 4, 3*time.Second)
 	if res.result != porcupine.Ok {
-		t.Fatalf("history of %d ops is not linearizable (%s)", res.ops, res.result)
+		t.Fatalf("history of %d ops is not linearizable (%s); visualization: %s", res.ops, res.result, res.explained)
 	}
 	if res.refused == 0 {
 		t.Fatal("no stale write was attempted: the history exercised nothing")
@@ -128,6 +130,7 @@ type historyResult struct {
 	ops                          int
 	attempted, accepted, refused int64
 	result                       porcupine.CheckResult
+	explained                    string
 }
 
 func runRegisterHistory(t *testing.T, check checkFn, workers int, d time.Duration) historyResult {
@@ -160,6 +163,9 @@ func runRegisterHistoryOn(t *testing.T, db *pgtest.DB, check checkFn, workers in
 				l, err := c.Acquire(actx, lease)
 				cancel()
 				if err != nil {
+					// Cut off by the deadline, possibly after the database
+					// granted it: the acquisition's outcome is unknown.
+					h.Add(w, call, linear.Input{Kind: linear.Acquire}, linear.Output{Unknown: true})
 					if time.Now().Before(stop) {
 						t.Errorf("acquire: %v", err)
 					}
@@ -224,6 +230,12 @@ func runRegisterHistoryOn(t *testing.T, db *pgtest.DB, check checkFn, workers in
 	wg.Wait()
 	r := historyResult{ops: h.Len(), attempted: attempted.Load(), accepted: accepted.Load(), refused: refused.Load(),
 		result: h.Check(time.Minute)}
+	if r.result == porcupine.Illegal {
+		path := filepath.Join(os.TempDir(), "pgfence-"+t.Name()+".html")
+		if _, err := h.Explain(time.Minute, path); err == nil {
+			r.explained = path
+		}
+	}
 	t.Logf("history: ops=%d writes attempted=%d accepted=%d refused=%d linearizable=%s",
 		r.ops, r.attempted, r.accepted, r.refused, r.result)
 	return r

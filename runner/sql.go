@@ -7,19 +7,20 @@ import (
 )
 
 type queries struct {
-	claim, succeed, fail, markFenced, lastSlot, heartbeat, leave string
+	claim, succeed, succeedFenced, fail, markFenced, lastSlot, heartbeat, leave string
 }
 
 func newQueries(schema string) queries {
 	runs := ident.Table(schema, "pgfence_runs")
 	inst := ident.Table(schema, "pgfence_instances")
 	return queries{
-		// Runs in a transaction guarded by the claimant's lease. A slot is
+		// Carries its own fence (fence.Guard.Fold at $7, $8): one
+		// autocommitted statement, refused if the lease moved on. A slot is
 		// (re)claimed if it is new, was fenced, is still "running" under an
 		// older token (its runner died or was paused), or failed with
 		// attempts left. It returns no row for a slot that is finished.
 		claim: fmt.Sprintf(`INSERT INTO %[1]s AS r (job, shard, slot, attempt, token, status, holder, started_at)
-VALUES ($1, $2, $3, 1, $4, 'running', $5, now())
+SELECT $1, $2, $3, 1, $4, 'running', $5, now() FROM (SELECT %%s) AS fence
 ON CONFLICT (job, shard, slot) DO UPDATE
    SET attempt = r.attempt + 1, token = EXCLUDED.token, status = 'running', holder = EXCLUDED.holder,
        started_at = now(), finished_at = NULL, error = NULL
@@ -28,11 +29,14 @@ ON CONFLICT (job, shard, slot) DO UPDATE
     OR (r.status = 'failed' AND r.attempt < $6)
 RETURNING r.attempt`, runs),
 
-		// Both in guarded transactions, and conditioned on the token: a
-		// zombie's late outcome changes nothing.
+		// Fenced (in CommitTx's guarded transaction, or by a folded check
+		// at $5, $6 on its own) and conditioned on the token: a zombie's
+		// late outcome changes nothing.
 		succeed: fmt.Sprintf(`UPDATE %[1]s SET status = 'succeeded', finished_at = now()
  WHERE job = $1 AND shard = $2 AND slot = $3 AND token = $4 AND status = 'running'`, runs),
-		fail: fmt.Sprintf(`UPDATE %[1]s SET status = 'failed', finished_at = now(), error = $5
+		succeedFenced: fmt.Sprintf(`UPDATE %[1]s SET status = 'succeeded', finished_at = now() FROM (SELECT %%s) AS fence
+ WHERE job = $1 AND shard = $2 AND slot = $3 AND token = $4 AND status = 'running'`, runs),
+		fail: fmt.Sprintf(`UPDATE %[1]s SET status = 'failed', finished_at = now(), error = $7 FROM (SELECT %%s) AS fence
  WHERE job = $1 AND shard = $2 AND slot = $3 AND token = $4 AND status = 'running'`, runs),
 
 		// Not guarded (the lease is gone) but conditioned on the token:

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/lock"
@@ -145,19 +146,23 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 		// "running"; the next leader's claim (with a greater token) runs it.
 		return false
 	}
+	g := l.Guard()
+	expr, fargs := g.Fold(5)
+	args := append([]any{w.j.Name, w.shard, slot, int64(l.Token())}, fargs...)
 	var err error
 	if runErr == nil {
-		err = l.RunTx(ctx, func(tx pgx.Tx) error { return w.r.recordSuccess(ctx, tx, run) })
+		var tag pgconn.CommandTag
+		tag, err = w.r.pool.Exec(ctx, fmt.Sprintf(w.r.q.succeedFenced, expr), args...)
+		if err = g.Err(err); err == nil && tag.RowsAffected() != 1 {
+			err = ErrFenced
+		}
 		if err == nil {
 			w.event(RunSucceeded, slot, l, attempt, nil)
 			return false
 		}
 	} else {
-		err = l.RunTx(ctx, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, w.r.q.fail, w.j.Name, w.shard, slot, int64(l.Token()), runErr.Error())
-			return err
-		})
-		if err == nil {
+		_, err = w.r.pool.Exec(ctx, fmt.Sprintf(w.r.q.fail, expr), append(args, runErr.Error())...)
+		if err = g.Err(err); err == nil {
 			w.event(RunFailed, slot, l, attempt, runErr)
 			return attempt < w.j.Retry.MaxAttempts
 		}
@@ -184,17 +189,19 @@ func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
 	w.event(RunFenced, run.Slot, l, run.Attempt, cause)
 }
 
+// claim claims slot in one autocommitted, fenced statement.
 func (w *worker) claim(ctx context.Context, l *lock.Lease, slot time.Time) (attempt int, claimed bool, err error) {
-	err = l.RunTx(ctx, func(tx pgx.Tx) error {
-		err := tx.QueryRow(ctx, w.r.q.claim, w.j.Name, w.shard, slot, int64(l.Token()), w.r.cfg.Instance,
-			w.j.Retry.MaxAttempts).Scan(&attempt)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return nil
-		}
-		claimed = err == nil
-		return err
-	})
-	return attempt, claimed && err == nil, err
+	if err := l.Err(); err != nil {
+		return 0, false, err
+	}
+	g := l.Guard()
+	expr, fargs := g.Fold(7)
+	err = w.r.pool.QueryRow(ctx, fmt.Sprintf(w.r.q.claim, expr), append([]any{w.j.Name, w.shard, slot, int64(l.Token()),
+		w.r.cfg.Instance, w.j.Retry.MaxAttempts}, fargs...)...).Scan(&attempt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, nil
+	}
+	return attempt, err == nil, g.Err(err)
 }
 
 // call runs the job function with its timeout, turning a panic into an error.

@@ -128,3 +128,17 @@ func (r *Recorder) Check(timeout time.Duration) porcupine.CheckResult {
 	r.mu.Unlock()
 	return porcupine.CheckOperationsTimeout(Model.ToModel(), ops, timeout)
 }
+
+// Explain checks the history and, if it is not linearizable, writes
+// porcupine's HTML visualization of it to path (for diagnosis).
+func (r *Recorder) Explain(timeout time.Duration, path string) (porcupine.CheckResult, error) {
+	r.mu.Lock()
+	ops := append([]porcupine.Operation(nil), r.ops...)
+	r.mu.Unlock()
+	m := Model.ToModel()
+	res, info := porcupine.CheckOperationsVerbose(m, ops, timeout)
+	if res == porcupine.Ok {
+		return res, nil
+	}
+	return res, porcupine.VisualizePath(m, info, path)
+}

@@ -1,0 +1,165 @@
+package runner_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/internal/faultproxy"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/runner"
+)
+
+// proxiedPool opens a pool whose connections go through a fault proxy, so the
+// test can cut one instance off the database as a crash or partition would.
+func proxiedPool(t *testing.T, app string) (*pgxpool.Pool, *faultproxy.Proxy) {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	target := net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port)))
+	p, err := faultproxy.New(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	host, port, _ := net.SplitHostPort(p.Addr())
+	pn, _ := strconv.Atoi(port)
+	pool := pgtest.NewPool(t, app, func(c *pgxpool.Config) {
+		c.ConnConfig.Host, c.ConnConfig.Port = host, uint16(pn)
+		c.ConnConfig.ConnectTimeout = 2 * time.Second
+	})
+	return pool, p
+}
+
+// Acceptance 4: 64 shards over 4 instances, 16 each; one joins late and one
+// is killed; the others absorb its shards within TTL + one rebalance
+// interval; no shard ever runs on two instances at once.
+func TestShardsSpreadAndRebalance(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	mustExec(t, db, "CREATE TABLE "+tbl(db, "effects")+" (shard int, slot timestamptz, token bigint)")
+	const (
+		shards    = 64
+		ttl       = 2 * time.Second
+		rebalance = 500 * time.Millisecond
+	)
+	var (
+		mu       sync.Mutex
+		active   = map[int]string{} // shard -> instance running it now
+		overlaps []string
+	)
+	job := func(who string) runner.Job {
+		return runner.Job{Name: "sharded", Schedule: "@every 500ms", Run: func(ctx context.Context, run *runner.Run) error {
+			mu.Lock()
+			if other, busy := active[run.Shard]; busy {
+				overlaps = append(overlaps, fmt.Sprintf("shard %d on %s and %s", run.Shard, other, who))
+			}
+			active[run.Shard] = who
+			mu.Unlock()
+			defer func() { mu.Lock(); delete(active, run.Shard); mu.Unlock() }()
+			return run.CommitTx(ctx, func(tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "INSERT INTO "+tbl(db, "effects")+" VALUES ($1, $2, $3)", run.Shard, run.Slot, int64(run.Token))
+				return err
+			})
+		}}
+	}
+	proxies := map[string]*faultproxy.Proxy{}
+	ins := map[string]*instance{}
+	launch := func(who string) {
+		pool, p := proxiedPool(t, "shard-"+who)
+		proxies[who] = p
+		ins[who] = start(t, pool, runner.Config{Schema: db.Schema, Instance: who, TTL: ttl, RebalanceInterval: rebalance,
+			PollInterval: 200 * time.Millisecond}, func(r *runner.Runner) error { return r.RegisterSharded(job(who), shards) })
+	}
+	held := func() map[string]int {
+		r, err := db.Pool.Query(context.Background(), "SELECT holder, count(*) FROM "+tbl(db, "pgfence_leases")+
+			" WHERE name LIKE 'pgfence/job/sharded/%' AND holder IS NOT NULL AND expires_at > now() GROUP BY holder")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Close()
+		m := map[string]int{}
+		for r.Next() {
+			var h string
+			var n int
+			if err := r.Scan(&h, &n); err != nil {
+				t.Fatal(err)
+			}
+			m[h] = n
+		}
+		return m
+	}
+	balanced := func(want map[string]int) func() bool {
+		return func() bool {
+			got := held()
+			if len(got) != len(want) {
+				return false
+			}
+			for h, n := range want {
+				if got[h] != n {
+					return false
+				}
+			}
+			return true
+		}
+	}
+	for _, who := range []string{"a", "b", "c"} {
+		launch(who)
+	}
+	waitFor(t, 20*time.Second, "64 shards over 3 instances", balanced(map[string]int{"a": 22, "b": 21, "c": 21}))
+	joined := time.Now()
+	launch("d") // an instance joins
+	waitFor(t, 20*time.Second, "16 shards each over 4 instances", balanced(map[string]int{"a": 16, "b": 16, "c": 16, "d": 16}))
+	t.Logf("join rebalanced in %v: %v", time.Since(joined), held())
+	time.Sleep(time.Second) // let every shard run a slot or two
+
+	killed := time.Now()
+	proxies["b"].Set(faultproxy.Reset) // b is cut off as if it had crashed
+	waitFor(t, 20*time.Second, "the survivors to absorb b's shards", balanced(map[string]int{"a": 22, "c": 21, "d": 21}))
+	took := time.Since(killed)
+	t.Logf("kill absorbed in %v (TTL %v + rebalance %v): %v", took, ttl, rebalance, held())
+	if took > ttl+rebalance+500*time.Millisecond {
+		t.Errorf("absorbing took %v, want about TTL + one rebalance interval (%v)", took, ttl+rebalance)
+	}
+	time.Sleep(time.Second)
+	for _, who := range []string{"a", "c", "d", "b"} {
+		ins[who].stop(t)
+	}
+
+	mu.Lock()
+	defer mu.Unlock()
+	if len(overlaps) > 0 {
+		t.Fatalf("a shard ran on two instances at once: %v", overlaps)
+	}
+	// From the ledger: per shard, successes come from non-decreasing tokens
+	// (a superseded holder never succeeds after its successor), and every
+	// success has exactly one effect.
+	bad := queryInt(t, db, `SELECT count(*) FROM (
+		SELECT token < max(token) OVER (PARTITION BY shard ORDER BY slot ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS regress
+		  FROM `+tbl(db, "pgfence_runs")+` WHERE job = 'sharded' AND status = 'succeeded') s WHERE regress`)
+	if bad != 0 {
+		t.Fatalf("%d successes from a superseded holder", bad)
+	}
+	diff := queryInt(t, db, `SELECT count(*) FROM (
+		(SELECT shard, slot, token FROM `+tbl(db, "pgfence_runs")+` WHERE job = 'sharded' AND status = 'succeeded'
+		 EXCEPT ALL SELECT shard, slot, token FROM `+tbl(db, "effects")+`)
+		UNION ALL
+		(SELECT shard, slot, token FROM `+tbl(db, "effects")+`
+		 EXCEPT ALL SELECT shard, slot, token FROM `+tbl(db, "pgfence_runs")+` WHERE job = 'sharded' AND status = 'succeeded')) d`)
+	if diff != 0 {
+		t.Fatalf("ledger and effects differ by %d rows", diff)
+	}
+	runs := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE job = 'sharded' AND status = 'succeeded'")
+	if runs < shards {
+		t.Fatalf("only %d shard runs succeeded", runs)
+	}
+}
