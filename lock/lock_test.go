@@ -487,3 +487,39 @@ func (s *stmtCounter) count(prefix string) int {
 	}
 	return n
 }
+
+// Operators: list leases and force-release one; the old holder loses it and
+// the next holder gets a greater token.
+func TestLeasesAndForceRelease(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	c := newClient(t, db, lock.Config{Holder: "worker-1", TTL: 900 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond})
+	l, err := c.TryAcquire(ctx, "ops")
+	if err != nil {
+		t.Fatal(err)
+	}
+	infos, err := c.Leases(ctx)
+	if err != nil || len(infos) != 1 {
+		t.Fatalf("Leases = %v, %v", infos, err)
+	}
+	if i := infos[0]; i.Name != "ops" || i.Holder != "worker-1" || !i.Held || i.Token != l.Token() || i.ExpiresIn <= 0 || i.ExpiresIn > time.Second {
+		t.Fatalf("Info = %+v", i)
+	}
+	if _, _, err := c.ForceRelease(ctx, "nope"); !errors.Is(err, lock.ErrNoLease) {
+		t.Fatalf("ForceRelease(nope) = %v", err)
+	}
+	holder, tok, err := c.ForceRelease(ctx, "ops")
+	if err != nil || holder != "worker-1" || tok != l.Token() {
+		t.Fatalf("ForceRelease = %q, %d, %v", holder, tok, err)
+	}
+	select {
+	case <-l.Done():
+	case <-time.After(2 * time.Second):
+		t.Fatal("holder did not notice the forced release")
+	}
+	l2, err := c.TryAcquire(ctx, "ops")
+	if err != nil || l2.Token() <= l.Token() {
+		t.Fatalf("after force release: %v, %v", l2, err)
+	}
+}

@@ -9,6 +9,8 @@ import (
 	"encoding/hex"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -176,4 +178,27 @@ func randHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
+}
+
+// Build compiles the main package in dir (relative to the test's working
+// directory) and returns the binary's path, removed when the test ends.
+func Build(tb testing.TB, dir string) string {
+	tb.Helper()
+	bin := filepath.Join(tb.TempDir(), filepath.Base(dir)+".bin")
+	if out, err := exec.Command("go", "build", "-o", bin, dir).CombinedOutput(); err != nil {
+		tb.Fatalf("go build %s: %v\n%s", dir, err, out)
+	}
+	return bin
+}
+
+// Schema returns a fresh, valid, unused schema name with a prefix (not
+// created), dropped with CASCADE when the test ends.
+func Schema(tb testing.TB, prefix string) string {
+	tb.Helper()
+	s := prefix + "_" + randHex(6)
+	pool := NewPool(tb, "pgtest-schema")
+	tb.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{s}.Sanitize()+" CASCADE")
+	})
+	return s
 }

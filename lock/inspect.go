@@ -1,0 +1,83 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// ErrNoLease is returned by ForceRelease for a name that has never been
+// acquired.
+var ErrNoLease = errors.New("lock: no such lease")
+
+// Info describes a lease row, for operators.
+type Info struct {
+	// Name is the lease name.
+	Name string `json:"name"`
+	// Token is the newest token issued for the lease.
+	Token fence.Token `json:"token"`
+	// Holder is the current holder, "" if the lease is free.
+	Holder string `json:"holder"`
+	// Held reports whether the lease is held and unexpired (database clock).
+	Held bool `json:"held"`
+	// AcquiredAt, RenewedAt and ExpiresAt are database times.
+	AcquiredAt time.Time `json:"acquired_at"`
+	RenewedAt  time.Time `json:"renewed_at"`
+	ExpiresAt  time.Time `json:"expires_at"`
+	// ExpiresIn is ExpiresAt minus the database's clock when read
+	// (negative once expired).
+	ExpiresIn time.Duration `json:"expires_in"`
+	// HeldFor is how long the current holder has held it (0 if free).
+	HeldFor time.Duration `json:"held_for"`
+}
+
+// Leases lists every lease row, by name.
+func (c *Client) Leases(ctx context.Context) ([]Info, error) {
+	rows, err := c.pool.Query(ctx, c.q.inspect+" ORDER BY name")
+	if err != nil {
+		return nil, fmt.Errorf("lock: list leases: %w", err)
+	}
+	infos, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Info, error) {
+		var (
+			i   Info
+			tok int64
+			now time.Time
+		)
+		err := r.Scan(&i.Name, &tok, &i.Holder, &i.Held, &i.AcquiredAt, &i.RenewedAt, &i.ExpiresAt, &now)
+		i.Token = fence.Token(tok)
+		i.ExpiresIn = i.ExpiresAt.Sub(now)
+		if i.Holder != "" {
+			i.HeldFor = now.Sub(i.AcquiredAt)
+		}
+		return i, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("lock: list leases: %w", err)
+	}
+	return infos, nil
+}
+
+// ForceRelease frees the lease name whoever holds it, for operators: the
+// holder's next renewal fails (its context is cancelled), and the next
+// acquisition gets a greater token, so the old holder's guarded writes are
+// refused from then on. It returns the previous holder ("" if it was free)
+// and the lease's current token, or ErrNoLease.
+func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, token fence.Token, err error) {
+	if err := fence.ValidateName(name); err != nil {
+		return "", 0, err
+	}
+	var tok int64
+	err = c.pool.QueryRow(ctx, c.q.forceRelease, name).Scan(&tok, &holder)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", 0, fmt.Errorf("%w: %q", ErrNoLease, name)
+	}
+	if err != nil {
+		return "", 0, fmt.Errorf("lock: force release %q: %w", name, err)
+	}
+	return holder, fence.Token(tok), nil
+}

@@ -1,0 +1,45 @@
+package runner_test
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/runner"
+)
+
+func ExampleRunner() {
+	db, cleanup := pgtest.ForExample()
+	defer cleanup()
+	ctx, stop := context.WithTimeout(context.Background(), 30*time.Second)
+	defer stop()
+	_, _ = db.Pool.Exec(ctx, "CREATE TABLE "+db.Schema+".summary (slot timestamptz PRIMARY KEY)")
+
+	r, _ := runner.New(db.Pool, runner.Config{Schema: db.Schema, Logger: quiet})
+	err := r.Register(runner.Job{
+		Name:     "compact-events",
+		Schedule: "@every 100ms", // or "CRON_TZ=Europe/Paris 0 2 * * *"
+		Run: func(ctx context.Context, run *runner.Run) error {
+			// The final write and the slot's success commit together,
+			// fenced by the run's token.
+			err := run.CommitTx(ctx, func(tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "INSERT INTO "+db.Schema+".summary VALUES ($1)", run.Slot)
+				return err
+			})
+			fmt.Println("compacted one slot with token", run.Token)
+			stop() // a real program runs until it is told to stop
+			return err
+		},
+	})
+	if err != nil {
+		panic(err)
+	}
+	if err := r.Run(ctx); err != nil {
+		panic(err)
+	}
+	// Output:
+	// compacted one slot with token 1
+}
