@@ -1,0 +1,246 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
+)
+
+func cmdMigrate(ctx context.Context, e *env, args []string) error {
+	fs, err := parse(e, "migrate", "up|status", args, nil)
+	if err != nil {
+		return err
+	}
+	if fs.NArg() != 1 || (fs.Arg(0) != "up" && fs.Arg(0) != "status") {
+		fs.Usage()
+		return fail(exitUsage, "migrate takes one argument: up or status")
+	}
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if fs.Arg(0) == "up" {
+		v, err := migrations.Up(ctx, pool, e.schema)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(e.stdout, "pgfence schema is at version %d\n", v)
+		return nil
+	}
+	st, err := migrations.Status(ctx, pool, e.schema)
+	if err != nil {
+		return err
+	}
+	for _, s := range st {
+		applied := "pending"
+		if !s.AppliedAt.IsZero() {
+			applied = "applied " + s.AppliedAt.UTC().Format(time.RFC3339)
+		}
+		fmt.Fprintf(e.stdout, "%05d  %-28s %s\n", s.Source.Version, s.Source.Path, applied)
+	}
+	return nil
+}
+
+// leaseJSON is the --json shape of one lease (stable: scripts depend on it).
+type leaseJSON struct {
+	Name             string    `json:"name"`
+	Holder           string    `json:"holder"`
+	Token            int64     `json:"token"`
+	Held             bool      `json:"held"`
+	ExpiresAt        time.Time `json:"expires_at"`
+	ExpiresInSeconds float64   `json:"expires_in_seconds"`
+	HeldForSeconds   float64   `json:"held_for_seconds"`
+}
+
+func (e *env) client(ctx context.Context) (*lock.Client, func(), error) {
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	c, err := lock.New(pool, lock.Config{Schema: e.schema})
+	if err != nil {
+		pool.Close()
+		return nil, nil, err
+	}
+	return c, pool.Close, nil
+}
+
+func cmdLeases(ctx context.Context, e *env, args []string) error {
+	var asJSON bool
+	if _, err := parse(e, "leases", "[--json]", args, func(fs *flag.FlagSet) {
+		fs.BoolVar(&asJSON, "json", false, "print JSON")
+	}); err != nil {
+		return err
+	}
+	c, closeFn, err := e.client(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeFn()
+	infos, err := c.Leases(ctx)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		out := make([]leaseJSON, 0, len(infos))
+		for _, i := range infos {
+			out = append(out, leaseJSON{Name: i.Name, Holder: i.Holder, Token: int64(i.Token), Held: i.Held,
+				ExpiresAt: i.ExpiresAt, ExpiresInSeconds: i.ExpiresIn.Seconds(), HeldForSeconds: i.HeldFor.Seconds()})
+		}
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(out)
+	}
+	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "NAME\tHOLDER\tTOKEN\tEXPIRES IN\tHELD FOR")
+	for _, i := range infos {
+		holder, expires, heldFor := i.Holder, round(i.ExpiresIn).String(), round(i.HeldFor).String()
+		if !i.Held {
+			expires, heldFor = "-", "-"
+			if holder == "" {
+				holder = "(free)"
+			} else {
+				holder += " (expired)"
+			}
+		}
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\n", i.Name, holder, i.Token, expires, heldFor)
+	}
+	return w.Flush()
+}
+
+func round(d time.Duration) time.Duration {
+	if d < 10*time.Second {
+		return d.Round(10 * time.Millisecond)
+	}
+	return d.Round(time.Second)
+}
+
+func cmdRelease(ctx context.Context, e *env, args []string) error {
+	var yes bool
+	fs, err := parse(e, "release", "NAME [--yes]", args, func(fs *flag.FlagSet) {
+		fs.BoolVar(&yes, "yes", false, "do not ask for confirmation")
+	})
+	if err != nil {
+		return err
+	}
+	if fs.NArg() != 1 {
+		fs.Usage()
+		return fail(exitUsage, "release takes exactly one lease name")
+	}
+	name := fs.Arg(0)
+	c, closeFn, err := e.client(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeFn()
+	infos, err := c.Leases(ctx)
+	if err != nil {
+		return err
+	}
+	var found *lock.Info
+	for i := range infos {
+		if infos[i].Name == name {
+			found = &infos[i]
+		}
+	}
+	if found == nil {
+		return fail(exitNoLease, "no lease named %q", name)
+	}
+	if !yes {
+		who := "nobody (free)"
+		if found.Holder != "" {
+			who = found.Holder
+		}
+		fmt.Fprintf(e.stderr, "Force-release lease %q, held by %s with token %d?\n"+
+			"The holder loses it and its writes with token %d will be refused. [y/N] ", name, who, found.Token, found.Token)
+		var answer string
+		_, _ = fmt.Fscanln(e.stdin, &answer)
+		if a := strings.ToLower(strings.TrimSpace(answer)); a != "y" && a != "yes" {
+			return fail(exitError, "not released (confirm with y, or pass --yes)")
+		}
+	}
+	holder, tok, err := c.ForceRelease(ctx, name)
+	if errors.Is(err, lock.ErrNoLease) {
+		return fail(exitNoLease, "no lease named %q", name)
+	}
+	if err != nil {
+		return err
+	}
+	if holder == "" {
+		holder = "nobody"
+	}
+	fmt.Fprintf(e.stdout, "released %q (was held by %s, token %d); the next holder gets token %d or greater\n", name, holder, tok, tok+1)
+	return nil
+}
+
+func cmdJobs(ctx context.Context, e *env, args []string) error {
+	var (
+		limit  int
+		asJSON bool
+	)
+	if _, err := parse(e, "jobs", "[--limit N] [--json]", args, func(fs *flag.FlagSet) {
+		fs.IntVar(&limit, "limit", 20, "how many recent runs")
+		fs.BoolVar(&asJSON, "json", false, "print JSON")
+	}); err != nil {
+		return err
+	}
+	if limit < 1 {
+		return fail(exitUsage, "--limit must be at least 1")
+	}
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	type runJSON struct {
+		Job        string     `json:"job"`
+		Shard      int        `json:"shard"`
+		Slot       time.Time  `json:"slot"`
+		Attempt    int        `json:"attempt"`
+		Token      int64      `json:"token"`
+		Status     string     `json:"status"`
+		Holder     string     `json:"holder"`
+		StartedAt  time.Time  `json:"started_at"`
+		FinishedAt *time.Time `json:"finished_at"`
+		Error      *string    `json:"error"`
+	}
+	rows, err := pool.Query(ctx, `SELECT job, shard, slot, attempt, token, status, holder, started_at, finished_at, error
+		FROM `+ident.Table(e.schema, "pgfence_runs")+` ORDER BY started_at DESC LIMIT $1`, limit)
+	if err != nil {
+		return err
+	}
+	runs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[runJSON])
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(runs)
+	}
+	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "JOB\tSHARD\tSLOT\tATTEMPT\tTOKEN\tSTATUS\tHOLDER\tDURATION\tERROR")
+	for _, r := range runs {
+		dur, msg := "-", ""
+		if r.FinishedAt != nil {
+			dur = round(r.FinishedAt.Sub(r.StartedAt)).String()
+		}
+		if r.Error != nil {
+			msg = strings.SplitN(*r.Error, "\n", 2)[0]
+		}
+		fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", r.Job, r.Shard, r.Slot.UTC().Format(time.RFC3339), r.Attempt, r.Token, r.Status, r.Holder, dur, msg)
+	}
+	return w.Flush()
+}

@@ -1,0 +1,226 @@
+// Command pgfence lets operators see and act on pgfence leases and run a
+// command on exactly one machine at a time.
+//
+// Usage:
+//
+//	pgfence [global flags] COMMAND [flags] [args]
+//
+// Commands:
+//
+//	migrate up|status     apply or show pgfence's schema migrations
+//	leases [--json]       list leases: name, holder, token, expires in, held for
+//	release NAME [--yes]  force-free a lease; its holder is fenced
+//	run --lease NAME [--ttl D] [--wait] [--grace D] -- COMMAND [ARGS...]
+//	                      run COMMAND while holding the lease, like flock(1) across hosts
+//	jobs [--limit N] [--json]
+//	                      recent runs from the runner's ledger
+//
+// Global flags (also accepted after the command name):
+//
+//	--database-url URL  the database (default $DATABASE_URL, else the libpq
+//	                    variables PGHOST, PGPORT, ..., else localhost:5432)
+//	--schema NAME       schema holding pgfence's tables (default: search_path)
+//
+// Exit codes:
+//
+//	0   success
+//	1   error (database unreachable, query failed, confirmation declined)
+//	2   usage error (unknown command or flag, bad duration, missing command after --)
+//	3   no such lease (release)
+//	75  the lease is held elsewhere (run without --wait)
+//	76  the lease was lost while the command ran; the command was terminated
+//	other: run passes its command's exit code through (128+N if killed by signal N)
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/internal/ident"
+)
+
+// Exit codes; see the package documentation.
+const (
+	exitOK      = 0
+	exitError   = 1
+	exitUsage   = 2
+	exitNoLease = 3
+	exitHeld    = 75
+	exitLost    = 76
+)
+
+// exitError carries an exit code with a message for stderr.
+type cliError struct {
+	code int
+	err  error
+}
+
+func (e *cliError) Error() string { return e.err.Error() }
+
+func fail(code int, format string, a ...any) error {
+	return &cliError{code, fmt.Errorf(format, a...)}
+}
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+}
+
+// env is what every command needs.
+type env struct {
+	dbURL  string
+	schema string
+	stdin  io.Reader
+	stdout io.Writer
+	stderr io.Writer
+}
+
+// into is a string flag that keeps the value already set (the global flags
+// are accepted again after the command) and shows no default, so a URL with
+// a password is never printed by usage.
+type into struct{ p *string }
+
+func (f into) String() string     { return "" }
+func (f into) Set(s string) error { *f.p = s; return nil }
+
+func (e *env) flags(fs *flag.FlagSet) {
+	fs.Var(into{&e.dbURL}, "database-url", "database `URL` (default $DATABASE_URL, else the libpq variables)")
+	fs.Var(into{&e.schema}, "schema", "`schema` holding pgfence's tables (default: search_path)")
+}
+
+func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
+	if err := ident.ValidateSchema(e.schema); err != nil {
+		return nil, fail(exitUsage, "--schema: %v", err)
+	}
+	url := e.dbURL
+	if url == "" {
+		url = os.Getenv("DATABASE_URL")
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fail(exitUsage, "--database-url: %v", err)
+	}
+	cfg.ConnConfig.ConnectTimeout = 10 * time.Second
+	cfg.ConnConfig.RuntimeParams["application_name"] = "pgfence-cli"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err == nil {
+		err = pool.Ping(ctx)
+	}
+	if err != nil {
+		if pool != nil {
+			pool.Close()
+		}
+		return nil, fail(exitError, "cannot reach the database at %s:%d: %v", cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
+	}
+	return pool, nil
+}
+
+const usage = `usage: pgfence [--database-url URL] [--schema NAME] COMMAND [flags] [args]
+
+commands:
+  migrate up|status     apply or show pgfence's schema migrations
+  leases [--json]       list leases
+  release NAME [--yes]  force-free a lease (its holder is fenced)
+  run --lease NAME [--ttl 15s] [--wait] [--grace 10s] -- COMMAND [ARGS...]
+                        run COMMAND on exactly one machine at a time
+  jobs [--limit 20] [--json]
+                        recent runs from the runner's ledger
+
+exit codes: 0 ok, 1 error, 2 usage, 3 no such lease, 75 lease held elsewhere,
+76 lease lost while the command ran; run passes its command's code through.
+`
+
+func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	e := &env{stdin: stdin, stdout: stdout, stderr: stderr}
+	global := flag.NewFlagSet("pgfence", flag.ContinueOnError)
+	global.SetOutput(stderr)
+	global.Usage = func() { fmt.Fprint(stderr, usage) }
+	e.flags(global)
+	if err := global.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return exitOK
+		}
+		return exitUsage
+	}
+	if global.NArg() == 0 {
+		fmt.Fprint(stderr, usage)
+		return exitUsage
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	cmd, rest := global.Arg(0), global.Args()[1:]
+	var err error
+	switch cmd {
+	case "migrate":
+		err = cmdMigrate(ctx, e, rest)
+	case "leases":
+		err = cmdLeases(ctx, e, rest)
+	case "release":
+		err = cmdRelease(ctx, e, rest)
+	case "run":
+		err = cmdRun(ctx, e, rest)
+	case "jobs":
+		err = cmdJobs(ctx, e, rest)
+	case "help":
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	default:
+		fmt.Fprintf(stderr, "pgfence: unknown command %q\n\n%s", cmd, usage)
+		return exitUsage
+	}
+	if err == nil {
+		return exitOK
+	}
+	var ce *cliError
+	if errors.As(err, &ce) {
+		if ce.err.Error() != "" {
+			fmt.Fprintln(stderr, "pgfence:", ce.err)
+		}
+		return ce.code
+	}
+	fmt.Fprintln(stderr, "pgfence:", err)
+	return exitError
+}
+
+// parse parses a command's flags, with the global ones accepted too.
+func parse(e *env, name, synopsis string, args []string, setup func(fs *flag.FlagSet)) (*flag.FlagSet, error) {
+	fs := flag.NewFlagSet("pgfence "+name, flag.ContinueOnError)
+	fs.SetOutput(e.stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(e.stderr, "usage: pgfence %s %s\n", name, synopsis)
+		fs.PrintDefaults()
+	}
+	e.flags(fs)
+	if setup != nil {
+		setup(fs)
+	}
+	// Flags may come before or after positional arguments ("release NAME
+	// --yes"); everything after "--" is positional.
+	var positional []string
+	rest := args
+	for {
+		if err := fs.Parse(rest); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return nil, &cliError{exitOK, errors.New("")}
+			}
+			return nil, &cliError{exitUsage, errors.New("")}
+		}
+		consumed := len(rest) - fs.NArg()
+		if fs.NArg() == 0 || (consumed > 0 && rest[consumed-1] == "--") {
+			positional = append(positional, fs.Args()...)
+			break
+		}
+		positional = append(positional, fs.Arg(0))
+		rest = fs.Args()[1:]
+	}
+	_ = fs.Parse(append([]string{"--"}, positional...)) // leave fs.Args() = positional
+	return fs, nil
+}

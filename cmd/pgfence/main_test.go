@@ -1,0 +1,213 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// cli runs the built pgfence binary against the test database in its own schema.
+type cli struct {
+	t      *testing.T
+	bin    string
+	schema string
+}
+
+func newCLI(t *testing.T) *cli {
+	t.Helper()
+	c := &cli{t: t, bin: pgtest.Build(t, "."), schema: pgtest.Schema(t, "cli")}
+	if out, code := c.run("", "migrate", "up"); code != 0 {
+		t.Fatalf("migrate up: %d %s", code, out)
+	}
+	return c
+}
+
+func (c *cli) cmd(stdin string, args ...string) *exec.Cmd {
+	cmd := exec.Command(c.bin, append([]string{"--schema", c.schema}, args...)...)
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+pgtest.URL(c.t))
+	cmd.Stdin = strings.NewReader(stdin)
+	return cmd
+}
+
+// run returns combined output and the exit code.
+func (c *cli) run(stdin string, args ...string) (string, int) {
+	c.t.Helper()
+	cmd := c.cmd(stdin, args...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		if _, ok := err.(*exec.ExitError); !ok {
+			c.t.Fatalf("pgfence %v: %v", args, err)
+		}
+	}
+	return string(out), cmd.ProcessState.ExitCode()
+}
+
+// Acceptance 3: two concurrent invocations run the child one at a time, each
+// with its own token.
+func TestRunOneAtATime(t *testing.T) {
+	c := newCLI(t)
+	log := filepath.Join(t.TempDir(), "log")
+	script := `echo "start $PGFENCE_TOKEN" >> ` + log + `; sleep 0.5; echo "end $PGFENCE_TOKEN" >> ` + log
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if out, code := c.run("", "run", "--wait", "--lease", "cron-backup", "--", "sh", "-c", script); code != 0 {
+				t.Errorf("run: %d %s", code, out)
+			}
+		}()
+	}
+	wg.Wait()
+	b, _ := os.ReadFile(log)
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	if len(lines) != 4 {
+		t.Fatalf("log = %q", lines)
+	}
+	for i := 0; i < 4; i += 2 {
+		tok := strings.TrimPrefix(lines[i], "start ")
+		if !strings.HasPrefix(lines[i], "start ") || lines[i+1] != "end "+tok {
+			t.Fatalf("runs overlapped: %q", lines)
+		}
+	}
+	if lines[0] == lines[2] {
+		t.Fatalf("both runs had the same token: %q", lines)
+	}
+}
+
+// Acceptance 3: the child sees its token and lease; exit codes pass through;
+// a held lease without --wait exits 75.
+func TestRunEnvExitCodesAndHeld(t *testing.T) {
+	c := newCLI(t)
+	out, code := c.run("", "run", "--lease", "env", "--", "sh", "-c", `test "$PGFENCE_LEASE" = env && echo "token=$PGFENCE_TOKEN"; exit 7`)
+	if code != 7 || !regexp.MustCompile(`token=[1-9][0-9]*`).MatchString(out) {
+		t.Fatalf("exit %d, output %q", code, out)
+	}
+	if _, code := c.run("", "run", "--lease", "env", "--", "sh", "-c", "kill -TERM $$"); code != 128+15 {
+		t.Fatalf("signaled child: exit %d, want 143", code)
+	}
+	holder := c.cmd("", "run", "--lease", "busy", "--", "sleep", "3")
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Wait()
+	waitHeld(t, c, "busy")
+	out, code = c.run("", "run", "--lease", "busy", "--", "true")
+	if code != 75 || !strings.Contains(out, `lease "busy" is held by`) {
+		t.Fatalf("held: exit %d, %q", code, out)
+	}
+}
+
+func waitHeld(t *testing.T, c *cli, name string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		out, _ := c.run("", "leases", "--json")
+		var ls []map[string]any
+		_ = json.Unmarshal([]byte(out), &ls)
+		for _, l := range ls {
+			if l["name"] == name && l["held"] == true {
+				return
+			}
+		}
+	}
+	t.Fatalf("lease %s never held", name)
+}
+
+// Acceptance 3 and 4: leases --json, release with and without confirmation;
+// a force-released holder's command is terminated and pgfence exits 76.
+func TestLeasesReleaseAndLoss(t *testing.T) {
+	c := newCLI(t)
+	var stderr bytes.Buffer
+	holder := c.cmd("", "run", "--ttl", "900ms", "--grace", "2s", "--lease", "nightly", "--", "sleep", "30")
+	holder.Stderr = &stderr
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waitHeld(t, c, "nightly")
+
+	out, code := c.run("", "leases", "--json")
+	var leases []map[string]any
+	if err := json.Unmarshal([]byte(out), &leases); err != nil || code != 0 || len(leases) != 1 {
+		t.Fatalf("leases --json: %d %q %v", code, out, err)
+	}
+	var keys []string
+	for k := range leases[0] {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	if got := strings.Join(keys, ","); got != "expires_at,expires_in_seconds,held,held_for_seconds,holder,name,token" {
+		t.Fatalf("JSON keys = %s", got)
+	}
+	if l := leases[0]; l["name"] != "nightly" || l["token"] != 1.0 || l["holder"] == "" || l["expires_in_seconds"].(float64) <= 0 {
+		t.Fatalf("lease = %v", l)
+	}
+	if out, _ := c.run("", "leases"); !strings.Contains(out, "NAME") || !strings.Contains(out, "nightly") {
+		t.Fatalf("leases table: %q", out)
+	}
+	if out, code := c.run("", "release", "no-such-lease", "--yes"); code != 3 || !strings.Contains(out, "no lease named") {
+		t.Fatalf("release unknown: %d %q", code, out)
+	}
+	if out, code := c.run("n\n", "release", "nightly"); code != 1 || !strings.Contains(out, "not released") {
+		t.Fatalf("declined release: %d %q", code, out)
+	}
+	start := time.Now()
+	if out, code := c.run("y\n", "release", "nightly"); code != 0 || !strings.Contains(out, "released") {
+		t.Fatalf("confirmed release: %d %q", code, out)
+	}
+	err := holder.Wait()
+	if code := holder.ProcessState.ExitCode(); code != 76 {
+		t.Fatalf("holder exit %d (%v), want 76; stderr %q", code, err, stderr.String())
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Fatalf("command terminated %v after the release", d)
+	}
+	if !strings.Contains(stderr.String(), "lease lost") {
+		t.Fatalf("stderr = %q", stderr.String())
+	}
+	if out, code := c.run("", "run", "--lease", "nightly", "--", "sh", "-c", "echo $PGFENCE_TOKEN"); code != 0 || strings.TrimSpace(out) != "2" {
+		t.Fatalf("next holder: %d %q, want token 2", code, out)
+	}
+	if out, code := c.run("", "jobs", "--json"); code != 0 || strings.TrimSpace(out) != "[]" {
+		t.Fatalf("jobs on an empty ledger: %d %q", code, out)
+	}
+}
+
+// Acceptance 5: bad input gets a message on stderr and a documented code.
+func TestBadInput(t *testing.T) {
+	c := newCLI(t)
+	cases := []struct {
+		args []string
+		code int
+		msg  string
+	}{
+		{[]string{"run", "--lease", "x", "--"}, 2, "missing command after --"},
+		{[]string{"run", "--", "true"}, 2, "--lease is required"},
+		{[]string{"run", "--lease", "x", "--ttl", "soon", "--", "true"}, 2, "invalid value"},
+		{[]string{"run", "--lease", "x", "--ttl", "-1s", "--", "true"}, 2, "--ttl must be positive"},
+		{[]string{"release"}, 2, "exactly one lease name"},
+		{[]string{"frobnicate"}, 2, "unknown command"},
+		{[]string{"migrate", "sideways"}, 2, "up or status"},
+		{[]string{"--database-url", "postgres://postgres@127.0.0.1:1/none?connect_timeout=2", "leases"}, 1, "cannot reach the database"},
+	}
+	for _, tc := range cases {
+		cmd := c.cmd("", tc.args...)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		_ = cmd.Run()
+		if code := cmd.ProcessState.ExitCode(); code != tc.code || !strings.Contains(stderr.String(), tc.msg) {
+			t.Errorf("%v: exit %d stderr %q; want %d and %q", tc.args, code, stderr.String(), tc.code, tc.msg)
+		}
+	}
+}

@@ -1,0 +1,131 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/pgfence/pgfence/lock"
+)
+
+// cmdRun runs a command while holding a lease: renewed while the command
+// runs, its token exported as PGFENCE_TOKEN, the command terminated (SIGTERM,
+// then SIGKILL after --grace) if the lease is lost.
+func cmdRun(ctx context.Context, e *env, args []string) error {
+	var (
+		name  string
+		ttl   time.Duration
+		grace time.Duration
+		wait  bool
+	)
+	fs, err := parse(e, "run", "--lease NAME [--ttl 15s] [--wait] [--grace 10s] -- COMMAND [ARGS...]", args, func(fs *flag.FlagSet) {
+		fs.StringVar(&name, "lease", "", "lease name (required)")
+		fs.DurationVar(&ttl, "ttl", 15*time.Second, "lease TTL; renewed every TTL/3 while COMMAND runs")
+		fs.DurationVar(&grace, "grace", 10*time.Second, "time between SIGTERM and SIGKILL when the lease is lost")
+		fs.BoolVar(&wait, "wait", false, "wait for the lease instead of exiting with 75 when it is held")
+	})
+	if err != nil {
+		return err
+	}
+	switch {
+	case name == "":
+		fs.Usage()
+		return fail(exitUsage, "--lease is required")
+	case fs.NArg() == 0:
+		fs.Usage()
+		return fail(exitUsage, "missing command after --")
+	case ttl <= 0:
+		return fail(exitUsage, "--ttl must be positive, got %v", ttl)
+	case grace < 0:
+		return fail(exitUsage, "--grace must not be negative, got %v", grace)
+	}
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	c, err := lock.New(pool, lock.Config{Schema: e.schema, TTL: ttl})
+	if err != nil {
+		var ce *lock.ConfigError
+		if errors.As(err, &ce) {
+			return fail(exitUsage, "%v", err)
+		}
+		return err
+	}
+	defer c.Close(context.Background())
+
+	var l *lock.Lease
+	if wait {
+		l, err = c.Acquire(ctx, name)
+	} else {
+		l, err = c.TryAcquire(ctx, name)
+	}
+	var held *lock.HeldError
+	switch {
+	case errors.As(err, &held):
+		return fail(exitHeld, "lease %q is held by %s until %s", name, held.Holder, held.ExpiresAt.UTC().Format(time.RFC3339))
+	case errors.Is(err, lock.ErrInvalidName):
+		return fail(exitUsage, "--lease: %v", err)
+	case err != nil && ctx.Err() != nil:
+		return fail(exitError, "interrupted while waiting for lease %q", name)
+	case err != nil:
+		return err
+	}
+
+	cmd := exec.Command(fs.Arg(0), fs.Args()[1:]...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, e.stdout, e.stderr
+	cmd.Env = append(os.Environ(), "PGFENCE_TOKEN="+l.Token().String(), "PGFENCE_LEASE="+name)
+	// Its own process group, so that terminating it reaches its children.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		_ = l.Release(context.Background())
+		return fail(exitError, "start %s: %v", fs.Arg(0), err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	signals := make(chan os.Signal, 2)
+	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	defer signal.Stop(signals)
+	group := func(sig syscall.Signal) { _ = syscall.Kill(-cmd.Process.Pid, sig) }
+
+	for {
+		select {
+		case err := <-done:
+			_ = l.Release(context.Background())
+			return exitCode(err)
+		case sig := <-signals:
+			group(sig.(syscall.Signal)) // pass it on; the command decides
+		case <-l.Done():
+			fmt.Fprintf(e.stderr, "pgfence: %v; terminating %s\n", l.Err(), fs.Arg(0))
+			group(syscall.SIGTERM)
+			select {
+			case <-done:
+			case <-time.After(grace):
+				group(syscall.SIGKILL)
+				<-done
+			}
+			return &cliError{exitLost, errors.New("")}
+		}
+	}
+}
+
+// exitCode turns the command's outcome into pgfence's exit.
+func exitCode(err error) error {
+	if err == nil {
+		return nil
+	}
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) {
+		return err
+	}
+	if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return &cliError{128 + int(ws.Signal()), errors.New("")}
+	}
+	return &cliError{ee.ExitCode(), errors.New("")}
+}
