@@ -3,6 +3,7 @@ package lock_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -97,4 +98,59 @@ func parallel(clients, n int, fn func(id, n int)) time.Duration {
 	}
 	wg.Wait()
 	return time.Since(start)
+}
+
+// BenchmarkWakeOnRelease measures how long a waiter blocked in Acquire takes
+// to get the lease after the holder's Release returns (the waiter's poll
+// interval is 30s, so only the NOTIFY path is measured). Metrics: the median
+// and the worst latency in ms.
+//
+//	go test -run '^$' -bench WakeOnRelease -benchtime 200x ./lock
+func BenchmarkWakeOnRelease(b *testing.B) {
+	db := pgtest.New(b)
+	ctx := context.Background()
+	holder, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, TTL: time.Minute, Logger: quiet})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer holder.Close(ctx)
+	waiter, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, TTL: time.Minute, PollInterval: 30 * time.Second, Logger: quiet})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer waiter.Close(ctx)
+	lat := make([]time.Duration, 0, b.N)
+	b.ResetTimer()
+	for range b.N {
+		l, err := holder.TryAcquire(ctx, "wake")
+		if err != nil {
+			b.Fatal(err)
+		}
+		got := make(chan time.Time, 1)
+		go func() {
+			l2, err := waiter.Acquire(ctx, "wake")
+			if err != nil {
+				b.Error(err)
+				close(got)
+				return
+			}
+			at := time.Now()
+			_ = l2.Release(ctx)
+			got <- at
+		}()
+		time.Sleep(20 * time.Millisecond) // the waiter is parked on LISTEN
+		if err := l.Release(ctx); err != nil {
+			b.Fatal(err)
+		}
+		released := time.Now()
+		at, ok := <-got
+		if !ok {
+			b.FailNow()
+		}
+		lat = append(lat, at.Sub(released))
+	}
+	b.StopTimer()
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50_ms")
+	b.ReportMetric(float64(lat[len(lat)-1].Microseconds())/1000, "max_ms")
 }
