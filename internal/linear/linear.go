@@ -142,3 +142,11 @@ func (r *Recorder) Explain(timeout time.Duration, path string) (porcupine.CheckR
 	}
 	return res, porcupine.VisualizePath(m, info, path)
 }
+
+// AddAt records an operation with explicit call and return times (for
+// histories gathered from several processes, in Unix nanoseconds).
+func (r *Recorder) AddAt(client int, call, ret int64, in Input, out Output) {
+	r.mu.Lock()
+	r.ops = append(r.ops, porcupine.Operation{ClientId: client, Input: in, Call: call, Output: out, Return: ret})
+	r.mu.Unlock()
+}
