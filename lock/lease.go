@@ -36,7 +36,12 @@ func newLease(c *Client, name string, token fence.Token, secret []byte, expiresA
 	ctx, cancel := context.WithCancelCause(context.Background())
 	l := &Lease{c: c, name: name, token: token, secret: secret, ctx: ctx, cancel: cancel,
 		expiresAt: expiresAt, trustUntil: sent.Add(c.cfg.TTL - c.cfg.SafetyMargin)}
+	// The window may already be over (the process was paused while the
+	// acquisition was in flight): then the timer fires at once, and must
+	// find l.timer set. Holding mu makes it wait for the assignment.
+	l.mu.Lock()
 	l.timer = time.AfterFunc(time.Until(l.trustUntil), l.trustElapsed)
+	l.mu.Unlock()
 	return l
 }
 

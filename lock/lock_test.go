@@ -523,3 +523,47 @@ func TestLeasesAndForceRelease(t *testing.T) {
 		t.Fatalf("after force release: %v, %v", l2, err)
 	}
 }
+
+// A lease whose trust window is already over when the acquisition returns
+// (the holder was paused while it was in flight) ends at once, cleanly.
+func TestAcquireAfterTrustWindowEndsAtOnce(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	app := pgtest.UniqueName("slow")
+	// The acquisition waits 300ms on a row lock, so its reply arrives after
+	// the 100ms window (TTL 200ms - margin) has closed.
+	pool := pgtest.NewPool(t, app)
+	c, err := lock.New(pool, lock.Config{TTL: 200 * time.Millisecond, RenewInterval: 50 * time.Millisecond,
+		SafetyMargin: 100 * time.Millisecond, Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
+	blocker, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Create the row, then hold its lock so the next acquisition waits.
+	if l, err := c.TryAcquire(ctx, "late"); err != nil {
+		t.Fatal(err)
+	} else {
+		_ = l.Release(ctx)
+	}
+	if _, err := blocker.Exec(ctx, "SELECT 1 FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'late' FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(300*time.Millisecond, func() { _ = blocker.Rollback(context.Background()) })
+	l, err := c.TryAcquire(ctx, "late")
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-l.Done():
+	case <-time.After(time.Second):
+		t.Fatal("a lease acquired after its trust window was not ended")
+	}
+	if !errors.Is(l.Err(), lock.ErrLeaseLost) {
+		t.Fatalf("cause = %v", l.Err())
+	}
+}
