@@ -310,3 +310,53 @@ func mustExec(t testing.TB, db *pgtest.DB, sql string, args ...any) {
 		t.Fatalf("%s: %v", sql, err)
 	}
 }
+
+// Missed slots after downtime: RunLatest runs the latest missed slot once
+// (and none before it); Skip runs none and waits for the next slot.
+func TestMissedSlotPolicy(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		policy runner.Missed
+		runs   int
+	}{{"run-latest", runner.RunLatest, 1}, {"skip", runner.Skip, 0}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			latest := time.Now().Truncate(time.Hour)
+			if d := time.Since(latest); d < 2*time.Second {
+				time.Sleep(2*time.Second - d) // keep clear of Skip's one-second grace
+			}
+			// The job last ran ten hours ago; the replicas were down since.
+			mustExec(t, db, "INSERT INTO "+tbl(db, "pgfence_runs")+` (job, shard, slot, attempt, token, status, holder, started_at)
+				VALUES ('hourly', 0, $1, 1, 1, 'succeeded', 'old', $1)`, latest.Add(-10*time.Hour))
+			ev := &events{}
+			started := make(chan time.Time, 10)
+			ev.fn = func(_ string, e runner.Event) {
+				if e.Kind == runner.RunStarted {
+					started <- e.Slot
+				}
+			}
+			job := runner.Job{Name: "hourly", Schedule: "@every 1h", Missed: tc.policy,
+				Run: func(context.Context, *runner.Run) error { return nil }}
+			start(t, db.Pool, runner.Config{Schema: db.Schema, OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
+			var got []time.Time
+			timeout := time.After(2 * time.Second)
+		collect:
+			for {
+				select {
+				case s := <-started:
+					got = append(got, s)
+				case <-timeout:
+					break collect
+				}
+			}
+			if len(got) != tc.runs || (tc.runs == 1 && !got[0].Equal(latest)) {
+				t.Fatalf("runs for slots %v, want %d run(s) for %v", got, tc.runs, latest)
+			}
+			if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE job = 'hourly'"); n != 1+tc.runs {
+				t.Fatalf("%d ledger rows, want %d", n, 1+tc.runs)
+			}
+		})
+	}
+}

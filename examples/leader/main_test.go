@@ -2,12 +2,15 @@ package main
 
 import (
 	"bufio"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
@@ -76,5 +79,33 @@ func TestLeaderHandsOverOnSIGTERM(t *testing.T) {
 	}
 	if !waitLine(b, "leading with token 2", 2*time.Second) {
 		t.Fatal("second copy did not take over within 2s")
+	}
+}
+
+// Without DATABASE_URL the example uses the libpq variables; with none that
+// answers it says how to provide a database and exits 1.
+func TestLeaderFindsItsDatabase(t *testing.T) {
+	bin := pgtest.Build(t, ".")
+	cfg, err := pgx.ParseConfig(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"PGFENCE_NO_DOCKER=1", "PGUSER=" + cfg.User, "PGDATABASE=" + cfg.Database, "PGHOST=" + cfg.Host, "PGSSLMODE=disable"}
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "DATABASE_URL=") && !strings.HasPrefix(kv, "PG") {
+			base = append(base, kv)
+		}
+	}
+	cmd := exec.Command(bin, "-schema", pgtest.Schema(t, "leader"), "-for", "500ms")
+	cmd.Env = append(base, fmt.Sprintf("PGPORT=%d", cfg.Port))
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "database: libpq defaults") || !strings.Contains(string(out), "leading with token") {
+		t.Fatalf("with libpq variables: %v\n%s", err, out)
+	}
+	cmd = exec.Command(bin, "-for", "500ms")
+	cmd.Env = append(base, "PGPORT=1", "PGCONNECT_TIMEOUT=2")
+	out, _ = cmd.CombinedOutput()
+	if cmd.ProcessState.ExitCode() != 1 || !strings.Contains(string(out), "no PostgreSQL server found") || !strings.Contains(string(out), "DATABASE_URL=") {
+		t.Fatalf("with nothing to connect to: exit %d\n%s", cmd.ProcessState.ExitCode(), out)
 	}
 }

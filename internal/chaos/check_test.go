@@ -195,7 +195,7 @@ func (s *suite) check() result {
 		r.phantoms += len(list)
 	}
 	r.linearizable = rec.Check(3 * time.Minute)
-	if r.linearizable == porcupine.Illegal {
+	if r.linearizable == porcupine.Illegal && s.cfg.fenced {
 		path := filepath.Join(os.TempDir(), fmt.Sprintf("pgfence-chaos-seed-%d.html", s.cfg.seed))
 		if _, err := rec.Explain(time.Minute, path); err == nil {
 			s.t.Logf("linearizability counterexample: %s", path)

@@ -180,7 +180,7 @@ func (s *suite) run() {
 		}
 	})
 	inject("proxy", 4, func(rng *rand.Rand) {
-		time.Sleep(time.Duration(200+rng.IntN(400)) * time.Millisecond)
+		time.Sleep(time.Duration(100+rng.IntN(300)) * time.Millisecond)
 		p := s.proxies[rng.IntN(len(s.proxies))]
 		switch rng.IntN(3) {
 		case 0:

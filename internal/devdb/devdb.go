@@ -24,7 +24,11 @@ const Image = "postgres:16-alpine"
 
 // DockerAvailable reports whether a Docker engine looks reachable. It only
 // looks for the usual endpoints; starting a container can still fail.
+// PGFENCE_NO_DOCKER=1 makes it false.
 func DockerAvailable() bool {
+	if os.Getenv("PGFENCE_NO_DOCKER") == "1" {
+		return false
+	}
 	if os.Getenv("DOCKER_HOST") != "" {
 		return true
 	}
