@@ -81,36 +81,44 @@ CREATE TRIGGER pgfence_leases_released AFTER UPDATE ON pgfence_leases
 -- key column token, waits until the transaction ends) and raises unless the
 -- presented token is the newest one issued. Raising (rather than returning a
 -- boolean) lets the check be pipelined with the caller's own statements: the
--- server skips everything after the failed check.
+-- server skips everything after the failed check, and the transaction can no
+-- longer commit.
 --   PF001 stale token (a greater one was issued); DETAIL is the current token
 --   PF002 no such lease
 --   PF003 token was never issued for this lease
--- The search_path is pinned at creation so the function finds its table
--- whatever the caller's search_path is.
+-- The function names its table with the schema it is created in, so it works
+-- whatever the caller's search_path is. The name is baked in (rather than a
+-- SET search_path clause, which costs a configuration save and restore on
+-- every call: about 6-14% of a one-insert guarded transaction, measured).
 -- +goose StatementBegin
-CREATE FUNCTION pgfence_check(p_name text, p_token bigint) RETURNS bigint
+DO $do$
+BEGIN
+EXECUTE format($fn$
+CREATE FUNCTION %1$I.pgfence_check(p_name text, p_token bigint) RETURNS bigint
 LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $$
+AS $body$
 DECLARE
     cur bigint;
 BEGIN
-    SELECT l.token INTO cur FROM pgfence_leases l WHERE l.name = p_name FOR KEY SHARE;
+    SELECT l.token INTO cur FROM %1$I.pgfence_leases l WHERE l.name = p_name FOR KEY SHARE;
     IF NOT FOUND THEN
-        RAISE EXCEPTION 'pgfence: no lease named %', p_name
+        RAISE EXCEPTION 'pgfence: no lease named %%', p_name
             USING ERRCODE = 'PF002';
     END IF;
     IF p_token < cur THEN
-        RAISE EXCEPTION 'pgfence: stale token % for lease % (current %)', p_token, p_name, cur
+        RAISE EXCEPTION 'pgfence: stale token %% for lease %% (current %%)', p_token, p_name, cur
             USING ERRCODE = 'PF001', DETAIL = cur::text;
     END IF;
     IF p_token > cur THEN
-        RAISE EXCEPTION 'pgfence: token % was never issued for lease % (current %)', p_token, p_name, cur
+        RAISE EXCEPTION 'pgfence: token %% was never issued for lease %% (current %%)', p_token, p_name, cur
             USING ERRCODE = 'PF003', DETAIL = cur::text;
     END IF;
     RETURN cur;
 END
-$$;
+$body$
+$fn$, current_schema());
+END
+$do$;
 -- +goose StatementEnd
 
 -- +goose Down

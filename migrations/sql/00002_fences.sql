@@ -44,28 +44,34 @@ CREATE TRIGGER pgfence_fences_protect_truncate BEFORE TRUNCATE ON pgfence_fences
 -- upsert holds the fence row's lock until the transaction ends, so a concurrent
 -- writer with another token waits and then sees this one's outcome. Raising
 -- aborts the whole transaction: a refused write cannot be committed by mistake.
+-- The schema is baked into the body, as for pgfence_check.
 -- +goose StatementBegin
-CREATE FUNCTION pgfence_admit(p_resource text, p_token bigint) RETURNS bigint
+DO $do$
+BEGIN
+EXECUTE format($fn$
+CREATE FUNCTION %1$I.pgfence_admit(p_resource text, p_token bigint) RETURNS bigint
 LANGUAGE plpgsql
-SET search_path FROM CURRENT
-AS $$
+AS $body$
 DECLARE
     cur bigint;
 BEGIN
-    INSERT INTO pgfence_fences AS f (resource, token, updated_at)
+    INSERT INTO %1$I.pgfence_fences AS f (resource, token, updated_at)
     VALUES (p_resource, p_token, now())
     ON CONFLICT (resource) DO UPDATE
         SET token = EXCLUDED.token, updated_at = EXCLUDED.updated_at
         WHERE f.token <= EXCLUDED.token
     RETURNING f.token INTO cur;
     IF NOT FOUND THEN
-        SELECT f.token INTO cur FROM pgfence_fences f WHERE f.resource = p_resource;
-        RAISE EXCEPTION 'pgfence: stale token % for resource % (highest admitted %)', p_token, p_resource, cur
+        SELECT f.token INTO cur FROM %1$I.pgfence_fences f WHERE f.resource = p_resource;
+        RAISE EXCEPTION 'pgfence: stale token %% for resource %% (highest admitted %%)', p_token, p_resource, cur
             USING ERRCODE = 'PF001', DETAIL = cur::text;
     END IF;
     RETURN cur;
 END
-$$;
+$body$
+$fn$, current_schema());
+END
+$do$;
 -- +goose StatementEnd
 
 -- +goose Down
