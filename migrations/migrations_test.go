@@ -23,7 +23,9 @@ func TestUpStatusAndQuoting(t *testing.T) {
 	defer cancel()
 	pool := pgtest.NewPool(t, "migrations-test")
 	schema := `My "odd" Schema ` + pgtest.UniqueName("x")
-	t.Cleanup(func() { _, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE") })
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+	})
 	v1, err := migrations.Up(ctx, pool, schema)
 	if err != nil {
 		t.Fatal(err)
