@@ -58,6 +58,7 @@ type StaleTokenError struct {
 	Current Token
 }
 
+// Error says which token was presented and which is current.
 func (e *StaleTokenError) Error() string {
 	what := "lease " + strconv.Quote(e.Lease)
 	if e.Resource != "" {

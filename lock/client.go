@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // Client acquires and renews leases. It is safe for concurrent use. A client
@@ -133,7 +134,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (*Lease, error) {
 				// A transient failure (connection lost, failover): keep
 				// trying until ctx ends, logging what happened.
 				c.cfg.Logger.Warn("pgfence: acquire failed, retrying", "lease", name, "err", err)
-				if !sleepCtx(ctx, c.jitter(c.cfg.PollInterval)) {
+				if !wait.Sleep(ctx, c.jitter(c.cfg.PollInterval)) {
 					return nil, ctx.Err()
 				}
 				continue
@@ -246,15 +247,4 @@ func (c *Client) jitter(d time.Duration) time.Duration {
 		return d
 	}
 	return d*3/4 + time.Duration(rand.Int64N(int64(d)/2+1))
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }

@@ -57,10 +57,13 @@ var ErrInvalidConfig = errors.New("lock: invalid config")
 
 // ConfigError names the configuration field that is wrong and why.
 type ConfigError struct {
-	Field  string
+	// Field is the Config field at fault.
+	Field string
+	// Reason says what is wrong with it.
 	Reason string
 }
 
+// Error names the field and the problem.
 func (e *ConfigError) Error() string { return "lock: invalid config: " + e.Field + ": " + e.Reason }
 
 // Is makes errors.Is(err, ErrInvalidConfig) true.

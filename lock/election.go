@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // Election runs a function on exactly one client at a time: Run campaigns for
@@ -73,7 +75,7 @@ func (e *Election) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		if delay > 0 && !sleepCtx(ctx, delay) {
+		if delay > 0 && !wait.Sleep(ctx, delay) {
 			return nil
 		}
 	}

@@ -44,6 +44,7 @@ type HeldError struct {
 	ExpiresIn time.Duration
 }
 
+// Error says who holds the lease and until when.
 func (e *HeldError) Error() string {
 	return fmt.Sprintf("lock: lease %q is held by %q (token %d) until %s", e.Name, e.Holder, e.Token, e.ExpiresAt.UTC().Format(time.RFC3339Nano))
 }

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"sync"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // releaseChannel is the NOTIFY channel the leases table's trigger uses.
@@ -111,7 +113,7 @@ func (li *listener) run(ctx context.Context, ready chan struct{}) {
 			return
 		}
 		li.c.cfg.Logger.Warn("pgfence: release listener failed, reconnecting", "err", err)
-		if !sleepCtx(ctx, backoff) {
+		if !wait.Sleep(ctx, backoff) {
 			return
 		}
 		backoff = min(2*backoff, li.c.cfg.PollInterval)

@@ -43,10 +43,13 @@ SELECT false, c.token, coalesce(c.holder, ''), c.expires_at, (extract(epoch FROM
   FROM %[1]s c WHERE c.name = $1 AND NOT EXISTS (SELECT 1 FROM won)`, t),
 
 		// First acquisition of a name; a concurrent first acquirer makes
-		// this return no row, and the caller runs acquire again.
+		// this return no row, and the caller runs acquire again. No conflict
+		// target: two first inserts collide on the primary key and on
+		// UNIQUE (name, token), and only a target-less DO NOTHING absorbs a
+		// collision on either (with "(name)" the other one is an error).
 		acquireNew: fmt.Sprintf(`INSERT INTO %[1]s (name, token, holder, secret, acquired_at, renewed_at, expires_at)
 VALUES ($1, 1, $2, $3, now(), now(), now() + $4 * interval '1 microsecond')
-ON CONFLICT (name) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING true, token, holder, expires_at, (extract(epoch FROM expires_at - now()) * 1e6)::bigint`, t),
 
 		// A blocked acquirer asks to be notified of the release. The

@@ -61,26 +61,35 @@ const (
 	RunFenced                         // the attempt lost its lease or was refused as stale
 )
 
+// String returns the kind in snake_case, for logs and metrics labels.
 func (k EventKind) String() string {
 	return [...]string{"leadership_gained", "leadership_lost", "run_started", "run_succeeded", "run_failed", "run_fenced"}[k]
 }
 
 // Event describes something that happened to a job on this instance.
 type Event struct {
-	Kind    EventKind
-	Job     string
-	Shard   int
-	Slot    time.Time // zero for leadership events
-	Token   int64
+	// Kind says what happened.
+	Kind EventKind
+	// Job and Shard say to which job (and shard; 0 if unsharded).
+	Job   string
+	Shard int
+	// Slot is the schedule slot of a run event; zero for leadership events.
+	Slot time.Time
+	// Token is the lease token involved.
+	Token int64
+	// Attempt is the run's attempt number (run events).
 	Attempt int
-	Err     error
+	// Err is the error of a failed or fenced run, or why leadership ended.
+	Err error
 }
 
 // ConfigError names the configuration field that is wrong.
 type ConfigError struct {
+	// Field is the Config field at fault; Reason says what is wrong.
 	Field, Reason string
 }
 
+// Error names the field and the problem.
 func (e *ConfigError) Error() string { return "runner: invalid config: " + e.Field + ": " + e.Reason }
 
 func (c Config) withDefaults() Config {

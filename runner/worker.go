@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
 )
 
@@ -46,7 +47,7 @@ func (w *worker) loop(ctx context.Context) {
 		if err != nil {
 			if ctx.Err() == nil {
 				log.Warn("pgfence runner: campaign failed", "err", err)
-				sleep(ctx, w.r.cfg.PollInterval)
+				wait.Sleep(ctx, w.r.cfg.PollInterval)
 			}
 			continue
 		}
@@ -112,7 +113,7 @@ func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
 				return
 			}
 			w.r.cfg.Logger.Warn("pgfence runner: claim failed", "job", w.j.Name, "slot", slot, "err", err)
-			sleep(ctx, w.r.cfg.PollInterval)
+			wait.Sleep(ctx, w.r.cfg.PollInterval)
 			continue
 		}
 		if !claimed {
@@ -124,7 +125,7 @@ func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
 		if !w.finish(ctx, l, run, err) {
 			return
 		}
-		if !sleep(ctx, w.j.Retry.Backoff) {
+		if !wait.Sleep(ctx, w.j.Retry.Backoff) {
 			return
 		}
 	}
@@ -253,15 +254,4 @@ func cmp(a, b error) error {
 	return b
 }
 
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-		return true
-	case <-ctx.Done():
-		return false
-	}
-}
-
-func sleepUntil(ctx context.Context, t time.Time) bool { return sleep(ctx, time.Until(t)) }
+func sleepUntil(ctx context.Context, t time.Time) bool { return wait.Sleep(ctx, time.Until(t)) }
