@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -58,8 +59,12 @@ type suite struct {
 func newSuite(t *testing.T, cfg config) *suite {
 	t.Helper()
 	c, err := pgcluster.New()
+	if errors.Is(err, pgcluster.ErrNoServer) && os.Getenv("CHAOS_SKIP") == "1" {
+		t.Skipf("CHAOS_SKIP=1 and %v", err)
+	}
 	if err != nil {
-		t.Fatalf("the fault suite needs PostgreSQL server binaries to run a private cluster: %v", err)
+		t.Fatalf("the fault suite needs PostgreSQL server binaries to run a private cluster "+
+			"(or CHAOS_SKIP=1 to skip it explicitly): %v", err)
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	s := &suite{t: t, cfg: cfg, cluster: c, dir: t.TempDir(), paused: map[int]bool{}}
