@@ -217,7 +217,7 @@ func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
 	holder := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond})
 	app := pgtest.UniqueName("taker")
 	takerPool := pgtest.NewPool(t, app)
-	taker, err := lock.New(takerPool, lock.Config{Schema: db.Schema, Logger: quiet})
+	taker, err := lock.New(takerPool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet})
 	if err != nil {
 		t.Fatal(err)
 	}

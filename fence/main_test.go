@@ -2,8 +2,6 @@ package fence_test
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"testing"
 	"time"
 
@@ -15,27 +13,9 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+func newClient(t testing.TB, db *pgtest.DB, cfg lock.Config) *lock.Client { return db.Client(t, cfg) }
 
-func newClient(t testing.TB, db *pgtest.DB, cfg lock.Config) *lock.Client {
-	t.Helper()
-	cfg.Schema = db.Schema
-	if cfg.Logger == nil {
-		cfg.Logger = quiet
-	}
-	c, err := lock.New(db.Pool, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close(context.Background()) })
-	return c
-}
-
-func ctxT(t testing.TB, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
+func ctxT(t testing.TB, d time.Duration) context.Context { return pgtest.Context(t, d) }
 
 func table(db *pgtest.DB, name string) string { return pgx.Identifier{db.Schema, name}.Sanitize() }
 

@@ -2,8 +2,6 @@ package lock_test
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"testing"
 	"time"
 
@@ -13,32 +11,8 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+var quiet = pgtest.Quiet
 
-// newClient returns a client on db's schema, closed when the test ends.
-func newClient(t testing.TB, db *pgtest.DB, cfg lock.Config) *lock.Client {
-	t.Helper()
-	if cfg.Schema == "" {
-		cfg.Schema = db.Schema
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = quiet
-	}
-	pool := db.Pool
-	c, err := lock.New(pool, cfg)
-	if err != nil {
-		t.Fatalf("lock.New: %v", err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		_ = c.Close(ctx)
-	})
-	return c
-}
+func newClient(t testing.TB, db *pgtest.DB, cfg lock.Config) *lock.Client { return db.Client(t, cfg) }
 
-func ctxT(t testing.TB, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
+func ctxT(t testing.TB, d time.Duration) context.Context { return pgtest.Context(t, d) }

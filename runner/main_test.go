@@ -2,8 +2,6 @@ package runner_test
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"runtime"
 	"sync"
 	"testing"
@@ -18,7 +16,7 @@ import (
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
-var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+var quiet = pgtest.Quiet
 
 // instance is one runner replica running in the test.
 type instance struct {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -77,6 +78,27 @@ func (e *env) client(ctx context.Context) (*lock.Client, func(), error) {
 	return c, pool.Close, nil
 }
 
+// leases connects and lists the leases.
+func (e *env) leases(ctx context.Context) (*lock.Client, []lock.Info, func(), error) {
+	c, closeFn, err := e.client(ctx)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	infos, err := c.Leases(ctx)
+	if err != nil {
+		closeFn()
+		return nil, nil, nil, err
+	}
+	return c, infos, closeFn, nil
+}
+
+// writeJSON prints v as indented JSON.
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
 func cmdLeases(ctx context.Context, e *env, args []string) error {
 	var asJSON bool
 	if _, err := parse(e, "leases", "[--json]", args, func(fs *flag.FlagSet) {
@@ -84,24 +106,18 @@ func cmdLeases(ctx context.Context, e *env, args []string) error {
 	}); err != nil {
 		return err
 	}
-	c, closeFn, err := e.client(ctx)
+	_, infos, closeFn, err := e.leases(ctx)
 	if err != nil {
 		return err
 	}
 	defer closeFn()
-	infos, err := c.Leases(ctx)
-	if err != nil {
-		return err
-	}
 	if asJSON {
 		out := make([]leaseJSON, 0, len(infos))
 		for _, i := range infos {
 			out = append(out, leaseJSON{Name: i.Name, Holder: i.Holder, Token: int64(i.Token), Held: i.Held,
 				ExpiresAt: i.ExpiresAt, ExpiresInSeconds: i.ExpiresIn.Seconds(), HeldForSeconds: i.HeldFor.Seconds()})
 		}
-		enc := json.NewEncoder(e.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(out)
+		return writeJSON(e.stdout, out)
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "NAME\tHOLDER\tTOKEN\tEXPIRES IN\tHELD FOR")
@@ -140,15 +156,11 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 		return fail(exitUsage, "release takes exactly one lease name")
 	}
 	name := fs.Arg(0)
-	c, closeFn, err := e.client(ctx)
+	c, infos, closeFn, err := e.leases(ctx)
 	if err != nil {
 		return err
 	}
 	defer closeFn()
-	infos, err := c.Leases(ctx)
-	if err != nil {
-		return err
-	}
 	var found *lock.Info
 	for i := range infos {
 		if infos[i].Name == name {
@@ -226,9 +238,7 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	if asJSON {
-		enc := json.NewEncoder(e.stdout)
-		enc.SetIndent("", "  ")
-		return enc.Encode(runs)
+		return writeJSON(e.stdout, runs)
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "JOB\tSHARD\tSLOT\tATTEMPT\tTOKEN\tSTATUS\tHOLDER\tDURATION\tERROR")

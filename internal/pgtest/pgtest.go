@@ -8,6 +8,8 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +22,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/pgfence/pgfence/internal/devdb"
+	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -201,4 +204,36 @@ func Schema(tb testing.TB, prefix string) string {
 		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{s}.Sanitize()+" CASCADE")
 	})
 	return s
+}
+
+// Quiet is a logger that discards everything, for clients under test.
+var Quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// Context returns a context that ends after d or when the test ends.
+func Context(tb testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	tb.Cleanup(cancel)
+	return ctx
+}
+
+// Client returns a lock client on the test's schema (cfg.Schema and a quiet
+// cfg.Logger are filled in), closed when the test ends.
+func (db *DB) Client(tb testing.TB, cfg lock.Config) *lock.Client {
+	tb.Helper()
+	if cfg.Schema == "" {
+		cfg.Schema = db.Schema
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = Quiet
+	}
+	c, err := lock.New(db.Pool, cfg)
+	if err != nil {
+		tb.Fatalf("lock.New: %v", err)
+	}
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = c.Close(ctx)
+	})
+	return c
 }
