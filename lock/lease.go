@@ -78,10 +78,18 @@ func (l *Lease) Context() context.Context { return l.ctx }
 func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
 
 // Err returns nil while the lease is live, then why it ended (wrapping
-// ErrLeaseLost, or ErrReleased).
+// ErrLeaseLost, or ErrReleased). It is exact at the trust deadline: once the
+// deadline has passed it reports the loss even if the timer that cancels the
+// context has not run yet.
 func (l *Lease) Err() error {
 	if l.ctx.Err() == nil {
-		return nil
+		l.mu.Lock()
+		over := !l.ended && !time.Now().Before(l.trustUntil)
+		l.mu.Unlock()
+		if !over {
+			return nil
+		}
+		l.trustElapsed()
 	}
 	return context.Cause(l.ctx)
 }
