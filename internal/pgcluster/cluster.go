@@ -52,7 +52,39 @@ func BinDir() (string, error) {
 }
 
 // New initialises a cluster in a new temporary directory and starts it.
-func New() (*Cluster, error) {
+// extraConf lines are appended to postgresql.conf.
+func New(extraConf ...string) (*Cluster, error) {
+	c, err := prepare()
+	if err != nil {
+		return nil, err
+	}
+	if err := c.pg("initdb", "-D", c.data(), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"); err != nil {
+		_ = os.RemoveAll(c.dir)
+		return nil, err
+	}
+	return c.configureAndStart(extraConf)
+}
+
+// NewStandby makes a streaming standby of a primary reached at
+// primaryAddr (host:port; a proxy in front of the primary lets a test cut
+// replication) with pg_basebackup, and starts it.
+func NewStandby(primaryAddr string, extraConf ...string) (*Cluster, error) {
+	c, err := prepare()
+	if err != nil {
+		return nil, err
+	}
+	host, port, err := net.SplitHostPort(primaryAddr)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.pg("pg_basebackup", "-D", c.data(), "-h", host, "-p", port, "-U", "postgres", "-R", "-X", "stream", "--no-sync"); err != nil {
+		_ = os.RemoveAll(c.dir)
+		return nil, err
+	}
+	return c.configureAndStart(extraConf)
+}
+
+func prepare() (*Cluster, error) {
 	bin, err := BinDir()
 	if err != nil {
 		return nil, err
@@ -68,31 +100,39 @@ func New() (*Cluster, error) {
 	c := &Cluster{bin: bin, dir: dir, port: port}
 	if os.Geteuid() == 0 {
 		if out, err := exec.Command("chown", "-R", "nobody", dir).CombinedOutput(); err != nil {
+			_ = os.RemoveAll(dir)
 			return nil, fmt.Errorf("pgcluster: chown: %v: %s", err, out)
 		}
 	}
-	if err := c.pg("initdb", "-D", c.data(), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"); err != nil {
-		_ = os.RemoveAll(dir)
-		return nil, err
-	}
+	return c, nil
+}
+
+func (c *Cluster) configureAndStart(extraConf []string) (*Cluster, error) {
 	conf := fmt.Sprintf("port = %d\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\n"+
 		// A process crash keeps the OS page cache, so WAL needs no fsync to
 		// survive pg_ctl stop -m immediate; this only speeds the suite up.
-		"fsync = off\nmax_connections = 200\nlog_min_messages = fatal\n", port, dir)
+		"fsync = off\nmax_connections = 200\nlog_min_messages = fatal\n", c.port, c.dir)
+	for _, l := range extraConf {
+		conf += l + "\n"
+	}
 	f, err := os.OpenFile(filepath.Join(c.data(), "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
 	if err == nil {
 		_, err = f.WriteString(conf)
 		_ = f.Close()
 	}
-	if err != nil {
-		_ = os.RemoveAll(dir)
-		return nil, err
+	if err == nil {
+		err = c.Start()
 	}
-	if err := c.Start(); err != nil {
-		_ = os.RemoveAll(dir)
+	if err != nil {
+		_ = os.RemoveAll(c.dir)
 		return nil, err
 	}
 	return c, nil
+}
+
+// Promote turns a standby into a primary and waits until it accepts writes.
+func (c *Cluster) Promote() error {
+	return c.pg("pg_ctl", "-D", c.data(), "-w", "-t", "60", "promote")
 }
 
 func (c *Cluster) data() string { return filepath.Join(c.dir, "data") }
