@@ -33,6 +33,7 @@ type Client struct {
 	kick     chan struct{} // wakes the renewer on Close
 	closed   bool
 	wg       sync.WaitGroup
+	stats    stats
 }
 
 // New returns a client that keeps leases in pool's database. It validates cfg

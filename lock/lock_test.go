@@ -570,3 +570,33 @@ func TestAcquireAfterTrustWindowEndsAtOnce(t *testing.T) {
 		t.Fatalf("cause = %v", l.Err())
 	}
 }
+
+// Stats: renewals counted, latency and clock skew measured (client and
+// server share this machine's clock, so the skew is small), time left shrinks
+// within the trust window.
+func TestStats(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	c := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 60 * time.Millisecond})
+	l, err := c.TryAcquire(ctx, "stats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left := l.TimeLeft(); left <= 0 || left > 540*time.Millisecond {
+		t.Fatalf("TimeLeft = %v", left)
+	}
+	time.Sleep(450 * time.Millisecond)
+	s := c.Stats()
+	if s.Held != 1 || s.Renewals < 2 || s.LastRenewLatency <= 0 || s.LastRenewLatency > time.Second {
+		t.Fatalf("Stats = %+v", s)
+	}
+	if s.ClockSkew < -time.Second || s.ClockSkew > time.Second {
+		t.Fatalf("ClockSkew = %v on one machine", s.ClockSkew)
+	}
+	_ = l.Release(ctx)
+	if l.TimeLeft() != 0 || c.Stats().Held != 0 {
+		t.Fatalf("after release: TimeLeft %v, Held %d", l.TimeLeft(), c.Stats().Held)
+	}
+	t.Logf("%+v", s)
+}

@@ -41,6 +41,7 @@ func (c *Client) renewLoop() {
 		}
 		c.mu.Unlock()
 		if err := c.renew(batch); err != nil {
+			c.stats.failures.Add(1)
 			c.cfg.Logger.Warn("pgfence: renewal failed", "leases", len(batch), "err", err)
 			wait = c.jitter(c.cfg.RenewInterval / 4)
 		} else {
@@ -87,6 +88,12 @@ func (c *Client) renew(batch []*Lease) error {
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return err
+	}
+	received := time.Now()
+	for _, exp := range got {
+		// expires_at = the statement's now() + TTL.
+		c.stats.observe(sent, received, exp.Add(-c.cfg.TTL))
+		break
 	}
 	for _, l := range batch {
 		if exp, ok := got[key{l.name, l.token}]; ok {
