@@ -360,3 +360,42 @@ func TestMissedSlotPolicy(t *testing.T) {
 		})
 	}
 }
+
+// A run that completes while the runner shuts down has its success recorded,
+// so the next leader does not run the slot again; one interrupted by the
+// shutdown (it returns an error) is left for the next leader.
+func TestShutdownRecordsFinishedRuns(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		result func(ctx context.Context) error
+		want   string
+	}{
+		{"finished", func(context.Context) error { return nil }, "succeeded"},
+		{"interrupted", func(ctx context.Context) error { return context.Cause(ctx) }, "running"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			started := make(chan struct{}, 1)
+			job := runner.Job{Name: "drain", Schedule: "@every 200ms", Run: func(ctx context.Context, run *runner.Run) error {
+				select {
+				case started <- struct{}{}:
+				default:
+				}
+				<-ctx.Done() // works until told to stop
+				return tc.result(ctx)
+			}}
+			in := start(t, db.Pool, runner.Config{Schema: db.Schema}, func(r *runner.Runner) error { return r.Register(job) })
+			<-started
+			in.stop(t)
+			var status string
+			if err := db.Pool.QueryRow(context.Background(), "SELECT status FROM "+tbl(db, "pgfence_runs")+" ORDER BY slot LIMIT 1").Scan(&status); err != nil {
+				t.Fatal(err)
+			}
+			if status != tc.want {
+				t.Fatalf("status after shutdown = %s, want %s", status, tc.want)
+			}
+		})
+	}
+}

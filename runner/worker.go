@@ -142,11 +142,15 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 		w.fenced(l, run, cmp(runErr, l.Err()))
 		return false
 	}
-	if errors.Is(context.Cause(ctx), errShutdown) {
-		// Shutting down with the lease still ours: leave the slot
+	if runErr != nil && errors.Is(context.Cause(ctx), errShutdown) {
+		// Interrupted by shutdown with the lease still ours: leave the slot
 		// "running"; the next leader's claim (with a greater token) runs it.
 		return false
 	}
+	// A run that finished must have its outcome recorded even if shutdown
+	// has begun; the folded fence, not the context, decides whether it may.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
 	g := l.Guard()
 	expr, fargs := g.Fold(5)
 	args := append([]any{w.j.Name, w.shard, slot, int64(l.Token())}, fargs...)
