@@ -25,11 +25,11 @@ import (
 
 // Timings shared by workers and the suite. Every statement and transaction of
 // a worker ends within opBound (statement_timeout, lock_timeout and
-// idle_in_transaction_session_timeout are 2s), which bounds when an operation
+// idle_in_transaction_session_timeout are 2s; opBound adds margin), which bounds when an operation
 // whose outcome the worker did not learn can still take effect.
 const (
 	leaseTTL  = 600 * time.Millisecond
-	opBound   = 3 * time.Second
+	opBound   = 5 * time.Second
 	customers = 5
 	register  = "register"
 	chargeJob = "nightly-charge"
