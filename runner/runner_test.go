@@ -399,3 +399,19 @@ func TestShutdownRecordsFinishedRuns(t *testing.T) {
 		})
 	}
 }
+
+// Job.Timeout bounds an attempt: a run that overstays it is cancelled and
+// recorded as failed with the deadline error.
+func TestJobTimeout(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	job := runner.Job{Name: "slow", Schedule: "@every 300ms", Timeout: 50 * time.Millisecond,
+		Run: func(ctx context.Context, run *runner.Run) error {
+			<-ctx.Done()
+			return ctx.Err()
+		}}
+	start(t, db.Pool, runner.Config{Schema: db.Schema}, func(r *runner.Runner) error { return r.Register(job) })
+	waitFor(t, 10*time.Second, "a failed run", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE status = 'failed' AND error LIKE '%deadline exceeded%'") >= 1
+	})
+}
