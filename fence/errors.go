@@ -77,8 +77,9 @@ const (
 	codeNotIssued = "PF003"
 )
 
-// translate turns the errors raised by the database fence into this
-// package's typed errors and leaves everything else alone.
+// translate turns the errors raised by the database fences (pgfence_check,
+// pgfence_admit) into this package's typed errors and leaves everything else
+// alone.
 func translate(err error, lease string, presented Token) error {
 	var pg *pgconn.PgError
 	if !errors.As(err, &pg) {

@@ -85,20 +85,8 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 	if err := g.validate(); err != nil {
 		return pgconn.CommandTag{}, err
 	}
-	b := &pgx.Batch{}
-	b.Queue(g.checkSQL(), g.Lease, int64(g.Token))
-	b.Queue(sql, args...)
-	br := tx.SendBatch(ctx, b)
-	_, checkErr := br.Exec()
-	tag, execErr := br.Exec()
-	closeErr := br.Close()
-	if checkErr != nil {
-		return pgconn.CommandTag{}, translate(checkErr, g.Lease, g.Token)
-	}
-	if execErr != nil {
-		return pgconn.CommandTag{}, execErr
-	}
-	return tag, closeErr
+	// The same pipelining RunTx gives its function's first statement.
+	return (&guardedTx{Tx: tx, g: g}).Exec(ctx, sql, args...)
 }
 
 // RunTx runs fn in a guarded transaction on db: begin, check, fn, commit.

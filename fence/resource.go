@@ -3,10 +3,8 @@ package fence
 import (
 	"context"
 	"errors"
-	"strconv"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -49,15 +47,11 @@ func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
 	}
 	var cur int64
 	err := tx.QueryRow(ctx, "SELECT "+ident.Table(r.Schema, "pgfence_admit")+"($1, $2)", r.Name, int64(t)).Scan(&cur)
-	if err != nil {
-		var pg *pgconn.PgError
-		if errors.As(err, &pg) && pg.Code == codeStale {
-			c, _ := strconv.ParseInt(pg.Detail, 10, 64)
-			return &StaleTokenError{Resource: r.Name, Presented: t, Current: Token(c)}
-		}
-		return err
+	var stale *StaleTokenError
+	if err = translate(err, "", t); errors.As(err, &stale) {
+		stale.Resource = r.Name
 	}
-	return nil
+	return err
 }
 
 // Querier runs a query returning one row: a pool, a connection and a

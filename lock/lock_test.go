@@ -330,14 +330,7 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 	// And expiring a live holder's row at the database ends its lease at
 	// the next renewal, long before its local trust window would.
 	expire(t, db, "clock")
-	select {
-	case <-l.Done():
-	case <-time.After(1500 * time.Millisecond):
-		t.Fatal("holder kept its lease after the database expired it")
-	}
-	if !errors.Is(l.Err(), lock.ErrLeaseLost) {
-		t.Fatalf("cause = %v", l.Err())
-	}
+	waitLost(t, l, 1500*time.Millisecond, "holder kept its lease after the database expired it")
 }
 
 // Acceptance 6: the schema refuses a token decrease, deletes and truncation.
@@ -516,11 +509,7 @@ func TestLeasesAndForceRelease(t *testing.T) {
 	if err != nil || holder != "worker-1" || tok != l.Token() {
 		t.Fatalf("ForceRelease = %q, %d, %v", holder, tok, err)
 	}
-	select {
-	case <-l.Done():
-	case <-time.After(2 * time.Second):
-		t.Fatal("holder did not notice the forced release")
-	}
+	waitLost(t, l, 2*time.Second, "holder did not notice the forced release")
 	l2, err := c.TryAcquire(ctx, "ops")
 	if err != nil || l2.Token() <= l.Token() {
 		t.Fatalf("after force release: %v, %v", l2, err)
@@ -561,14 +550,7 @@ func TestAcquireAfterTrustWindowEndsAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-l.Done():
-	case <-time.After(time.Second):
-		t.Fatal("a lease acquired after its trust window was not ended")
-	}
-	if !errors.Is(l.Err(), lock.ErrLeaseLost) {
-		t.Fatalf("cause = %v", l.Err())
-	}
+	waitLost(t, l, time.Second, "a lease acquired after its trust window was not ended")
 }
 
 // Stats: renewals counted, latency and clock skew measured (client and
@@ -599,4 +581,17 @@ func TestStats(t *testing.T) {
 		t.Fatalf("after release: TimeLeft %v, Held %d", l.TimeLeft(), c.Stats().Held)
 	}
 	t.Logf("%+v", s)
+}
+
+// waitLost waits up to d for l to end with ErrLeaseLost, or fails with why.
+func waitLost(t *testing.T, l *lock.Lease, d time.Duration, why string) {
+	t.Helper()
+	select {
+	case <-l.Done():
+	case <-time.After(d):
+		t.Fatal(why)
+	}
+	if !errors.Is(l.Err(), lock.ErrLeaseLost) {
+		t.Fatalf("cause = %v, want ErrLeaseLost", l.Err())
+	}
 }

@@ -72,6 +72,7 @@ func (c *Client) renew(batch []*Lease) error {
 		token fence.Token
 	}
 	got := make(map[key]time.Time, len(batch))
+	var lastExp time.Time
 	for rows.Next() {
 		var (
 			k   key
@@ -84,16 +85,15 @@ func (c *Client) renew(batch []*Lease) error {
 		}
 		k.token = fence.Token(tok)
 		got[k] = exp
+		lastExp = exp
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return err
 	}
-	received := time.Now()
-	for _, exp := range got {
-		// expires_at = the statement's now() + TTL.
-		c.stats.observe(sent, received, exp.Add(-c.cfg.TTL))
-		break
+	if len(got) > 0 {
+		// expires_at = the statement's now() + TTL, the same for every row.
+		c.stats.observe(sent, time.Now(), lastExp.Add(-c.cfg.TTL))
 	}
 	for _, l := range batch {
 		if exp, ok := got[key{l.name, l.token}]; ok {

@@ -57,6 +57,7 @@ func BenchmarkRunOverhead(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	w.foldFence(l) // as lead does at the start of a term
 	slot := time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
 	bare := func(n int) (time.Duration, int64) {
 		before, start := rt.n.Load(), time.Now()

@@ -22,6 +22,11 @@ type worker struct {
 	r     *Runner
 	j     *job
 	shard int
+
+	// The ledger statements with the current term's fence folded in,
+	// built once per term (see lead).
+	claimSQL, succeedSQL, failSQL string
+	fenceArgs                     []any
 }
 
 func (w *worker) leaseName() string {
@@ -69,6 +74,7 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 	defer cancel(nil)
 	stop := context.AfterFunc(ctx, func() { cancel(context.Cause(ctx)) })
 	defer stop()
+	w.foldFence(l)
 
 	// Taking over: finish the last slot if it was left unfinished (its
 	// runner died or paused), then the latest missed slot, by policy.
@@ -139,7 +145,7 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 		return false
 	}
 	if l.Err() != nil || errors.Is(runErr, fence.ErrStaleToken) || errors.Is(runErr, ErrFenced) {
-		w.fenced(l, run, cmp(runErr, l.Err()))
+		w.fenced(l, run, firstErr(runErr, l.Err()))
 		return false
 	}
 	if runErr != nil && errors.Is(context.Cause(ctx), errShutdown) {
@@ -152,12 +158,11 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	g := l.Guard()
-	expr, fargs := g.Fold(5)
-	args := append([]any{w.j.Name, w.shard, slot, int64(l.Token())}, fargs...)
+	args := append([]any{w.j.Name, w.shard, slot, int64(l.Token())}, w.fenceArgs...)
 	var err error
 	if runErr == nil {
 		var tag pgconn.CommandTag
-		tag, err = w.r.pool.Exec(ctx, fmt.Sprintf(w.r.q.succeedFenced, expr), args...)
+		tag, err = w.r.pool.Exec(ctx, w.succeedSQL, args...)
 		if err = g.Err(err); err == nil && tag.RowsAffected() != 1 {
 			err = ErrFenced
 		}
@@ -166,7 +171,7 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 			return false
 		}
 	} else {
-		_, err = w.r.pool.Exec(ctx, fmt.Sprintf(w.r.q.fail, expr), append(args, runErr.Error())...)
+		_, err = w.r.pool.Exec(ctx, w.failSQL, append(args, runErr.Error())...)
 		if err = g.Err(err); err == nil {
 			w.event(RunFailed, slot, l, attempt, runErr)
 			return attempt < w.j.Retry.MaxAttempts
@@ -199,14 +204,26 @@ func (w *worker) claim(ctx context.Context, l *lock.Lease, slot time.Time) (atte
 	if err := l.Err(); err != nil {
 		return 0, false, err
 	}
-	g := l.Guard()
-	expr, fargs := g.Fold(7)
-	err = w.r.pool.QueryRow(ctx, fmt.Sprintf(w.r.q.claim, expr), append([]any{w.j.Name, w.shard, slot, int64(l.Token()),
-		w.r.cfg.Instance, w.j.Retry.MaxAttempts}, fargs...)...).Scan(&attempt)
+	err = w.r.pool.QueryRow(ctx, w.claimSQL, append([]any{w.j.Name, w.shard, slot, int64(l.Token()),
+		w.r.cfg.Instance, w.j.Retry.MaxAttempts}, w.fenceArgs...)...).Scan(&attempt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, false, nil
 	}
-	return attempt, err == nil, g.Err(err)
+	return attempt, err == nil, l.Guard().Err(err)
+}
+
+// foldFence builds the term's fenced ledger statements. The fold expression
+// takes the same two arguments in every statement, so each statement puts
+// them right after its own parameters: claim has six, the others four
+// (fail's error message comes last, as $7).
+func (w *worker) foldFence(l *lock.Lease) {
+	g := l.Guard()
+	claimExpr, args := g.Fold(7)
+	outcomeExpr, _ := g.Fold(5)
+	w.claimSQL = fmt.Sprintf(w.r.q.claim, claimExpr)
+	w.succeedSQL = fmt.Sprintf(w.r.q.succeedFenced, outcomeExpr)
+	w.failSQL = fmt.Sprintf(w.r.q.fail, outcomeExpr)
+	w.fenceArgs = args
 }
 
 // call runs the job function with its timeout, turning a panic into an error.
@@ -251,7 +268,7 @@ func latestDue(s Schedule, after, now time.Time) time.Time {
 	return due
 }
 
-func cmp(a, b error) error {
+func firstErr(a, b error) error {
 	if a != nil {
 		return a
 	}

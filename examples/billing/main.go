@@ -35,7 +35,6 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/devdb"
 	"github.com/pgfence/pgfence/lock"
-	"github.com/pgfence/pgfence/migrations"
 )
 
 // urlEnv passes the resolved database to the worker processes.
@@ -169,10 +168,7 @@ func relay(r io.Reader, fn func(string)) {
 
 func setup(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 	q := pgx.Identifier{schema}.Sanitize()
-	if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+q+" CASCADE"); err != nil {
-		return err
-	}
-	if _, err := migrations.Up(ctx, pool, schema); err != nil {
+	if err := devdb.FreshSchema(ctx, pool, schema); err != nil {
 		return err
 	}
 	for _, stmt := range []string{

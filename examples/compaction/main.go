@@ -25,7 +25,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/devdb"
-	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -178,10 +177,7 @@ func compact(ctx context.Context, pool *pgxpool.Pool, q string, run *runner.Run)
 
 func setup(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 	q := pgx.Identifier{schema}.Sanitize()
-	if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+q+" CASCADE"); err != nil {
-		return err
-	}
-	if _, err := migrations.Up(ctx, pool, schema); err != nil {
+	if err := devdb.FreshSchema(ctx, pool, schema); err != nil {
 		return err
 	}
 	for _, stmt := range []string{

@@ -11,9 +11,12 @@ import (
 	"os"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/testcontainers/testcontainers-go"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
+
+	"github.com/pgfence/pgfence/migrations"
 )
 
 // ErrNoDocker is returned by Container when no Docker engine is reachable.
@@ -121,4 +124,14 @@ func Connect(ctx context.Context) (*pgxpool.Pool, string, func(), error) {
 	}
 	cfg := pool.Config().ConnConfig
 	return pool, fmt.Sprintf("libpq defaults (%s:%d)", cfg.Host, cfg.Port), cleanup, nil
+}
+
+// FreshSchema drops schema (with everything in it) and applies pgfence's
+// migrations there, so an example starts from a clean slate on every run.
+func FreshSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
+		return err
+	}
+	_, err := migrations.Up(ctx, pool, schema)
+	return err
 }
