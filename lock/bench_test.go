@@ -18,10 +18,12 @@ import (
 // BenchmarkAcquireRelease measures acquire+release pairs per second against
 // the durable floor on the same server in the same run: pairs of plain
 // single-row UPDATE commits (acquire and release are two commits each).
-// The two alternate in sixteen rounds so drift on a noisy machine hits both; the
-// "ratio" metric is pgfence's pairs/s over the floor's.
+// The floor and pgfence alternate in sixteen rounds so drift on a noisy
+// machine hits both; "ratio" is pgfence's pairs/s over the floor's with the
+// default (asynchronously committed) release, "ratio_durable" the same with
+// Config.DurableRelease, measured in a third phase of each round.
 //
-//	go test -run '^$' -bench AcquireRelease -benchtime 2000x ./lock
+//	go test -run '^$' -bench AcquireRelease -benchtime 8000x ./lock
 func BenchmarkAcquireRelease(b *testing.B) {
 	for _, clients := range []int{1, 8} {
 		b.Run(fmt.Sprintf("clients=%d", clients), func(b *testing.B) {
@@ -37,11 +39,15 @@ func BenchmarkAcquireRelease(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
-			c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: time.Minute, Logger: quiet})
-			if err != nil {
-				b.Fatal(err)
+			newClient := func(durable bool) *lock.Client {
+				c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: time.Minute, DurableRelease: durable, Logger: quiet})
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { _ = c.Close(ctx) })
+				return c
 			}
-			defer c.Close(ctx)
+			async, durable := newClient(false), newClient(true)
 			upd := "UPDATE " + tbl + " SET v = v + 1 WHERE id = $1"
 			floor := func(id, n int) {
 				for range n {
@@ -53,30 +59,34 @@ func BenchmarkAcquireRelease(b *testing.B) {
 					}
 				}
 			}
-			pairs := func(id, n int) {
-				name := fmt.Sprintf("bench-%d", id)
-				for range n {
-					l, err := c.TryAcquire(ctx, name)
-					if err != nil {
-						b.Error(err)
-						return
-					}
-					if err := l.Release(ctx); err != nil {
-						b.Error(err)
-						return
+			pairs := func(c *lock.Client) func(id, n int) {
+				return func(id, n int) {
+					name := fmt.Sprintf("bench-%d", id)
+					for range n {
+						l, err := c.TryAcquire(ctx, name)
+						if err != nil {
+							b.Error(err)
+							return
+						}
+						if err := l.Release(ctx); err != nil {
+							b.Error(err)
+							return
+						}
 					}
 				}
 			}
-			// Warm both paths (connections, prepared statements, rows).
+			// Warm every path (connections, prepared statements, rows).
 			parallel(clients, 20, floor)
-			parallel(clients, 20, pairs)
+			parallel(clients, 20, pairs(async))
+			parallel(clients, 20, pairs(durable))
 			b.ResetTimer()
 			const rounds = 16
 			per := max(b.N/clients/rounds, 1)
-			var tFloor, tLib time.Duration
+			var tFloor, tLib, tDurable time.Duration
 			for range rounds {
 				tFloor += parallel(clients, per, floor)
-				tLib += parallel(clients, per, pairs)
+				tLib += parallel(clients, per, pairs(async))
+				tDurable += parallel(clients, per, pairs(durable))
 			}
 			b.StopTimer()
 			total := float64(rounds * per * clients)
@@ -84,6 +94,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 			b.ReportMetric(libRate, "pairs/s")
 			b.ReportMetric(floorRate, "floor_pairs/s")
 			b.ReportMetric(libRate/floorRate, "ratio")
+			b.ReportMetric(tFloor.Seconds()/tDurable.Seconds(), "ratio_durable")
 		})
 	}
 }

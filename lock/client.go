@@ -75,31 +75,45 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 	}
 	secret := make([]byte, 16)
 	_, _ = cryptorand.Read(secret)
-	sent := time.Now()
 	var (
-		won       bool
 		token     int64
-		holder    string
 		expiresAt time.Time
-		inMicros  int64
+		sent      time.Time
+		held      *HeldError
 	)
 	args := []any{name, c.cfg.Holder, secret, c.cfg.TTL.Microseconds()}
-	scan := func(sql string) error {
-		return c.pool.QueryRow(ctx, sql, args...).Scan(&won, &token, &holder, &expiresAt, &inMicros)
-	}
-	err := scan(c.q.acquire)
-	for i := 0; i < 3 && errors.Is(err, pgx.ErrNoRows); i++ {
-		// No row yet: this is the name's first acquisition.
-		if err = scan(c.q.acquireNew); errors.Is(err, pgx.ErrNoRows) {
-			err = scan(c.q.acquire) // someone else inserted it first
+	for attempt := 0; ; attempt++ {
+		if attempt == 3 {
+			if held != nil {
+				return nil, held
+			}
+			return nil, fmt.Errorf("lock: acquire %q: the row kept changing under three attempts", name)
 		}
-	}
-	if err != nil {
-		return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
-	}
-	if !won {
-		return nil, &HeldError{Name: name, Holder: holder, Token: token, ExpiresAt: expiresAt,
-			ExpiresIn: time.Duration(inMicros) * time.Microsecond}
+		sent = time.Now()
+		won, h, live, err := c.compareAndSet(ctx, args, &token, &expiresAt)
+		if err != nil {
+			return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
+		}
+		if won {
+			break
+		}
+		if h != nil {
+			held = h
+			if live {
+				return nil, h
+			}
+			// Freed between the two statements: try again.
+			continue
+		}
+		// No row yet: this is the name's first acquisition, unless someone
+		// else inserts it first (no row returned); then try again.
+		err = c.pool.QueryRow(ctx, c.q.acquireNew, args...).Scan(&token, &expiresAt)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
+		}
 	}
 	l := newLease(c, name, fence.Token(token), secret, expiresAt, sent)
 	if !c.track(l) {
@@ -108,6 +122,38 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 		return nil, ErrClosed
 	}
 	return l, nil
+}
+
+// compareAndSet sends the acquire statement and, pipelined after it in the
+// same round trip, heldBy. It reports whether the lease was won (filling
+// token and expiresAt), or else who holds it and whether that lease is live,
+// or neither when no row exists.
+func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, expiresAt *time.Time) (won bool, held *HeldError, live bool, err error) {
+	b := &pgx.Batch{}
+	b.Queue(c.q.acquire, args...)
+	b.Queue(c.q.heldBy, args[0], args[2])
+	br := c.pool.SendBatch(ctx, b)
+	errWon := br.QueryRow().Scan(token, expiresAt)
+	var (
+		h        = &HeldError{Name: args[0].(string)}
+		inMicros int64
+	)
+	errHeld := br.QueryRow().Scan(&h.Token, &h.Holder, &live, &h.ExpiresAt, &inMicros)
+	if err := br.Close(); err != nil {
+		return false, nil, false, err
+	}
+	switch {
+	case errWon == nil:
+		return true, nil, false, nil
+	case !errors.Is(errWon, pgx.ErrNoRows):
+		return false, nil, false, errWon
+	case errHeld == nil:
+		h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
+		return false, h, live, nil
+	case !errors.Is(errHeld, pgx.ErrNoRows):
+		return false, nil, false, errHeld
+	}
+	return false, nil, false, nil
 }
 
 // Acquire blocks until it acquires the lease name or ctx ends. It wakes

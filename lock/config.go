@@ -50,6 +50,22 @@ type Config struct {
 	// Logger receives renewal failures and lease losses. Default
 	// slog.Default().
 	Logger *slog.Logger
+
+	// DurableRelease makes Lease.Release wait until its commit is flushed
+	// to disk (and to synchronous standbys), like any other commit.
+	// Default false: Release commits asynchronously, which makes an
+	// acquire+release pair about as cheap as two plain durable updates
+	// (BENCHMARKS.md). The release is visible to every other session at
+	// once either way; only a database crash (or failover) in the fraction
+	// of a second before the WAL writer flushes it can undo it, and then
+	// the lease is back as it was before Release: held by its old holder,
+	// with its old token and old expiry. It then expires by the database
+	// clock no later than it would have had the holder died, and its next
+	// acquisition gets a greater token as always: no invariant depends on
+	// a release being durable, only how soon the next holder can take
+	// over after a crash. Acquisitions and renewals are always durable,
+	// since tokens and expiry times must survive a crash.
+	DurableRelease bool
 }
 
 // ErrInvalidConfig is matched by every *ConfigError.

@@ -4,14 +4,21 @@
 // # Model
 //
 // A lease is one row of pgfence_leases. Acquiring it is a single
-// compare-and-set upsert that succeeds only if the row is free, released, or
-// expired by the database's clock, and raises the row's token by one. So:
+// compare-and-set UPDATE that succeeds only if the row is free, released, or
+// expired by the database's clock, and gives the row a new token: the next
+// value of the token column's sequence (an identity column, which nothing
+// else can write). So:
 //
 //   - at most one client holds a lease at any moment by the database's clock;
 //   - every acquisition returns a token strictly greater than every token
-//     issued before for that name; renewals keep the token; rows are never
-//     deleted and the schema refuses a token decrease, so tokens never go
-//     back, not after release, crash or restart.
+//     issued before, for that name and for every other name in the same
+//     table (tokens of one lease rise, but not by one); renewals keep the
+//     token; the schema refuses a token decrease and rows are never
+//     deleted, so tokens never go back, not after release, crash or restart.
+//
+// Release does not wait for its commit to reach disk (Config.DurableRelease
+// says why that is safe and how to turn it off): a crash in the moment after
+// a release can only leave the lease held until its expiry.
 //
 // A Client renews all of its leases in one statement every RenewInterval.
 // Each Lease carries a context that is cancelled the moment the lease is lost
@@ -33,10 +40,12 @@
 //
 // # Waiting
 //
-// Acquire blocks until the lease is free. Releases are announced with
-// NOTIFY on the channel pgfence_released, so a waiter wakes within
-// milliseconds; leases that expire without release are noticed by polling
-// (PollInterval, jittered) or at the holder's expiry.
+// Acquire blocks until the lease is free. Releases (Lease.Release,
+// Client.ForceRelease) are announced with NOTIFY on the channel
+// pgfence_released when someone waits, so a waiter wakes within
+// milliseconds; leases that expire without release, or that an operator
+// frees with a hand-written UPDATE, are noticed by polling (PollInterval,
+// jittered) or at the holder's expiry.
 //
 // Election is the loop most programs want: campaign, lead with a context that
 // is cancelled on loss, release, campaign again.

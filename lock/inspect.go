@@ -71,8 +71,11 @@ func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, 
 	if err := fence.ValidateName(name); err != nil {
 		return "", 0, err
 	}
-	var tok int64
-	err = c.pool.QueryRow(ctx, c.q.forceRelease, name).Scan(&tok, &holder)
+	var (
+		tok  int64
+		woke bool
+	)
+	err = c.pool.QueryRow(ctx, c.q.forceRelease, name).Scan(&tok, &holder, &woke)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return "", 0, fmt.Errorf("%w: %q", ErrNoLease, name)
 	}

@@ -163,7 +163,11 @@ func (l *Lease) Release(ctx context.Context) error {
 	l.mu.Unlock()
 	l.cancel(ErrReleased)
 	l.c.untrack(l)
-	if _, err := l.c.pool.Exec(ctx, l.c.q.release, l.name, int64(l.token), l.secret); err != nil {
+	sql := l.c.q.release
+	if l.c.cfg.DurableRelease {
+		sql = l.c.q.releaseDurable
+	}
+	if _, err := l.c.pool.Exec(ctx, sql, l.name, int64(l.token), l.secret); err != nil {
 		return fmt.Errorf("lock: release %q: %w", l.name, err)
 	}
 	return nil

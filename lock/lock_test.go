@@ -29,12 +29,13 @@ func TestRaceExactlyOneWinner(t *testing.T) {
 	}
 	const n = 64
 	var (
-		wg    sync.WaitGroup
-		start = make(chan struct{})
-		wins  atomic.Int32
-		held  atomic.Int32
-		mu    sync.Mutex
-		won   *lock.Lease
+		wg       sync.WaitGroup
+		start    = make(chan struct{})
+		wins     atomic.Int32
+		held     atomic.Int32
+		mu       sync.Mutex
+		won      *lock.Lease
+		heldErrs []*lock.HeldError
 	)
 	for i := range n {
 		wg.Add(1)
@@ -50,6 +51,12 @@ func TestRaceExactlyOneWinner(t *testing.T) {
 				mu.Unlock()
 			case errors.Is(err, lock.ErrHeld):
 				held.Add(1)
+				var he *lock.HeldError
+				if errors.As(err, &he) {
+					mu.Lock()
+					heldErrs = append(heldErrs, he)
+					mu.Unlock()
+				}
 			default:
 				t.Errorf("TryAcquire: %v", err)
 			}
@@ -60,8 +67,12 @@ func TestRaceExactlyOneWinner(t *testing.T) {
 	if wins.Load() != 1 || held.Load() != n-1 {
 		t.Fatalf("wins=%d held=%d, want 1 and %d", wins.Load(), held.Load(), n-1)
 	}
-	if won.Token() != 1 {
-		t.Fatalf("first token = %d, want 1", won.Token())
+	// Every loser was told who won, with the winner's token (losers' attempts
+	// may have drawn sequence values, so the token need not be 1).
+	for _, he := range heldErrs {
+		if he.Token != int64(won.Token()) || he.Holder != won.Holder() {
+			t.Fatalf("HeldError %+v, want holder %q token %d", he, won.Holder(), won.Token())
+		}
 	}
 }
 
@@ -306,8 +317,9 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 
 	// A holder whose row says "expires in an hour" by the database clock
 	// holds, whatever the client thinks of time.
-	if _, err := db.Pool.Exec(ctx, "INSERT INTO "+tbl+` (name, token, holder, secret, acquired_at, renewed_at, expires_at)
-		VALUES ('clock', 7, 'ghost', '\x00', now() - interval '2 hours', now(), now() + interval '1 hour')`); err != nil {
+	var ghost int64
+	if err := db.Pool.QueryRow(ctx, "INSERT INTO "+tbl+` (name, holder, secret, acquired_at, renewed_at, expires_at)
+		VALUES ('clock', 'ghost', '\x00', now() - interval '2 hours', now(), now() + interval '1 hour') RETURNING token`).Scan(&ghost); err != nil {
 		t.Fatal(err)
 	}
 	_, err := c.TryAcquire(ctx, "clock")
@@ -315,8 +327,8 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 	if !errors.As(err, &held) {
 		t.Fatalf("TryAcquire = %v, want *HeldError", err)
 	}
-	if held.Holder != "ghost" || held.Token != 7 || held.ExpiresIn < 59*time.Minute || held.ExpiresIn > time.Hour {
-		t.Fatalf("HeldError = %+v", held)
+	if held.Holder != "ghost" || held.Token != ghost || held.ExpiresIn < 59*time.Minute || held.ExpiresIn > time.Hour {
+		t.Fatalf("HeldError = %+v, want ghost's token %d", held, ghost)
 	}
 	// Move the database's view: expired now. The same client acquires.
 	expire(t, db, "clock")
@@ -324,8 +336,8 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 	if err != nil {
 		t.Fatalf("after expiry at the database: %v", err)
 	}
-	if l.Token() != 8 {
-		t.Fatalf("token = %d, want 8", l.Token())
+	if int64(l.Token()) <= ghost {
+		t.Fatalf("token = %d, want above the ghost's %d", l.Token(), ghost)
 	}
 	// And expiring a live holder's row at the database ends its lease at
 	// the next renewal, long before its local trust window would.
@@ -334,6 +346,10 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 }
 
 // Acceptance 6: the schema refuses a token decrease, deletes and truncation.
+// The token is an identity column, so an UPDATE can only draw the next value
+// of its sequence; an INSERT that overrides it with a value the sequence has
+// not issued yet is refused by a trigger; renaming a row is allowed but cannot
+// make any lease's token go down.
 func TestSchemaRefusesTokenDecrease(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -345,21 +361,38 @@ func TestSchemaRefusesTokenDecrease(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = l.Release(ctx)
-	for _, stmt := range []string{
-		"UPDATE " + tbl + " SET token = token - 1",
-		"DELETE FROM " + tbl,
-		"TRUNCATE " + tbl,
-		"UPDATE " + tbl + " SET name = 'other'",
+	for _, tc := range []struct{ stmt, code string }{
+		{"UPDATE " + tbl + " SET token = token - 1", "428C9"},
+		{"UPDATE " + tbl + " SET token = 1", "428C9"},
+		{"DELETE FROM " + tbl, "PF010"},
+		{"TRUNCATE " + tbl, "PF010"},
+		{"INSERT INTO " + tbl + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE" +
+			" VALUES ('forged', 1000000, now(), now(), now())", "PF010"},
 	} {
-		_, err := db.Pool.Exec(ctx, stmt)
+		_, err := db.Pool.Exec(ctx, tc.stmt)
 		var pg *pgconn.PgError
-		if !errors.As(err, &pg) || pg.Code != "PF010" {
-			t.Errorf("%s: err = %v, want SQLSTATE PF010", stmt, err)
+		if !errors.As(err, &pg) || pg.Code != tc.code {
+			t.Errorf("%s: err = %v, want SQLSTATE %s", tc.stmt, err, tc.code)
 		}
 	}
 	var tok int64
-	if err := db.Pool.QueryRow(ctx, "SELECT token FROM "+tbl+" WHERE name = 'mono'").Scan(&tok); err != nil || tok != 1 {
-		t.Fatalf("token after refused statements = %d, %v", tok, err)
+	if err := db.Pool.QueryRow(ctx, "SELECT token FROM "+tbl+" WHERE name = 'mono'").Scan(&tok); err != nil || tok != int64(l.Token()) {
+		t.Fatalf("token after refused statements = %d, %v; want %d", tok, err, l.Token())
+	}
+	// A renamed row takes its token along; the name's next acquisition
+	// still gets a greater one, and so does the row's new name.
+	if _, err := db.Pool.Exec(ctx, "UPDATE "+tbl+" SET name = 'renamed' WHERE name = 'mono'"); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"mono", "renamed"} {
+		l2, err := c.TryAcquire(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l2.Token() <= l.Token() {
+			t.Errorf("%s after rename: token %d, want above %d", name, l2.Token(), l.Token())
+		}
+		_ = l2.Release(ctx)
 	}
 	var persistence string
 	if err := db.Pool.QueryRow(ctx, "SELECT relpersistence FROM pg_class WHERE oid = $1::regclass", tbl).Scan(&persistence); err != nil || persistence != "p" {

@@ -17,40 +17,51 @@ import (
 
 // queries holds the package's SQL, built once per client for its schema.
 type queries struct {
-	acquire, acquireNew, markWaiting, renew, release, check, inspect, forceRelease string
+	acquire, heldBy, acquireNew, markWaiting, renew, release, releaseDurable, check, inspect, forceRelease string
+}
+
+// wakeWaiters is a RETURNING expression for statements that free a lease
+// (alias l): it sends the release notification when a blocked acquirer asked
+// for one (waiters_until), and says whether it did. It is evaluated only for
+// rows the statement changed, and calls fn (pgfence_wake_waiters, which
+// knows its schema) only when it notifies.
+func wakeWaiters(fn string) string {
+	return `CASE WHEN l.waiters_until > now() THEN ` + fn + `(l.name) ELSE false END`
 }
 
 func newQueries(schema string) queries {
 	t := ident.Table(schema, "pgfence_leases")
+	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
 	return queries{
-		// The compare-and-set, in one round trip: take the row if it is
-		// free, released or expired (raising the token), and otherwise
-		// return it as the statement's snapshot saw it, for HeldError.
+		// The compare-and-set: take the row if it is free, released or
+		// expired, with a new token from the column's sequence (token is
+		// GENERATED ALWAYS AS IDENTITY: DEFAULT is its nextval()).
 		// Concurrent acquirers queue on the row lock and re-check the
-		// WHERE on the newest version: exactly one wins. A plain UPDATE is
-		// used rather than INSERT ... ON CONFLICT because it is markedly
-		// cheaper for the server (see BENCHMARKS.md); the row is inserted
-		// by acquireNew the first time a name is used.
-		acquire: fmt.Sprintf(`WITH won AS (
-    UPDATE %[1]s l
-       SET token = l.token + 1, holder = $2, secret = $3, acquired_at = now(), renewed_at = now(),
-           expires_at = now() + $4 * interval '1 microsecond'
-     WHERE l.name = $1 AND (l.holder IS NULL OR l.expires_at <= now())
-    RETURNING l.token, l.holder, l.expires_at)
-SELECT true, token, holder, expires_at, (extract(epoch FROM expires_at - now()) * 1e6)::bigint FROM won
-UNION ALL
-SELECT false, c.token, coalesce(c.holder, ''), c.expires_at, (extract(epoch FROM c.expires_at - now()) * 1e6)::bigint
-  FROM %[1]s c WHERE c.name = $1 AND NOT EXISTS (SELECT 1 FROM won)`, t),
+		// WHERE on the newest version, with a fresh nextval(): exactly one
+		// wins, and its token is above the one it replaced. Kept to a bare
+		// UPDATE ... RETURNING: the success path is the hot one, and a
+		// single statement that also returned the holder on failure (a CTE
+		// with UNION ALL) cost about 10% of acquire+release throughput at 8
+		// clients (BENCHMARKS.md). heldBy, pipelined after it in the same
+		// round trip, answers the failure case.
+		acquire: fmt.Sprintf(`UPDATE %[1]s l
+   SET token = DEFAULT, holder = $2, secret = $3, acquired_at = now(), renewed_at = now(),
+       expires_at = now() + $4 * interval '1 microsecond'
+ WHERE l.name = $1 AND (l.holder IS NULL OR l.expires_at <= now())
+RETURNING l.token, l.expires_at`, t),
+
+		// Who holds the lease, unless it is the caller (secret $2): no row
+		// after a successful acquire, or when no row exists yet.
+		heldBy: fmt.Sprintf(`SELECT token, coalesce(holder, ''), holder IS NOT NULL AND expires_at > now(), expires_at,
+       (extract(epoch FROM expires_at - now()) * 1e6)::bigint
+  FROM %[1]s WHERE name = $1 AND secret IS DISTINCT FROM $2`, t),
 
 		// First acquisition of a name; a concurrent first acquirer makes
-		// this return no row, and the caller runs acquire again. No conflict
-		// target: two first inserts collide on the primary key and on
-		// UNIQUE (name, token), and only a target-less DO NOTHING absorbs a
-		// collision on either (with "(name)" the other one is an error).
-		acquireNew: fmt.Sprintf(`INSERT INTO %[1]s (name, token, holder, secret, acquired_at, renewed_at, expires_at)
-VALUES ($1, 1, $2, $3, now(), now(), now() + $4 * interval '1 microsecond')
+		// this return no row, and the caller runs acquire again.
+		acquireNew: fmt.Sprintf(`INSERT INTO %[1]s (name, holder, secret, acquired_at, renewed_at, expires_at)
+VALUES ($1, $2, $3, now(), now(), now() + $4 * interval '1 microsecond')
 ON CONFLICT DO NOTHING
-RETURNING true, token, holder, expires_at, (extract(epoch FROM expires_at - now()) * 1e6)::bigint`, t),
+RETURNING token, expires_at`, t),
 
 		// A blocked acquirer asks to be notified of the release. The
 		// column is not a key, so this neither waits for nor blocks a
@@ -65,8 +76,19 @@ RETURNING true, token, holder, expires_at, (extract(epoch FROM expires_at - now(
  WHERE l.name = r.name AND l.token = r.token AND l.secret = r.secret AND l.expires_at > now()
 RETURNING l.name, l.token, l.expires_at`, t),
 
-		release: fmt.Sprintf(`UPDATE %[1]s SET holder = NULL, secret = NULL, expires_at = least(expires_at, now())
- WHERE name = $1 AND token = $2 AND secret = $3`, t),
+		// Release commits without waiting for its WAL to reach disk
+		// (synchronous_commit = off for this one transaction): see
+		// Config.DurableRelease for why that is safe. set_config(..., true)
+		// lasts until the end of the statement's own implicit transaction,
+		// so it is in force when that transaction commits and gone after.
+		release: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
+  FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async
+ WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
+RETURNING %[2]s`, t, wake),
+
+		releaseDurable: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
+ WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
+RETURNING %[2]s`, t, wake),
 
 		check: fmt.Sprintf(`SELECT token, secret = $2 AND holder IS NOT NULL, expires_at > clock_timestamp(), expires_at
   FROM %[1]s WHERE name = $1`, t),
@@ -78,6 +100,6 @@ RETURNING l.name, l.token, l.expires_at`, t),
 		forceRelease: fmt.Sprintf(`WITH old AS (SELECT name, holder FROM %[1]s WHERE name = $1 FOR UPDATE)
 UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
   FROM old WHERE l.name = old.name
-RETURNING l.token, coalesce(old.holder, '')`, t),
+RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake),
 	}
 }

@@ -41,32 +41,39 @@ type Output struct {
 	Value   int64 // Read: the value read
 }
 
-type state struct{ token, value int64 }
+// state is the register: the newest token known to be issued, the value, and
+// whether an acquisition of unknown outcome may since have issued a newer
+// token whose value nobody saw (tokens come from a sequence, so it cannot be
+// guessed): then a write with token is refused, as a stale one would be.
+type state struct {
+	token, value int64
+	newer        bool
+}
 
 // Model is the fenced-register model.
 var Model = porcupine.NondeterministicModel{
 	Init: func() []any { return []any{state{}} },
 	Step: func(st, in, out any) []any {
 		s, i, o := st.(state), in.(Input), out.(Output)
+		current := func(tok int64) bool { return tok == s.token && !s.newer }
 		switch i.Kind {
 		case Acquire:
 			if o.Unknown {
-				// Tokens rise by one per acquisition.
-				return []any{s, state{s.token + 1, s.value}}
+				return []any{s, state{s.token, s.value, true}}
 			}
 			if o.Token > s.token {
-				return []any{state{o.Token, s.value}}
+				return []any{state{o.Token, s.value, false}}
 			}
 		case Write:
 			switch {
 			case o.Unknown:
-				if i.Token == s.token {
-					return []any{s, state{s.token, i.Value}}
+				if current(i.Token) {
+					return []any{s, state{s.token, i.Value, false}}
 				}
 				return []any{s}
-			case o.OK && i.Token == s.token:
-				return []any{state{s.token, i.Value}}
-			case !o.OK && i.Token < s.token:
+			case o.OK && current(i.Token):
+				return []any{state{s.token, i.Value, false}}
+			case !o.OK && i.Token <= s.token && !current(i.Token):
 				return []any{s}
 			}
 		case Read:

@@ -42,6 +42,11 @@ func TestModel(t *testing.T) {
 		{"unknown acquisition may have happened", []porcupine.Operation{
 			acq(0, 0, 1, 1), {ClientId: 1, Input: Input{Kind: Acquire}, Output: Output{Unknown: true}, Call: 2, Return: 1 << 40},
 			wr(0, 5, 6, 1, 10, false, false)}, porcupine.Ok},
+		{"unknown acquisition may not have happened", []porcupine.Operation{
+			acq(0, 0, 1, 1), {ClientId: 1, Input: Input{Kind: Acquire}, Output: Output{Unknown: true}, Call: 2, Return: 1 << 40},
+			wr(0, 5, 6, 1, 10, true, false), rd(2, 7, 8, 10)}, porcupine.Ok},
+		{"token above every one issued refused as stale", []porcupine.Operation{
+			acq(0, 0, 1, 1), wr(0, 2, 3, 5, 10, false, false)}, porcupine.Illegal},
 		{"read of a value never written", []porcupine.Operation{rd(0, 0, 1, 99)}, porcupine.Illegal},
 	}
 	for _, tc := range cases {
