@@ -7,11 +7,17 @@
 // Guard (a lease guard, checked against the pgfence_leases table):
 // a transaction in which Guard.Check (or Guard.Exec, or Guard.RunTx) succeeded
 // commits only if, at commit, no token greater than the guard's token has been
-// issued for the lease. The check takes a FOR KEY SHARE lock on the lease row;
-// the token is a key column (UNIQUE (name, token)), so an acquisition that
-// would raise the token waits until the guarded transaction ends, while the
-// holder's own renewals do not wait. A refused transaction is aborted by the
-// database: none of its statements commit, even if the caller tries.
+// issued for the lease. The check takes a FOR KEY SHARE lock on the lease row.
+// An acquisition locks the row FOR UPDATE before it raises the token, which
+// conflicts with that lock: it waits until the guarded transaction ends, and
+// a check that starts while an acquisition is in flight waits for it and then
+// sees the new token. The holder's own renewals and releases take a weaker
+// lock and do not wait. A refused transaction is aborted by the database: none
+// of its statements commit, even if the caller tries.
+//
+// Tokens raised outside the library must follow the same rule: an UPDATE
+// that sets token = DEFAULT without first locking the row FOR UPDATE does
+// not wait for open guarded transactions, which may then still commit.
 //
 // Resource (a resource fence, kept next to the protected data in any
 // database that has the pgfence migrations): Admit accepts a token only if it

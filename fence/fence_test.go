@@ -279,10 +279,94 @@ func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
-	if r.at.Before(committed) || r.l.Token() != l.Token()+1 {
+	if r.at.Before(committed) || r.l.Token() <= l.Token() {
 		t.Fatalf("takeover at %v (commit at %v), token %d", r.at, committed, r.l.Token())
 	}
 	t.Logf("takeover waited; it completed %v after the guarded commit", r.at.Sub(committed))
+}
+
+// The other direction: a guarded transaction whose check starts while a
+// takeover is in flight (its UPDATE done, its commit not yet) waits for the
+// takeover and is then refused. The acquisition locks the row FOR UPDATE
+// before its (HOT, non-key) UPDATE, which makes PostgreSQL record that update
+// as a key update, so the check's FOR KEY SHARE conflicts with it. The
+// control shows why the explicit lock matters: a token raised by a bare
+// UPDATE (an operator by hand) does not make the check wait, and the check
+// passes with the token being replaced.
+func TestGuardWaitsForTakeoverInFlight(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	leases := table(db, "pgfence_leases")
+	// Every token change sleeps inside its statement, before the commit.
+	mustExec(t, db, "CREATE FUNCTION "+table(db, "slow")+"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$")
+	mustExec(t, db, "CREATE TRIGGER slow AFTER UPDATE ON "+leases+" FOR EACH ROW WHEN (NEW.token <> OLD.token) EXECUTE FUNCTION "+table(db, "slow")+"()")
+	holder := newClient(t, db, lock.Config{})
+	app := pgtest.UniqueName("taker")
+	takerPool := pgtest.NewPool(t, app)
+	taker, err := lock.New(takerPool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taker.Close(context.Background())
+
+	for _, tc := range []struct {
+		name     string
+		takeover func(name string) error
+		waits    bool
+	}{
+		{"library acquisition", func(name string) error {
+			l, err := taker.TryAcquire(ctx, name)
+			if err == nil {
+				err = l.Release(ctx)
+			}
+			return err
+		}, true},
+		{"bare UPDATE (control)", func(name string) error {
+			_, err := takerPool.Exec(ctx, "UPDATE "+leases+" SET token = DEFAULT, holder = 'by hand', secret = '\\x00', expires_at = now() + interval '1 minute' WHERE name = $1", name)
+			return err
+		}, false},
+	} {
+		name := pgtest.UniqueName("inflight")
+		l, err := holder.TryAcquire(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		expire(t, db, name)
+		done := make(chan error, 1)
+		go func() { done <- tc.takeover(name) }()
+		// Wait until the takeover has updated the row and sleeps before
+		// its commit.
+		var sleeping bool
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && !sleeping; time.Sleep(10 * time.Millisecond) {
+			if err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+				WHERE application_name = $1 AND wait_event = 'PgSleep')`, app).Scan(&sleeping); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if !sleeping {
+			t.Fatalf("%s: the takeover never reached its sleep", tc.name)
+		}
+		tx, err := db.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The takeover had not committed when the check started, so a
+		// refusal proves the check waited for its commit, and a pass
+		// proves it did not.
+		checkErr := l.Guard().Check(ctx, tx)
+		_ = tx.Rollback(ctx)
+		if tc.waits && !errors.Is(checkErr, fence.ErrStaleToken) {
+			t.Fatalf("%s: check = %v; want it to wait for the takeover and be refused", tc.name, checkErr)
+		}
+		if !tc.waits && checkErr != nil {
+			t.Fatalf("%s: check = %v; the control expected it to pass at once", tc.name, checkErr)
+		}
+		if err := <-done; err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		t.Logf("%s: check during the takeover: %v", tc.name, checkErr)
+	}
 }
 
 // Acceptance 6: bad input gets the documented errors.

@@ -15,10 +15,10 @@ import (
 // makes that transaction commit only if no token greater than Token has been
 // issued for Lease by the time it commits.
 //
-// The check takes a FOR KEY SHARE lock on the lease row. Because the token is
-// a key column of the leases table, a takeover (which must raise the token)
-// waits until the guarded transaction ends, while renewals of the current
-// holder (which only move the expiry) are not blocked. A guarded transaction
+// The check takes a FOR KEY SHARE lock on the lease row. A takeover locks the
+// row FOR UPDATE before it raises the token, so it waits until the guarded
+// transaction ends, while renewals of the current holder (which only move the
+// expiry) are not blocked. A guarded transaction
 // that stays open therefore delays a takeover: keep guarded transactions short,
 // and bound them with statement_timeout / idle_in_transaction_session_timeout.
 //

@@ -368,6 +368,13 @@ func TestSchemaRefusesTokenDecrease(t *testing.T) {
 		{"TRUNCATE " + tbl, "PF010"},
 		{"INSERT INTO " + tbl + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE" +
 			" VALUES ('forged', 1000000, now(), now(), now())", "PF010"},
+		{"INSERT INTO " + tbl + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE" +
+			" VALUES ('zero', 0, now(), now(), now())", "PF010"},
+		// The row rules checked at insert: name length, holder and secret
+		// set together.
+		{"INSERT INTO " + tbl + " (name, acquired_at, renewed_at, expires_at) VALUES (repeat('n', 256), now(), now(), now())", "23514"},
+		{"INSERT INTO " + tbl + " (name, acquired_at, renewed_at, expires_at) VALUES ('', now(), now(), now())", "23514"},
+		{"INSERT INTO " + tbl + " (name, holder, acquired_at, renewed_at, expires_at) VALUES ('nosecret', 'h', now(), now(), now())", "23514"},
 	} {
 		_, err := db.Pool.Exec(ctx, tc.stmt)
 		var pg *pgconn.PgError

@@ -33,21 +33,34 @@ func newQueries(schema string) queries {
 	t := ident.Table(schema, "pgfence_leases")
 	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
 	return queries{
-		// The compare-and-set: take the row if it is free, released or
-		// expired, with a new token from the column's sequence (token is
-		// GENERATED ALWAYS AS IDENTITY: DEFAULT is its nextval()).
-		// Concurrent acquirers queue on the row lock and re-check the
-		// WHERE on the newest version, with a fresh nextval(): exactly one
-		// wins, and its token is above the one it replaced. Kept to a bare
-		// UPDATE ... RETURNING: the success path is the hot one, and a
-		// single statement that also returned the holder on failure (a CTE
-		// with UNION ALL) cost about 10% of acquire+release throughput at 8
-		// clients (BENCHMARKS.md). heldBy, pipelined after it in the same
-		// round trip, answers the failure case.
+		// The compare-and-set: lock the row FOR UPDATE if it is free,
+		// released or expired, and give it a new token from the column's
+		// sequence (token is GENERATED ALWAYS AS IDENTITY: DEFAULT is its
+		// nextval()). Concurrent acquirers queue on the row lock and re-check
+		// the condition on the newest version: exactly one wins, and if the
+		// UPDATE meets a newer version it re-evaluates it, with a fresh
+		// nextval(), so its token is above the one it replaces.
+		//
+		// The explicit FOR UPDATE is the fence's other half. pgfence_check
+		// holds FOR KEY SHARE on the row for the rest of a guarded
+		// transaction; FOR UPDATE conflicts with it, so the acquisition
+		// waits until every guarded transaction that checked the old token
+		// has ended, and PostgreSQL records the update made under it as a
+		// key update, so guarded transactions that start meanwhile wait
+		// for it and then see the new token. Renewals and releases update
+		// the row without it, so they never wait for a guarded transaction.
+		// Since token is not indexed, the update is HOT.
+		//
+		// Kept to one bare statement: the success path is the hot one, and a
+		// single statement that also returned the holder on failure (UNION
+		// ALL over a data-modifying CTE) cost about 10% of acquire+release
+		// throughput at 8 clients (BENCHMARKS.md). heldBy, pipelined after
+		// it in the same round trip, answers the failure case.
 		acquire: fmt.Sprintf(`UPDATE %[1]s l
    SET token = DEFAULT, holder = $2, secret = $3, acquired_at = now(), renewed_at = now(),
        expires_at = now() + $4 * interval '1 microsecond'
- WHERE l.name = $1 AND (l.holder IS NULL OR l.expires_at <= now())
+ WHERE l.name = (SELECT f.name FROM %[1]s f WHERE f.name = $1 AND (f.holder IS NULL OR f.expires_at <= now()) FOR UPDATE)
+   AND (l.holder IS NULL OR l.expires_at <= now())
 RETURNING l.token, l.expires_at`, t),
 
 		// Who holds the lease, unless it is the caller (secret $2): no row
@@ -81,10 +94,12 @@ RETURNING l.name, l.token, l.expires_at`, t),
 		// Config.DurableRelease for why that is safe. set_config(..., true)
 		// lasts until the end of the statement's own implicit transaction,
 		// so it is in force when that transaction commits and gone after.
+		// It sits in RETURNING, evaluated only for the row released (a
+		// release that matched nothing wrote nothing and has nothing to
+		// flush).
 		release: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
-  FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async
  WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
-RETURNING %[2]s`, t, wake),
+RETURNING %[2]s, set_config('synchronous_commit', 'off', true)`, t, wake),
 
 		releaseDurable: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
  WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
