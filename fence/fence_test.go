@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -215,13 +216,7 @@ func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
 	holder := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond})
-	app := pgtest.UniqueName("taker")
-	takerPool := pgtest.NewPool(t, app)
-	taker, err := lock.New(takerPool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer taker.Close(context.Background())
+	taker, _, app := newTaker(t, db)
 
 	l, err := holder.TryAcquire(ctx, "wait")
 	if err != nil {
@@ -302,13 +297,7 @@ func TestGuardWaitsForTakeoverInFlight(t *testing.T) {
 	mustExec(t, db, "CREATE FUNCTION "+table(db, "slow")+"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$")
 	mustExec(t, db, "CREATE TRIGGER slow AFTER UPDATE ON "+leases+" FOR EACH ROW WHEN (NEW.token <> OLD.token) EXECUTE FUNCTION "+table(db, "slow")+"()")
 	holder := newClient(t, db, lock.Config{})
-	app := pgtest.UniqueName("taker")
-	takerPool := pgtest.NewPool(t, app)
-	taker, err := lock.New(takerPool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer taker.Close(context.Background())
+	taker, takerPool, app := newTaker(t, db)
 
 	for _, tc := range []struct {
 		name     string
@@ -536,4 +525,18 @@ func TestFoldedCheck(t *testing.T) {
 	if expr, _ := (fence.Guard{Lease: "fold", Token: 0}).Fold(1); expr != "" {
 		t.Fatalf("Fold of an invalid guard = %q", expr)
 	}
+}
+
+// newTaker returns a client on a pool of its own, whose connections carry a
+// unique application_name so a test can watch them in pg_stat_activity.
+func newTaker(t *testing.T, db *pgtest.DB) (*lock.Client, *pgxpool.Pool, string) {
+	t.Helper()
+	app := pgtest.UniqueName("taker")
+	pool := pgtest.NewPool(t, app)
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	return c, pool, app
 }
