@@ -635,3 +635,52 @@ func waitLost(t *testing.T, l *lock.Lease, d time.Duration, why string) {
 		t.Fatalf("cause = %v, want ErrLeaseLost", l.Err())
 	}
 }
+
+// A forced release wakes blocked acquirers through the same notification as
+// a release (the waiter's poll interval is far longer than the test).
+func TestForceReleaseWakesWaiters(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	holder := newClient(t, db, lock.Config{Holder: "stuck"})
+	waiter := newClient(t, db, lock.Config{Holder: "next", PollInterval: 30 * time.Second})
+	l, err := holder.TryAcquire(ctx, "forced")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *lock.Lease, 1)
+	go func() {
+		l2, err := waiter.Acquire(ctx, "forced")
+		if err != nil {
+			t.Error(err)
+		}
+		got <- l2
+	}()
+	// Wait until the waiter has asked to be woken.
+	waitFor(t, 5*time.Second, func() bool {
+		var asked bool
+		err := db.Pool.QueryRow(ctx, "SELECT waiters_until > now() FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'forced'").Scan(&asked)
+		return err == nil && asked
+	})
+	if _, _, err := waiter.ForceRelease(ctx, "forced"); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case l2 := <-got:
+		if l2 == nil || l2.Token() <= l.Token() {
+			t.Fatalf("waiter got %v after the forced release of token %d", l2, l.Token())
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("a waiter was not woken by the forced release")
+	}
+}
+
+// waitFor polls cond every 10ms until it holds, failing the test after d.
+func waitFor(t *testing.T, d time.Duration, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(d); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("condition not met within %v", d)
+		}
+	}
+}
