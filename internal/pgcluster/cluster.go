@@ -15,6 +15,8 @@ import (
 	"sort"
 	"strings"
 	"sync"
+
+	"github.com/pgfence/pgfence/internal/unpriv"
 )
 
 // ErrNoServer is returned when no PostgreSQL server binaries are installed.
@@ -93,16 +95,14 @@ func prepare() (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	port, err := freePort()
+	port, err := unpriv.FreePort()
 	if err != nil {
 		return nil, err
 	}
 	c := &Cluster{bin: bin, dir: dir, port: port}
-	if os.Geteuid() == 0 {
-		if out, err := exec.Command("chown", "-R", "nobody", dir).CombinedOutput(); err != nil {
-			_ = os.RemoveAll(dir)
-			return nil, fmt.Errorf("pgcluster: chown: %v: %s", err, out)
-		}
+	if err := unpriv.Own(dir); err != nil {
+		_ = os.RemoveAll(dir)
+		return nil, fmt.Errorf("pgcluster: %w", err)
 	}
 	return c, nil
 }
@@ -180,25 +180,11 @@ func (c *Cluster) Close() error {
 // pg runs a server binary, as nobody when we are root.
 func (c *Cluster) pg(name string, args ...string) error {
 	path := filepath.Join(c.bin, name)
-	var cmd *exec.Cmd
-	if os.Geteuid() == 0 {
-		cmd = exec.Command("setpriv", append([]string{"--reuid=nobody", "--regid=nogroup", "--clear-groups", "--", path}, args...)...)
-	} else {
-		cmd = exec.Command(path, args...)
-	}
+	cmd := unpriv.Command(path, args...)
 	cmd.Dir = c.dir
 	cmd.Env = append(os.Environ(), "LC_ALL=C")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("pgcluster: %s %s: %v\n%s", name, strings.Join(args, " "), err, out)
 	}
 	return nil
-}
-
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }

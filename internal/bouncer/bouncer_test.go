@@ -1,0 +1,181 @@
+package bouncer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/bouncer"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// start runs a PgBouncer (transaction pooling, poolSize server connections)
+// in front of the test server and returns it with the test's database area.
+func start(t *testing.T, poolSize int) (*bouncer.Bouncer, *pgtest.DB, *pgx.ConnConfig) {
+	t.Helper()
+	db := pgtest.New(t)
+	up, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := bouncer.Start(fmt.Sprintf("%s:%d", up.Host, up.Port), up.User, poolSize)
+	if errors.Is(err, bouncer.ErrNoBinary) && os.Getenv("PGBOUNCER_SKIP") == "1" {
+		t.Skipf("PGBOUNCER_SKIP=1 and %v", err)
+	}
+	if err != nil {
+		t.Fatalf("%v (set PGBOUNCER_SKIP=1 to skip the PgBouncer tests explicitly)", err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	return b, db, up
+}
+
+// poolThrough connects through PgBouncer with one of pgx's exec modes that
+// PgBouncer before 1.21 supports in transaction mode (no named prepared
+// statements kept across transactions).
+func poolThrough(t *testing.T, b *bouncer.Bouncer, up *pgx.ConnConfig, mode string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(b.URL(up.User, up.Database, "default_query_exec_mode="+mode))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+var modes = []string{"exec", "simple_protocol"}
+
+// Leases, renewals, the held error, release and re-acquisition work through
+// transaction pooling: each is a single statement or one pipelined implicit
+// transaction, with no session state.
+func TestLeasesThroughPgBouncer(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(mode, func(t *testing.T) {
+			b, db, up := start(t, 4)
+			ctx := pgtest.Context(t, time.Minute)
+			pool := poolThrough(t, b, up, mode)
+			newClient := func(holder string) *lock.Client {
+				c, err := lock.New(pool, lock.Config{Schema: db.Schema, Holder: holder, TTL: 600 * time.Millisecond,
+					RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond, PollInterval: 200 * time.Millisecond, Logger: pgtest.Quiet})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = c.Close(context.Background()) })
+				return c
+			}
+			a, other := newClient("a"), newClient("b")
+			l, err := a.TryAcquire(ctx, "pooled")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var held *lock.HeldError
+			if _, err := other.TryAcquire(ctx, "pooled"); !errors.As(err, &held) || held.Holder != "a" || held.Token != int64(l.Token()) {
+				t.Fatalf("second TryAcquire = %v, want held by a with token %d", err, l.Token())
+			}
+			// Renewals keep the lease through PgBouncer: after 3 TTLs it is
+			// still live, with the same token.
+			time.Sleep(1800 * time.Millisecond)
+			if err := l.Check(ctx); err != nil {
+				t.Fatalf("lease after 3 TTLs of renewals: %v", err)
+			}
+			// A blocked Acquire: LISTEN does not survive transaction pooling,
+			// so the waiter must find the release by polling.
+			got := make(chan *lock.Lease, 1)
+			go func() {
+				l2, err := other.Acquire(ctx, "pooled")
+				if err != nil {
+					t.Error(err)
+				}
+				got <- l2
+			}()
+			time.Sleep(300 * time.Millisecond)
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			released := time.Now()
+			select {
+			case l2 := <-got:
+				if l2 == nil || l2.Token() <= l.Token() {
+					t.Fatalf("waiter got %v after token %d", l2, l.Token())
+				}
+				t.Logf("%s: waiter acquired %v after the release", mode, time.Since(released).Round(time.Millisecond))
+			case <-time.After(3 * time.Second):
+				t.Fatal("the waiter did not acquire within 3s of the release (poll interval 200ms)")
+			}
+		})
+	}
+}
+
+// Guarded transactions through PgBouncer: the current token commits, a
+// stale one is refused and leaves nothing behind. And the asynchronous
+// release's synchronous_commit = off stays inside its own transaction: the
+// single server connection PgBouncer shares between clients is back to
+// synchronous_commit = on for whoever uses it next.
+func TestFenceThroughPgBouncer(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(mode, func(t *testing.T) {
+			b, db, up := start(t, 1)
+			ctx := pgtest.Context(t, time.Minute)
+			pool := poolThrough(t, b, up, mode)
+			tbl := pgx.Identifier{db.Schema, "writes"}.Sanitize()
+			if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+tbl+" (token bigint NOT NULL)"); err != nil {
+				t.Fatal(err)
+			}
+			c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close(context.Background())
+			old, err := c.TryAcquire(ctx, "fenced")
+			if err != nil {
+				t.Fatal(err)
+			}
+			write := func(l *lock.Lease) error {
+				return l.RunTx(ctx, func(tx pgx.Tx) error {
+					_, err := tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES ($1)", int64(l.Token()))
+					return err
+				})
+			}
+			if err := write(old); err != nil {
+				t.Fatalf("guarded write with the current token: %v", err)
+			}
+			if err := old.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			var sc string
+			if err := pool.QueryRow(ctx, "SHOW synchronous_commit").Scan(&sc); err != nil || sc != "on" {
+				t.Fatalf("synchronous_commit after a release, on PgBouncer's only server connection: %q, %v", sc, err)
+			}
+			next, err := c.TryAcquire(ctx, "fenced")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer next.Release(ctx)
+			// The old holder's guard, used after the takeover, is refused.
+			err = old.Guard().RunTx(ctx, pool, func(tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES ($1)", int64(old.Token()))
+				return err
+			})
+			if !errors.Is(err, fence.ErrStaleToken) {
+				t.Fatalf("stale guarded write = %v, want ErrStaleToken", err)
+			}
+			var n int
+			if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+tbl).Scan(&n); err != nil || n != 1 {
+				t.Fatalf("rows written: %d, %v; want only the current holder's 1", n, err)
+			}
+		})
+	}
+}
