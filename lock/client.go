@@ -73,8 +73,27 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 	if c.isClosed() {
 		return nil, ErrClosed
 	}
+	return c.tryAcquire(ctx, name, newSecret(), time.Time{})
+}
+
+// newSecret returns a fresh per-acquisition secret.
+func newSecret() []byte {
 	secret := make([]byte, 16)
 	_, _ = cryptorand.Read(secret)
+	return secret
+}
+
+// tryAcquire is TryAcquire with a given secret. Blocking Acquire keeps one
+// secret across its attempts, so that when an attempt's reply is lost (its
+// connection dropped after the commit) a later attempt finds the row holding
+// its own secret and adopts the lease instead of waiting for it to expire.
+// since is the send time of the first attempt with this secret (zero: this
+// is the first); an adopted lease is trusted from then, the earliest moment
+// the lost acquisition can have happened, since its reply time is unknown.
+func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time) (*Lease, error) {
+	if c.isClosed() {
+		return nil, ErrClosed
+	}
 	var (
 		token     int64
 		expiresAt time.Time
@@ -90,17 +109,24 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 			return nil, fmt.Errorf("lock: acquire %q: the row kept changing under three attempts", name)
 		}
 		sent = time.Now()
-		won, h, live, err := c.compareAndSet(ctx, args, &token, &expiresAt)
+		r, err := c.compareAndSet(ctx, args, &token, &expiresAt)
 		if err != nil {
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
 		}
-		if won {
+		if r.won {
 			break
 		}
-		if h != nil {
-			held = h
-			if live {
-				return nil, h
+		if r.held != nil && r.mine && r.live && !since.IsZero() &&
+			time.Until(since.Add(c.cfg.TTL-c.cfg.SafetyMargin)) > c.cfg.RenewInterval/2 {
+			// An earlier attempt of this Acquire won; its reply was lost.
+			token, expiresAt, sent = r.held.Token, r.held.ExpiresAt, since
+			c.cfg.Logger.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", token)
+			break
+		}
+		if r.held != nil {
+			held = r.held
+			if r.live {
+				return nil, held
 			}
 			// Freed between the two statements: try again.
 			continue
@@ -124,36 +150,45 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 	return l, nil
 }
 
+// casResult is what one compare-and-set round trip found.
+type casResult struct {
+	won  bool       // the acquire statement took the lease
+	held *HeldError // otherwise, the row as heldBy saw it (nil: no row)
+	live bool       // the row is held and unexpired
+	mine bool       // the row holds the caller's secret
+}
+
 // compareAndSet sends the acquire statement and, pipelined after it in the
 // same round trip, heldBy. It reports whether the lease was won (filling
-// token and expiresAt), or else who holds it and whether that lease is live,
-// or neither when no row exists.
-func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, expiresAt *time.Time) (won bool, held *HeldError, live bool, err error) {
+// token and expiresAt), or else the row as it stands, if there is one.
+func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, expiresAt *time.Time) (casResult, error) {
 	b := &pgx.Batch{}
 	b.Queue(c.q.acquire, args...)
 	b.Queue(c.q.heldBy, args[0], args[2])
 	br := c.pool.SendBatch(ctx, b)
 	errWon := br.QueryRow().Scan(token, expiresAt)
 	var (
+		r        casResult
 		h        = &HeldError{Name: args[0].(string)}
 		inMicros int64
 	)
-	errHeld := br.QueryRow().Scan(&h.Token, &h.Holder, &live, &h.ExpiresAt, &inMicros)
+	errHeld := br.QueryRow().Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine)
 	if err := br.Close(); err != nil {
-		return false, nil, false, err
+		return casResult{}, err
 	}
 	switch {
 	case errWon == nil:
-		return true, nil, false, nil
+		return casResult{won: true}, nil
 	case !errors.Is(errWon, pgx.ErrNoRows):
-		return false, nil, false, errWon
+		return casResult{}, errWon
 	case errHeld == nil:
 		h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
-		return false, h, live, nil
+		r.held = h
+		return r, nil
 	case !errors.Is(errHeld, pgx.ErrNoRows):
-		return false, nil, false, errHeld
+		return casResult{}, errHeld
 	}
-	return false, nil, false, nil
+	return casResult{}, nil
 }
 
 // Acquire blocks until it acquires the lease name or ctx ends. It wakes
@@ -170,8 +205,13 @@ func (c *Client) Acquire(ctx context.Context, name string) (*Lease, error) {
 			sub.cancel()
 		}
 	}()
+	secret, since := newSecret(), time.Time{}
 	for {
-		l, err := c.TryAcquire(ctx, name)
+		attemptAt := time.Now()
+		l, err := c.tryAcquire(ctx, name, secret, since)
+		if since.IsZero() {
+			since = attemptAt
+		}
 		var held *HeldError
 		if !errors.As(err, &held) {
 			if err != nil && ctx.Err() != nil {

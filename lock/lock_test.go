@@ -684,3 +684,47 @@ func waitFor(t *testing.T, d time.Duration, cond func() bool) {
 		}
 	}
 }
+
+// An acquisition whose reply was lost (connection dropped after the commit)
+// leaves the row held with the attempt's secret. Acquire keeps one secret
+// across its attempts, so its next attempt adopts that lease at once instead
+// of waiting for it to expire, trusting it from the first attempt's send time
+// (the earliest the lost acquisition can have happened). Another secret (any
+// other acquirer, or TryAcquire) still finds it held.
+func TestAcquireAdoptsItsLostAcquisition(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	cfg := lock.Config{TTL: 3 * time.Second, RenewInterval: 500 * time.Millisecond, SafetyMargin: 300 * time.Millisecond}
+	c := newClient(t, db, cfg)
+	secret, sent, token, err := c.AcquireLostReply(ctx, "orphan")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held *lock.HeldError
+	if _, err := c.TryAcquire(ctx, "orphan"); !errors.As(err, &held) || held.Token != token {
+		t.Fatalf("TryAcquire with a fresh secret = %v, want held with token %d", err, token)
+	}
+	// A first attempt sent so long ago that no trust would be left: wait.
+	if _, err := c.TryAcquireAs(ctx, "orphan", secret, sent.Add(-cfg.TTL)); !errors.As(err, &held) {
+		t.Fatalf("adoption with no trust window left = %v, want *HeldError", err)
+	}
+	l, err := c.TryAcquireAs(ctx, "orphan", secret, sent)
+	if err != nil {
+		t.Fatalf("adopting the lost acquisition: %v", err)
+	}
+	if int64(l.Token()) != token {
+		t.Fatalf("adopted token %d, want %d", l.Token(), token)
+	}
+	if want := sent.Add(cfg.TTL - cfg.SafetyMargin); l.TrustedUntil().After(want) {
+		t.Fatalf("adopted lease trusted until %v, beyond first send + TTL - margin (%v)", l.TrustedUntil(), want)
+	}
+	// It is a lease like any other: renewed past its first expiry.
+	time.Sleep(cfg.TTL + time.Second)
+	if err := l.Check(ctx); err != nil {
+		t.Fatalf("adopted lease after its first TTL: %v", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}

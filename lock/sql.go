@@ -63,11 +63,13 @@ func newQueries(schema string) queries {
    AND (l.holder IS NULL OR l.expires_at <= now())
 RETURNING l.token, l.expires_at`, t),
 
-		// Who holds the lease, unless it is the caller (secret $2): no row
-		// after a successful acquire, or when no row exists yet.
+		// The row after the acquire statement (no row: the name's first
+		// acquisition), and whether it holds the caller's secret $2: after
+		// a failed acquire, that means an earlier attempt with the same
+		// secret won and its reply was lost.
 		heldBy: fmt.Sprintf(`SELECT token, coalesce(holder, ''), holder IS NOT NULL AND expires_at > now(), expires_at,
-       (extract(epoch FROM expires_at - now()) * 1e6)::bigint
-  FROM %[1]s WHERE name = $1 AND secret IS DISTINCT FROM $2`, t),
+       (extract(epoch FROM expires_at - now()) * 1e6)::bigint, secret IS NOT DISTINCT FROM $2
+  FROM %[1]s WHERE name = $1`, t),
 
 		// First acquisition of a name; a concurrent first acquirer makes
 		// this return no row, and the caller runs acquire again.
