@@ -194,7 +194,11 @@ func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, ex
 // Acquire blocks until it acquires the lease name or ctx ends. It wakes
 // within milliseconds of a release (LISTEN/NOTIFY) and otherwise retries
 // every PollInterval (jittered), or sooner when the holder's lease is due to
-// expire. It returns ctx's error when ctx ends first.
+// expire. It returns ctx's error when ctx ends first. Transient errors
+// (a lost connection, a failover) are logged and retried; if an attempt won
+// the lease but its reply was lost, a later attempt recognises the lease as
+// its own (Acquire keeps one secret across attempts) and returns it, trusted
+// from the first attempt's send time, instead of waiting for it to expire.
 func (c *Client) Acquire(ctx context.Context, name string) (*Lease, error) {
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
