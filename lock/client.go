@@ -70,9 +70,6 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}
-	if c.isClosed() {
-		return nil, ErrClosed
-	}
 	return c.tryAcquire(ctx, name, newSecret(), time.Time{})
 }
 
