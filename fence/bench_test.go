@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 )
@@ -70,6 +71,7 @@ func BenchmarkGuardedTx(b *testing.B) {
 		timed(runTx)
 		timed(pipelined)
 	}
+	analyze(b, db, tbl, table(db, "pgfence_leases"))
 	// The three forms take turns transaction by transaction, so a slow
 	// fsync or a noisy neighbour costs all three alike.
 	per := max(b.N/3, 1)
@@ -87,4 +89,63 @@ func BenchmarkGuardedTx(b *testing.B) {
 	b.ReportMetric(n/tp.Seconds(), "exec_tx/s")
 	b.ReportMetric(tu.Seconds()/tr.Seconds(), "runtx_ratio")
 	b.ReportMetric(tu.Seconds()/tp.Seconds(), "exec_ratio")
+}
+
+// BenchmarkResourceAdmit measures a transaction fenced by a resource fence
+// (Resource.Admit, one round trip, then the INSERT) against the same
+// transaction unfenced, taking turns transaction by transaction. Metric:
+// admit_ratio, fenced tx/s over unfenced tx/s.
+//
+//	go test -run '^$' -bench ResourceAdmit -benchtime 6000x ./fence
+func BenchmarkResourceAdmit(b *testing.B) {
+	db := pgtest.New(b)
+	ctx := context.Background()
+	tbl := table(db, "bench_events")
+	mustExec(b, db, "CREATE TABLE "+tbl+" (id bigserial PRIMARY KEY, payload text)")
+	ins := "INSERT INTO " + tbl + " (payload) VALUES ($1)"
+	res := fence.Resource{Name: "bench-resource", Schema: db.Schema}
+	tx := func(admit bool) time.Duration {
+		start := time.Now()
+		tx, err := db.Pool.Begin(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if admit {
+			if err := res.Admit(ctx, tx, 7); err != nil {
+				b.Fatal(err)
+			}
+		}
+		if _, err := tx.Exec(ctx, ins, "x"); err != nil {
+			b.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			b.Fatal(err)
+		}
+		return time.Since(start)
+	}
+	for range 50 { // warm up
+		tx(false)
+		tx(true)
+	}
+	analyze(b, db, tbl, table(db, "pgfence_fences"))
+	per := max(b.N/2, 1)
+	var tu, ta time.Duration
+	b.ResetTimer()
+	for range per {
+		tu += tx(false)
+		ta += tx(true)
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(per)/ta.Seconds(), "admit_tx/s")
+	b.ReportMetric(float64(per)/tu.Seconds(), "unfenced_tx/s")
+	b.ReportMetric(tu.Seconds()/ta.Seconds(), "admit_ratio")
+}
+
+// analyze gives tables statistics, as autovacuum soon does in production (the
+// planner then reads small tables sequentially).
+func analyze(b *testing.B, db *pgtest.DB, tables ...string) {
+	for _, t := range tables {
+		mustExec(b, db, "ANALYZE "+t)
+	}
 }
