@@ -92,9 +92,10 @@ func BenchmarkGuardedTx(b *testing.B) {
 }
 
 // BenchmarkResourceAdmit measures a transaction fenced by a resource fence
-// (Resource.Admit, one round trip, then the INSERT) against the same
-// transaction unfenced, taking turns transaction by transaction. Metric:
-// admit_ratio, fenced tx/s over unfenced tx/s.
+// against the same transaction unfenced, taking turns transaction by
+// transaction. Metrics, fenced tx/s over unfenced tx/s: admit_ratio
+// (Resource.Admit, its own round trip, then the INSERT) and exec_ratio
+// (Resource.Exec: admission and INSERT pipelined in one round trip).
 //
 //	go test -run '^$' -bench ResourceAdmit -benchtime 6000x ./fence
 func BenchmarkResourceAdmit(b *testing.B) {
@@ -104,19 +105,30 @@ func BenchmarkResourceAdmit(b *testing.B) {
 	mustExec(b, db, "CREATE TABLE "+tbl+" (id bigserial PRIMARY KEY, payload text)")
 	ins := "INSERT INTO " + tbl + " (payload) VALUES ($1)"
 	res := fence.Resource{Name: "bench-resource", Schema: db.Schema}
-	tx := func(admit bool) time.Duration {
+	const (
+		unfenced = iota
+		admit    // Admit, then the INSERT
+		exec     // Resource.Exec: both in one round trip
+	)
+	tx := func(form int) time.Duration {
 		start := time.Now()
 		tx, err := db.Pool.Begin(ctx)
 		if err != nil {
 			b.Fatal(err)
 		}
 		defer tx.Rollback(ctx)
-		if admit {
+		switch form {
+		case admit:
 			if err := res.Admit(ctx, tx, 7); err != nil {
 				b.Fatal(err)
 			}
+			_, err = tx.Exec(ctx, ins, "x")
+		case exec:
+			_, err = res.Exec(ctx, tx, 7, ins, "x")
+		default:
+			_, err = tx.Exec(ctx, ins, "x")
 		}
-		if _, err := tx.Exec(ctx, ins, "x"); err != nil {
+		if err != nil {
 			b.Fatal(err)
 		}
 		if err := tx.Commit(ctx); err != nil {
@@ -125,21 +137,23 @@ func BenchmarkResourceAdmit(b *testing.B) {
 		return time.Since(start)
 	}
 	for range 50 { // warm up
-		tx(false)
-		tx(true)
+		tx(unfenced)
+		tx(admit)
+		tx(exec)
 	}
 	analyze(b, db, tbl, table(db, "pgfence_fences"))
-	per := max(b.N/2, 1)
-	var tu, ta time.Duration
+	per := max(b.N/3, 1)
+	var tu, ta, te time.Duration
 	b.ResetTimer()
 	for range per {
-		tu += tx(false)
-		ta += tx(true)
+		tu += tx(unfenced)
+		ta += tx(admit)
+		te += tx(exec)
 	}
 	b.StopTimer()
-	b.ReportMetric(float64(per)/ta.Seconds(), "admit_tx/s")
 	b.ReportMetric(float64(per)/tu.Seconds(), "unfenced_tx/s")
 	b.ReportMetric(tu.Seconds()/ta.Seconds(), "admit_ratio")
+	b.ReportMetric(tu.Seconds()/te.Seconds(), "exec_ratio")
 }
 
 // analyze gives tables statistics, as autovacuum soon does in production (the

@@ -22,7 +22,8 @@
 // Resource (a resource fence, kept next to the protected data in any
 // database that has the pgfence migrations): Admit accepts a token only if it
 // is >= the highest token the resource has admitted, and holds the fence row's
-// lock until the transaction ends.
+// lock until the transaction ends (Exec does the same, pipelined with the
+// transaction's first statement). It writes the row only when the mark rises.
 //
 // Token-column pattern: for rows that carry their own token, write with
 //

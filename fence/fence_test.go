@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -133,6 +134,117 @@ func TestStaleLeaderIsRefusedByResourceFence(t *testing.T) {
 	// The same token again is admitted (>=): B may write many times.
 	if err := write(lb.Token(), "B"); err != nil {
 		t.Fatalf("second write with the current token: %v", err)
+	}
+}
+
+// Resource.Exec pipelines the admission with the transaction's first
+// statement: the current token's row is written; a stale token's statement
+// never runs, and its transaction cannot commit.
+func TestResourceExecPipelined(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	tbl := table(db, "items")
+	mustExec(t, db, "CREATE TABLE "+tbl+" (token bigint NOT NULL)")
+	res := fence.Resource{Name: "items", Schema: db.Schema}
+	write := func(tok fence.Token) error {
+		tx, err := db.Pool.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback(ctx)
+		tag, err := res.Exec(ctx, tx, tok, "INSERT INTO "+tbl+" VALUES ($1)", int64(tok))
+		if err != nil {
+			if cerr := tx.Commit(ctx); cerr == nil {
+				t.Errorf("token %d: commit succeeded after a refused admission", tok)
+			}
+			return err
+		}
+		if tag.RowsAffected() != 1 {
+			t.Errorf("token %d: %d rows inserted", tok, tag.RowsAffected())
+		}
+		return tx.Commit(ctx)
+	}
+	for _, tok := range []fence.Token{5, 5, 9} {
+		if err := write(tok); err != nil {
+			t.Fatalf("token %d: %v", tok, err)
+		}
+	}
+	var stale *fence.StaleTokenError
+	if err := write(7); !errors.As(err, &stale) || stale.Resource != "items" || stale.Current != 9 {
+		t.Fatalf("stale token 7 = %v, want refused with current 9", err)
+	}
+	if got := rows(t, db, "SELECT token FROM "+tbl+" ORDER BY token"); fmt.Sprint(got) != "[5 5 9]" {
+		t.Fatalf("rows = %v", got)
+	}
+	if _, err := res.Exec(ctx, nil, 9, "SELECT 1"); !errors.Is(err, fence.ErrNilTx) {
+		t.Fatalf("nil tx: %v", err)
+	}
+	if _, err := (fence.Resource{Schema: db.Schema}).Exec(ctx, nil, 9, "SELECT 1"); err == nil {
+		t.Fatal("a nil tx with an empty resource name was accepted")
+	}
+}
+
+// Concurrent admissions to a fresh resource (so several race to insert its
+// fence row) are serialised by the fence row: in the order they committed,
+// the admitted tokens never go down, every refusal names a greater admitted
+// token, and the mark ends at the greatest token admitted.
+func TestResourceConcurrentAdmissions(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	tbl := table(db, "admitted")
+	mustExec(t, db, "CREATE TABLE "+tbl+" (seq bigserial, token bigint NOT NULL)")
+	res := fence.Resource{Name: "race", Schema: db.Schema}
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range 24 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			tok := fence.Token(1 + i%8)
+			<-start
+			tx, err := db.Pool.Begin(ctx)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer tx.Rollback(ctx)
+			// The serial is drawn after the admission, under the fence
+			// row's lock, so it orders the admitted transactions.
+			_, err = res.Exec(ctx, tx, tok, "INSERT INTO "+tbl+" (token) VALUES ($1)", int64(tok))
+			var stale *fence.StaleTokenError
+			switch {
+			case errors.As(err, &stale):
+				if stale.Current <= tok {
+					t.Errorf("token %d refused with current %d", tok, stale.Current)
+				}
+				return
+			case err != nil:
+				t.Error(err)
+				return
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	got := rows(t, db, "SELECT token FROM "+tbl+" ORDER BY seq")
+	if len(got) == 0 {
+		t.Fatal("nothing was admitted")
+	}
+	var last, highest int64
+	for _, v := range got {
+		tok, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || tok < last {
+			t.Fatalf("admitted tokens in commit order %v go down", got)
+		}
+		last, highest = tok, max(highest, tok)
+	}
+	if cur, err := res.Current(ctx, db.Pool); err != nil || int64(cur) != highest {
+		t.Fatalf("mark %d, %v; want the greatest admitted, %d", cur, err, highest)
 	}
 }
 

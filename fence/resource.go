@@ -5,6 +5,7 @@ import (
 	"errors"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -46,7 +47,41 @@ func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
 		return err
 	}
 	var cur int64
-	err := tx.QueryRow(ctx, "SELECT "+ident.Table(r.Schema, "pgfence_admit")+"($1, $2)", r.Name, int64(t)).Scan(&cur)
+	return r.translate(tx.QueryRow(ctx, r.admitSQL(), r.Name, int64(t)).Scan(&cur), t)
+}
+
+// Exec runs sql in tx with Admit pipelined in front of it: one round trip
+// for both. If the token is refused (a *StaleTokenError, Resource set), sql
+// does not run and tx is aborted. Use it for a fenced transaction's first
+// statement on hot paths.
+func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args ...any) (pgconn.CommandTag, error) {
+	if tx == nil {
+		return pgconn.CommandTag{}, ErrNilTx
+	}
+	if err := r.validate(t); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	b := &pgx.Batch{}
+	b.Queue(r.admitSQL(), r.Name, int64(t))
+	b.Queue(sql, args...)
+	br := tx.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		_ = br.Close()
+		return pgconn.CommandTag{}, r.translate(err, t)
+	}
+	tag, err := br.Exec()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return tag, err
+}
+
+func (r Resource) admitSQL() string {
+	return "SELECT " + ident.Table(r.Schema, "pgfence_admit") + "($1, $2)"
+}
+
+// translate maps pgfence_admit's errors, naming the resource in a refusal.
+func (r Resource) translate(err error, t Token) error {
 	var stale *StaleTokenError
 	if err = translate(err, "", t); errors.As(err, &stale) {
 		stale.Resource = r.Name
