@@ -31,64 +31,26 @@ func BenchmarkGuardedTx(b *testing.B) {
 	}
 	g := l.Guard()
 	ins := "INSERT INTO " + tbl + " (payload) VALUES ($1)"
-	unguarded := func() error {
-		tx, err := db.Pool.Begin(ctx)
-		if err != nil {
-			return err
-		}
-		defer tx.Rollback(ctx)
-		if _, err := tx.Exec(ctx, ins, "x"); err != nil {
-			return err
-		}
-		return tx.Commit(ctx)
-	}
+	unguarded := inTx(ctx, db, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, ins, "x")
+		return err
+	})
 	runTx := func() error {
 		return g.RunTx(ctx, db.Pool, func(tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, ins, "x")
 			return err
 		})
 	}
-	pipelined := func() error {
-		tx, err := db.Pool.Begin(ctx)
-		if err != nil {
-			return err
-		}
-		defer tx.Rollback(ctx)
-		if _, err := g.Exec(ctx, tx, ins, "x"); err != nil {
-			return err
-		}
-		return tx.Commit(ctx)
-	}
-	timed := func(fn func() error) time.Duration {
-		start := time.Now()
-		if err := fn(); err != nil {
-			b.Fatal(err)
-		}
-		return time.Since(start)
-	}
-	for range 50 { // warm up
-		timed(unguarded)
-		timed(runTx)
-		timed(pipelined)
-	}
-	analyze(b, db, tbl, table(db, "pgfence_leases"))
-	// The three forms take turns transaction by transaction, so a slow
-	// fsync or a noisy neighbour costs all three alike.
-	per := max(b.N/3, 1)
-	var tu, tr, tp time.Duration
-	b.ResetTimer()
-	for range per {
-		tu += timed(unguarded)
-		tr += timed(runTx)
-		tp += timed(pipelined)
-	}
-	b.StopTimer()
-	n := float64(per)
-	b.ReportMetric(n/tu.Seconds(), "unguarded_tx/s")
-	b.ReportMetric(n/tr.Seconds(), "runtx_tx/s")
-	b.ReportMetric(n/tp.Seconds(), "exec_tx/s")
-	b.ReportMetric(tu.Seconds()/tr.Seconds(), "runtx_ratio")
-	b.ReportMetric(tu.Seconds()/tp.Seconds(), "exec_ratio")
+	pipelined := inTx(ctx, db, func(tx pgx.Tx) error {
+		_, err := g.Exec(ctx, tx, ins, "x")
+		return err
+	})
+	per, t := takeTurns(b, func() { analyze(b, db, tbl, table(db, "pgfence_leases")) }, unguarded, runTx, pipelined)
+	b.ReportMetric(per/t[0].Seconds(), "unguarded_tx/s")
+	b.ReportMetric(per/t[1].Seconds(), "runtx_tx/s")
+	b.ReportMetric(per/t[2].Seconds(), "exec_tx/s")
+	b.ReportMetric(t[0].Seconds()/t[1].Seconds(), "runtx_ratio")
+	b.ReportMetric(t[0].Seconds()/t[2].Seconds(), "exec_ratio")
 }
 
 // BenchmarkResourceAdmit measures a transaction fenced by a resource fence
@@ -105,55 +67,70 @@ func BenchmarkResourceAdmit(b *testing.B) {
 	mustExec(b, db, "CREATE TABLE "+tbl+" (id bigserial PRIMARY KEY, payload text)")
 	ins := "INSERT INTO " + tbl + " (payload) VALUES ($1)"
 	res := fence.Resource{Name: "bench-resource", Schema: db.Schema}
-	const (
-		unfenced = iota
-		admit    // Admit, then the INSERT
-		exec     // Resource.Exec: both in one round trip
-	)
-	tx := func(form int) time.Duration {
-		start := time.Now()
+	unfenced := inTx(ctx, db, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, ins, "x")
+		return err
+	})
+	admit := inTx(ctx, db, func(tx pgx.Tx) error {
+		if err := res.Admit(ctx, tx, 7); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, ins, "x")
+		return err
+	})
+	exec := inTx(ctx, db, func(tx pgx.Tx) error {
+		_, err := res.Exec(ctx, tx, 7, ins, "x")
+		return err
+	})
+	per, t := takeTurns(b, func() { analyze(b, db, tbl, table(db, "pgfence_fences")) }, unfenced, admit, exec)
+	b.ReportMetric(per/t[0].Seconds(), "unfenced_tx/s")
+	b.ReportMetric(t[0].Seconds()/t[1].Seconds(), "admit_ratio")
+	b.ReportMetric(t[0].Seconds()/t[2].Seconds(), "exec_ratio")
+}
+
+// inTx returns a transaction as a benchmark form: begin, first, commit.
+func inTx(ctx context.Context, db *pgtest.DB, first func(tx pgx.Tx) error) func() error {
+	return func() error {
 		tx, err := db.Pool.Begin(ctx)
 		if err != nil {
-			b.Fatal(err)
+			return err
 		}
 		defer tx.Rollback(ctx)
-		switch form {
-		case admit:
-			if err := res.Admit(ctx, tx, 7); err != nil {
-				b.Fatal(err)
-			}
-			_, err = tx.Exec(ctx, ins, "x")
-		case exec:
-			_, err = res.Exec(ctx, tx, 7, ins, "x")
-		default:
-			_, err = tx.Exec(ctx, ins, "x")
+		if err := first(tx); err != nil {
+			return err
 		}
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := tx.Commit(ctx); err != nil {
+		return tx.Commit(ctx)
+	}
+}
+
+// takeTurns runs the forms transaction by transaction, in turn, so that a slow
+// fsync or a noisy neighbour costs them all alike: 50 warm-up rounds, then
+// prepare, then b.N/len(forms) timed rounds. It returns the number of timed
+// rounds and each form's total time.
+func takeTurns(b *testing.B, prepare func(), forms ...func() error) (float64, []time.Duration) {
+	run := func(fn func() error) time.Duration {
+		start := time.Now()
+		if err := fn(); err != nil {
 			b.Fatal(err)
 		}
 		return time.Since(start)
 	}
-	for range 50 { // warm up
-		tx(unfenced)
-		tx(admit)
-		tx(exec)
+	for range 50 {
+		for _, fn := range forms {
+			run(fn)
+		}
 	}
-	analyze(b, db, tbl, table(db, "pgfence_fences"))
-	per := max(b.N/3, 1)
-	var tu, ta, te time.Duration
+	prepare()
+	per := max(b.N/len(forms), 1)
+	total := make([]time.Duration, len(forms))
 	b.ResetTimer()
 	for range per {
-		tu += tx(unfenced)
-		ta += tx(admit)
-		te += tx(exec)
+		for i, fn := range forms {
+			total[i] += run(fn)
+		}
 	}
 	b.StopTimer()
-	b.ReportMetric(float64(per)/tu.Seconds(), "unfenced_tx/s")
-	b.ReportMetric(tu.Seconds()/ta.Seconds(), "admit_ratio")
-	b.ReportMetric(tu.Seconds()/te.Seconds(), "exec_ratio")
+	return float64(per), total
 }
 
 // analyze gives tables statistics, as autovacuum soon does in production (the

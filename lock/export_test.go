@@ -2,30 +2,26 @@ package lock
 
 import (
 	"context"
-	"errors"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // AcquireLostReply acquires name the way an attempt whose reply was lost
-// does: the row is taken with a fresh secret, and no Lease is made of it. It
-// returns that secret, the attempt's send time and the token issued.
+// does: the row is taken with a fresh secret, then the client forgets the
+// lease (no renewal, no release, no lease handle). It returns that secret,
+// the attempt's send time and the token issued.
 func (c *Client) AcquireLostReply(ctx context.Context, name string) ([]byte, time.Time, int64, error) {
 	secret, sent := newSecret(), time.Now()
-	var (
-		token     int64
-		expiresAt time.Time
-	)
-	args := []any{name, c.cfg.Holder, secret, c.cfg.TTL.Microseconds()}
-	r, err := c.compareAndSet(ctx, args, &token, &expiresAt)
-	if err == nil && !r.won {
-		err = c.pool.QueryRow(ctx, c.q.acquireNew, args...).Scan(&token, &expiresAt)
-		if errors.Is(err, pgx.ErrNoRows) {
-			err = errors.New("lease is held")
-		}
+	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
+	if err != nil {
+		return nil, sent, 0, err
 	}
-	return secret, sent, token, err
+	l.mu.Lock()
+	l.ended = true
+	l.timer.Stop()
+	l.mu.Unlock()
+	l.cancel(ErrReleased)
+	c.untrack(l)
+	return secret, sent, int64(l.token), nil
 }
 
 // TryAcquireAs is one attempt of Acquire that uses secret, whose first

@@ -36,13 +36,18 @@ func TestReleaseAcrossCrash(t *testing.T) {
 	if _, err := migrations.Up(ctx, pool, "pgfence"); err != nil {
 		t.Fatal(err)
 	}
-	lost := 0
-	for round := range 6 {
-		durable := round%2 == 1
-		c, err := lock.New(pool, lock.Config{Schema: "pgfence", TTL: 2 * time.Second, DurableRelease: durable, Logger: pgtest.Quiet})
+	newClient := func(cfg lock.Config) *lock.Client {
+		cfg.Schema, cfg.TTL, cfg.Logger = "pgfence", 2*time.Second, pgtest.Quiet
+		c, err := lock.New(pool, cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
+		return c
+	}
+	lost := 0
+	for round := range 6 {
+		durable := round%2 == 1
+		c := newClient(lock.Config{DurableRelease: durable})
 		l, err := c.TryAcquire(ctx, "crash")
 		if err != nil {
 			t.Fatalf("round %d: %v", round, err)
@@ -87,10 +92,7 @@ func TestReleaseAcrossCrash(t *testing.T) {
 
 		// The next acquisition: a greater token, and not before the old
 		// expiry by the database's clock if the release was lost.
-		c2, err := lock.New(pool, lock.Config{Schema: "pgfence", TTL: 2 * time.Second, PollInterval: 100 * time.Millisecond, Logger: pgtest.Quiet})
-		if err != nil {
-			t.Fatal(err)
-		}
+		c2 := newClient(lock.Config{PollInterval: 100 * time.Millisecond})
 		l2, err := c2.Acquire(ctx, "crash")
 		if err != nil {
 			t.Fatalf("round %d: acquire after restart: %v", round, err)
