@@ -29,7 +29,20 @@ var (
 
 	// ErrInvalidName is returned for an empty, over-long (more than 255
 	// bytes) or non-UTF-8 lease or resource name, or one containing NUL.
-	ErrInvalidName = errors.New("pgfence: invalid name")
+	ErrInvalidName = errors.New("fence: invalid name")
+
+	// ErrFenced is the one errors.Is target for "you are no longer the
+	// holder: stop acting". It matches:
+	//   - a *StaleTokenError (a greater token was issued or admitted);
+	//   - lock.ErrLeaseLost (the lease was lost, taken over, freed by an
+	//     operator, or not renewed in time) and runner.ErrFenced;
+	//   - a serialization failure (SQLSTATE 40001) of the fence check
+	//     itself, in a REPEATABLE READ or SERIALIZABLE transaction whose
+	//     snapshot predates a takeover or a forced release of the lease
+	//     (*SnapshotError). RunTx runs such a transaction again and then
+	//     reports the stale token as a *StaleTokenError.
+	// The specific errors stay available through errors.Is and errors.As.
+	ErrFenced = errors.New("fence: no longer the holder")
 
 	// ErrNilTx is returned when a guard is given a nil transaction.
 	ErrNilTx = errors.New("fence: nil transaction")
@@ -67,8 +80,36 @@ func (e *StaleTokenError) Error() string {
 	return fmt.Sprintf("fence: stale token %d for %s (current %d)", e.Presented, what, e.Current)
 }
 
-// Is makes errors.Is(err, ErrStaleToken) true.
-func (e *StaleTokenError) Is(target error) bool { return target == ErrStaleToken }
+// Is makes errors.Is(err, ErrStaleToken) and errors.Is(err, ErrFenced) true.
+func (e *StaleTokenError) Is(target error) bool {
+	return target == ErrStaleToken || target == ErrFenced
+}
+
+// SnapshotError reports that the fence check failed with a serialization
+// failure (40001): the transaction's snapshot is older than a change of the
+// lease's token or holder (a takeover, or a forced release), which only an
+// acquisition or an operator makes (renewals do not cause it). The
+// transaction is aborted. It matches ErrFenced; Err is the server's error.
+type SnapshotError struct {
+	// Lease is the lease name.
+	Lease string
+	// Presented is the token the writer presented.
+	Presented Token
+	// Err is the serialization failure.
+	Err error
+}
+
+// Error says what happened.
+func (e *SnapshotError) Error() string {
+	return fmt.Sprintf("fence: lease %q changed hands after this transaction's snapshot was taken (token %d): %v",
+		e.Lease, e.Presented, e.Err)
+}
+
+// Is makes errors.Is(err, ErrFenced) true.
+func (e *SnapshotError) Is(target error) bool { return target == ErrFenced }
+
+// Unwrap returns the serialization failure.
+func (e *SnapshotError) Unwrap() error { return e.Err }
 
 // SQLSTATE codes raised by pgfence_check (see migrations).
 const (
@@ -95,4 +136,14 @@ func translate(err error, lease string, presented Token) error {
 		return fmt.Errorf("%w: token %d for lease %q (current %s)", ErrTokenNotIssued, presented, lease, pg.Detail)
 	}
 	return err
+}
+
+// translateCheck is translate for the lease check's own statement, which
+// also turns its serialization failure into a *SnapshotError.
+func translateCheck(err error, lease string, presented Token) error {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) && pg.Code == "40001" {
+		return &SnapshotError{Lease: lease, Presented: presented, Err: err}
+	}
+	return translate(err, lease, presented)
 }

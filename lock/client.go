@@ -7,13 +7,17 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
+	"github.com/pgfence/pgfence/migrations"
 )
 
 // Client acquires and renews leases. It is safe for concurrent use. A client
@@ -34,10 +38,14 @@ type Client struct {
 	closed   bool
 	wg       sync.WaitGroup
 	stats    stats
+
+	verified atomic.Bool   // the schema version was checked
+	backoff  retry.Backoff // after transient errors
 }
 
 // New returns a client that keeps leases in pool's database. It validates cfg
 // (see Config for defaults) and returns a *ConfigError naming the bad field.
+// It does not touch the database: the first acquisition checks the schema.
 func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 	if pool == nil {
 		return nil, ErrNilPool
@@ -47,11 +55,12 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		return nil, err
 	}
 	c := &Client{
-		pool: pool,
-		cfg:  cfg,
-		q:    newQueries(cfg.Schema),
-		held: make(map[*Lease]struct{}),
-		kick: make(chan struct{}, 1),
+		pool:    pool,
+		cfg:     cfg,
+		q:       newQueries(cfg.Schema),
+		held:    make(map[*Lease]struct{}),
+		kick:    make(chan struct{}, 1),
+		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 	}
 	c.lis = newListener(c)
 	return c, nil
@@ -66,11 +75,22 @@ func (c *Client) Pool() *pgxpool.Pool { return c.pool }
 // TryAcquire acquires the lease name in one round trip if it is free, was
 // released, or has expired at the database; otherwise it returns a *HeldError.
 // The new lease's token is greater than every token issued for name before.
+//
+// The client's first acquisition checks that the schema is migrated and
+// returns a *migrations.NotMigratedError if not. If ctx ends while the
+// acquisition is in flight, the database may still have granted it: the
+// client then frees that lease in the background (by its secret, which
+// only this attempt knows), so nothing is left held by nobody.
 func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}
-	return c.tryAcquire(ctx, name, newSecret(), time.Time{})
+	secret := newSecret()
+	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
+	if pid, ok := inDoubt(err); ok {
+		c.abandon(name, secret, pid)
+	}
+	return l, err
 }
 
 // newSecret returns a fresh per-acquisition secret.
@@ -80,6 +100,104 @@ func newSecret() []byte {
 	return secret
 }
 
+// errRowChanging is returned when three attempts in a row found the row
+// changed between the acquisition and the look-up that followed it.
+var errRowChanging = errors.New("the row kept changing under three attempts")
+
+// inFlightError is the error of an acquisition statement that may have
+// reached the server and got no answer (the context ended, or the connection
+// broke): the database may still grant it. pid is the backend that ran it.
+type inFlightError struct {
+	pid uint32
+	err error
+}
+
+func (e *inFlightError) Error() string { return e.err.Error() }
+func (e *inFlightError) Unwrap() error { return e.err }
+
+// inFlight wraps err in an *inFlightError when the statement sent on
+// backend pid may nevertheless have been executed: no server answer says it
+// failed, and it was not refused before being sent.
+func inFlight(err error, pid uint32) error {
+	var pg *pgconn.PgError
+	if err == nil || errors.As(err, &pg) || pgconn.SafeToRetry(err) {
+		return err
+	}
+	return &inFlightError{pid: pid, err: err}
+}
+
+// inDoubt reports whether a failed acquisition may nevertheless have been
+// granted, and on which backend.
+func inDoubt(err error) (pid uint32, ok bool) {
+	var f *inFlightError
+	if errors.As(err, &f) {
+		return f.pid, true
+	}
+	return 0, false
+}
+
+// abandon frees the lease name if it is held with secret: an acquisition
+// whose outcome is unknown, by a caller that has given up on it. Closing the
+// client side of a connection does not stop the server, which may still be
+// running (and then commit) the acquisition, so abandon first waits until
+// backend pid is no longer running a statement, then frees the lease by its
+// secret (known only to that acquisition). It runs in the background, owned
+// by the client (Close waits for it), bounded by wait.CleanupTimeout.
+func (c *Client) abandon(name string, secret []byte, pid uint32) {
+	run := func() {
+		ctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
+		defer cancel()
+		err := c.afterBackend(ctx, pid)
+		if err == nil {
+			_, err = c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
+		}
+		if err != nil {
+			c.cfg.Logger.Warn("pgfence: could not free an acquisition whose outcome was unknown; it expires by TTL",
+				"lease", name, "err", err)
+		}
+	}
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		run()
+		return
+	}
+	c.wg.Add(1)
+	c.mu.Unlock()
+	go func() {
+		defer c.wg.Done()
+		run()
+	}()
+}
+
+// afterBackend waits until backend pid is not running a statement.
+func (c *Client) afterBackend(ctx context.Context, pid uint32) error {
+	for {
+		var busy bool
+		if err := c.pool.QueryRow(ctx, c.q.backendBusy, int64(pid)).Scan(&busy); err != nil {
+			return err
+		}
+		if !busy {
+			return nil
+		}
+		if !wait.Sleep(ctx, 5*time.Millisecond) {
+			return ctx.Err()
+		}
+	}
+}
+
+// verify checks the schema version once per client, on first use.
+func (c *Client) verify(ctx context.Context) error {
+	if c.verified.Load() {
+		return nil
+	}
+	if err := migrations.Verify(ctx, c.pool, c.cfg.Schema); err != nil {
+		return fmt.Errorf("lock: %w", err)
+	}
+	c.verified.Store(true)
+	return nil
+}
+
 // tryAcquire is TryAcquire with a given secret. Blocking Acquire keeps one
 // secret across its attempts, so that when an attempt's reply is lost (its
 // connection dropped after the commit) a later attempt finds the row holding
@@ -87,15 +205,21 @@ func newSecret() []byte {
 // since is the send time of the first attempt with this secret (zero: this
 // is the first); an adopted lease is trusted from then, the earliest moment
 // the lost acquisition can have happened, since its reply time is unknown.
+//
+// A lease is returned only with a live trust window of at least one
+// RenewInterval: an acquisition that took longer than that to come back
+// (it waited behind a guarded transaction, or the process was paused) is
+// renewed at once, and tried again if the renewal finds it gone.
 func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time) (*Lease, error) {
 	if c.isClosed() {
 		return nil, ErrClosed
 	}
+	if err := c.verify(ctx); err != nil {
+		return nil, err
+	}
 	var (
-		token     int64
-		expiresAt time.Time
-		sent      time.Time
-		held      *HeldError
+		g    grant
+		held *HeldError
 	)
 	args := []any{name, c.cfg.Holder, secret, c.cfg.TTL.Microseconds()}
 	for attempt := 0; ; attempt++ {
@@ -103,48 +227,90 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			if held != nil {
 				return nil, held
 			}
-			return nil, fmt.Errorf("lock: acquire %q: the row kept changing under three attempts", name)
+			return nil, fmt.Errorf("lock: acquire %q: %w", name, errRowChanging)
 		}
-		sent = time.Now()
-		r, err := c.compareAndSet(ctx, args, &token, &expiresAt)
+		var (
+			r   casResult
+			err error
+		)
+		g, r, err = c.attempt(ctx, args, since)
 		if err != nil {
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
 		}
-		if r.won {
-			break
-		}
-		if r.held != nil && r.mine && r.live && !since.IsZero() &&
-			time.Until(since.Add(c.cfg.TTL-c.cfg.SafetyMargin)) > c.cfg.RenewInterval/2 {
-			// An earlier attempt of this Acquire won; its reply was lost.
-			token, expiresAt, sent = r.held.Token, r.held.ExpiresAt, since
-			c.cfg.Logger.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", token)
-			break
-		}
-		if r.held != nil {
-			held = r.held
-			if r.live {
+		if !r.won {
+			if held = r.held; held != nil && r.live {
 				return nil, held
 			}
-			// Freed between the two statements: try again.
-			continue
+			continue // freed between the two statements, or an insert race
 		}
-		// No row yet: this is the name's first acquisition, unless someone
-		// else inserts it first (no row returned); then try again.
-		err = c.pool.QueryRow(ctx, c.q.acquireNew, args...).Scan(&token, &expiresAt)
-		if err == nil {
+		if time.Until(g.sent.Add(c.cfg.TTL-c.cfg.SafetyMargin)) >= c.cfg.RenewInterval {
 			break
 		}
-		if !errors.Is(err, pgx.ErrNoRows) {
-			return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
+		renewSent := time.Now()
+		got, err := c.renewRows(ctx, []string{name}, []int64{g.token}, [][]byte{secret})
+		if err != nil {
+			// Ours at the database, but not trustworthy: free it now
+			// (synchronously, since a later attempt may use this secret).
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
+			_, _ = c.pool.Exec(rctx, c.q.releaseSecret, name, secret)
+			cancel()
+			return nil, fmt.Errorf("lock: acquire %q: renew the late acquisition: %w", name, err)
 		}
+		exp, ok := got[renewKey{name, fence.Token(g.token)}]
+		if ok {
+			g.sent, g.expiresAt = renewSent, exp
+			break
+		}
+		// Expired at the database before the renewal: try again.
 	}
-	l := newLease(c, name, fence.Token(token), secret, expiresAt, sent)
+	l := newLease(c, name, fence.Token(g.token), secret, g.expiresAt, g.sent)
 	if !c.track(l) {
 		// Closed while acquiring: give it straight back.
 		_ = l.Release(context.WithoutCancel(ctx))
 		return nil, ErrClosed
 	}
 	return l, nil
+}
+
+// grant is a won acquisition: its token, the database expiry, and the send
+// time its trust window counts from.
+type grant struct {
+	token     int64
+	expiresAt time.Time
+	sent      time.Time
+}
+
+// attempt is one compare-and-set (and, for a name never acquired, the
+// insert). r.won says whether the lease was won (g is then set); otherwise
+// r.held is the row as it stands (nil when an insert lost a race: try
+// again).
+func (c *Client) attempt(ctx context.Context, args []any, since time.Time) (g grant, r casResult, err error) {
+	name := args[0].(string)
+	g.sent = time.Now()
+	r, err = c.compareAndSet(ctx, args, &g.token, &g.expiresAt)
+	switch {
+	case err != nil || r.won:
+		return g, r, err
+	case r.held != nil && r.mine && r.live && !since.IsZero() &&
+		time.Until(since.Add(c.cfg.TTL-c.cfg.SafetyMargin)) > c.cfg.RenewInterval/2:
+		// An earlier attempt of this Acquire won; its reply was lost.
+		c.cfg.Logger.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
+		return grant{token: int64(r.held.Token), expiresAt: r.held.ExpiresAt, sent: since}, casResult{won: true}, nil
+	case r.held != nil:
+		return g, r, nil
+	}
+	// No row yet: this is the name's first acquisition, unless someone
+	// else inserts it first (no row returned); then try again.
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil {
+		return g, casResult{}, err
+	}
+	defer conn.Release()
+	err = conn.QueryRow(ctx, c.q.acquireNew, args...).Scan(&g.token, &g.expiresAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return g, casResult{}, nil
+	}
+	return g, casResult{won: err == nil}, inFlight(err, conn.Conn().PgConn().PID())
 }
 
 // casResult is what one compare-and-set round trip found.
@@ -159,10 +325,15 @@ type casResult struct {
 // same round trip, heldBy. It reports whether the lease was won (filling
 // token and expiresAt), or else the row as it stands, if there is one.
 func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, expiresAt *time.Time) (casResult, error) {
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil {
+		return casResult{}, err
+	}
+	defer conn.Release()
 	b := &pgx.Batch{}
 	b.Queue(c.q.acquire, args...)
 	b.Queue(c.q.heldBy, args[0], args[2])
-	br := c.pool.SendBatch(ctx, b)
+	br := conn.SendBatch(ctx, b)
 	errWon := br.QueryRow().Scan(token, expiresAt)
 	var (
 		r        casResult
@@ -171,7 +342,7 @@ func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, ex
 	)
 	errHeld := br.QueryRow().Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine)
 	if err := br.Close(); err != nil {
-		return casResult{}, err
+		return casResult{}, inFlight(err, conn.Conn().PgConn().PID())
 	}
 	switch {
 	case errWon == nil:
@@ -191,43 +362,72 @@ func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, ex
 // Acquire blocks until it acquires the lease name or ctx ends. It wakes
 // within milliseconds of a release (LISTEN/NOTIFY) and otherwise retries
 // every PollInterval (jittered), or sooner when the holder's lease is due to
-// expire. It returns ctx's error when ctx ends first. Transient errors
-// (a lost connection, a failover) are logged and retried; if an attempt won
+// expire. It returns ctx's error when ctx ends first.
+//
+// Errors are classified (see the package documentation): a permanent one (a
+// schema that is missing or too old, missing privileges) ends Acquire with
+// that error at once; a transient one (a lost connection, a failover) is
+// retried with capped exponential backoff and jitter, logged once when
+// acquisitions start failing and once when they recover. If an attempt won
 // the lease but its reply was lost, a later attempt recognises the lease as
 // its own (Acquire keeps one secret across attempts) and returns it, trusted
-// from the first attempt's send time, instead of waiting for it to expire.
-func (c *Client) Acquire(ctx context.Context, name string) (*Lease, error) {
+// from the first attempt's send time, instead of waiting for it to expire;
+// if Acquire gives up instead, it frees that lease in the background.
+func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error) {
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}
 	var sub *subscription
+	secret, since := newSecret(), time.Time{}
+	var (
+		doubt bool   // some attempt's outcome is unknown
+		pid   uint32 // the backend of the last such attempt
+	)
 	defer func() {
 		if sub != nil {
 			sub.cancel()
 		}
+		if err != nil && doubt {
+			c.abandon(name, secret, pid)
+		}
 	}()
-	secret, since := newSecret(), time.Time{}
+	failures := 0
 	for {
 		attemptAt := time.Now()
 		l, err := c.tryAcquire(ctx, name, secret, since)
 		if since.IsZero() {
 			since = attemptAt
 		}
+		if p, ok := inDoubt(err); ok {
+			doubt, pid = true, p
+		}
 		var held *HeldError
 		if !errors.As(err, &held) {
-			if err != nil && ctx.Err() != nil {
+			switch {
+			case err == nil:
+				if failures > 0 {
+					c.cfg.Logger.Info("pgfence: acquire recovered", "lease", name, "failures", failures)
+				}
+				return l, nil
+			case ctx.Err() != nil:
+				return nil, ctx.Err()
+			case errors.Is(err, ErrClosed) || !(retry.Transient(err) || errors.Is(err, errRowChanging)):
+				return nil, err
+			}
+			if failures == 0 {
+				c.cfg.Logger.Warn("pgfence: acquire failing; retrying with backoff", "lease", name, "err", err)
+			} else {
+				c.cfg.Logger.Debug("pgfence: acquire still failing", "lease", name, "failures", failures, "err", err)
+			}
+			failures++
+			if !wait.Sleep(ctx, c.backoff.Wait(failures-1)) {
 				return nil, ctx.Err()
 			}
-			if err != nil && !errors.Is(err, ErrClosed) {
-				// A transient failure (connection lost, failover): keep
-				// trying until ctx ends, logging what happened.
-				c.cfg.Logger.Warn("pgfence: acquire failed, retrying", "lease", name, "err", err)
-				if !wait.Sleep(ctx, c.jitter(c.cfg.PollInterval)) {
-					return nil, ctx.Err()
-				}
-				continue
-			}
-			return l, err
+			continue
+		}
+		if failures > 0 {
+			c.cfg.Logger.Info("pgfence: acquire recovered", "lease", name, "failures", failures)
+			failures = 0
 		}
 		// Waiting: subscribe to releases (once), and ask the holder's
 		// release to send a NOTIFY, for a little longer than the next wait.

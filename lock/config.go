@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -36,11 +37,14 @@ type Config struct {
 
 	// PollInterval is how often a blocked Acquire retries when no release
 	// notification arrives (a lease that expires without being released
-	// sends none). Each wait is jittered by ±25%. Default 1s.
+	// sends none). Each wait is jittered by ±25%. It is also the first
+	// step of the capped exponential backoff after transient errors (up
+	// to 10 x PollInterval). Default 1s; at least MinPollInterval.
 	PollInterval time.Duration
 
 	// Holder identifies this client in the leases table (for operators and
-	// HeldError). At most 255 bytes of UTF-8. Default "host:pid:random".
+	// HeldError). At most 255 bytes of UTF-8 without NUL.
+	// Default "host:pid:random".
 	Holder string
 
 	// Schema holds pgfence's tables. Default "" (the connection's
@@ -67,6 +71,11 @@ type Config struct {
 	// since tokens and expiry times must survive a crash.
 	DurableRelease bool
 }
+
+// MinPollInterval is the smallest PollInterval accepted: below it, blocked
+// acquirers would spend the database's time polling instead of waiting for
+// the release notification.
+const MinPollInterval = 10 * time.Millisecond
 
 // ErrInvalidConfig is matched by every *ConfigError.
 var ErrInvalidConfig = errors.New("lock: invalid config")
@@ -118,14 +127,14 @@ func (c Config) validate() error {
 		return bad("RenewInterval", "must be positive, got %v", c.RenewInterval)
 	case c.SafetyMargin < 0:
 		return bad("SafetyMargin", "must not be negative, got %v", c.SafetyMargin)
-	case c.PollInterval <= 0:
-		return bad("PollInterval", "must be positive, got %v", c.PollInterval)
-	case c.TTL < 2*c.RenewInterval:
+	case c.PollInterval < MinPollInterval:
+		return bad("PollInterval", "must be at least %v, got %v", MinPollInterval, c.PollInterval)
+	case c.RenewInterval > c.TTL/2: // not 2*RenewInterval > TTL, which can overflow
 		return bad("RenewInterval", "%v leaves no room for a failed renewal: TTL (%v) must be at least twice RenewInterval", c.RenewInterval, c.TTL)
 	case c.SafetyMargin >= c.TTL-c.RenewInterval:
 		return bad("SafetyMargin", "%v must be smaller than TTL - RenewInterval (%v)", c.SafetyMargin, c.TTL-c.RenewInterval)
-	case len(c.Holder) > 255 || !utf8.ValidString(c.Holder):
-		return bad("Holder", "must be at most 255 bytes of UTF-8")
+	case len(c.Holder) > 255 || !utf8.ValidString(c.Holder) || strings.ContainsRune(c.Holder, 0):
+		return bad("Holder", "must be at most 255 bytes of UTF-8 without NUL")
 	}
 	if err := ident.ValidateSchema(c.Schema); err != nil {
 		return bad("Schema", "%v", err)

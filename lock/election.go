@@ -47,8 +47,10 @@ type Election struct {
 var ErrInvalidElection = errors.New("lock: invalid election")
 
 // Run campaigns and leads until ctx ends; the lease is released at the end of
-// every term. It returns nil when ctx ends, and an error only for a bad
-// Election or lease name.
+// every term. It returns nil when ctx ends. It returns an error for a bad
+// Election or lease name, and for a permanent database error (a schema
+// that is missing or too old, missing privileges: see the package
+// documentation); transient errors are retried with backoff.
 func (e *Election) Run(ctx context.Context) error {
 	switch {
 	case e.Client == nil:
@@ -93,8 +95,6 @@ func (e *Election) term(ctx context.Context, l *Lease) error {
 			err = lost
 		}
 	}
-	relCtx, relCancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer relCancel()
-	_ = l.Release(relCtx)
+	_ = l.Release(ctx) // bounded by its own timeout once ctx has ended
 	return err
 }

@@ -3,8 +3,10 @@ package lock
 import (
 	"errors"
 	"fmt"
-	"github.com/pgfence/pgfence/fence"
+	"strings"
 	"time"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
 var (
@@ -18,8 +20,10 @@ var (
 	// ErrLeaseLost is the cause of a lease's context when the lease was
 	// taken over, freed by an operator, expired at the database, or could
 	// not be renewed within its local trust window. Everything running
-	// under the lease must stop; its guarded writes will be refused.
-	ErrLeaseLost = errors.New("lock: lease lost")
+	// under the lease must stop; its guarded writes will be refused. It
+	// also matches fence.ErrFenced, the one target for "no longer the
+	// holder".
+	ErrLeaseLost error = leaseLost{}
 
 	// ErrReleased is the cause of a lease's context after Release.
 	ErrReleased = errors.New("lock: lease released")
@@ -36,7 +40,7 @@ type HeldError struct {
 	// while the attempt ran and the holder is not known).
 	Holder string
 	// Token is the current holder's token.
-	Token int64
+	Token fence.Token
 	// ExpiresAt is when the current holder's lease expires, on the
 	// database's clock, unless renewed.
 	ExpiresAt time.Time
@@ -55,3 +59,54 @@ func (e *HeldError) Is(target error) bool { return target == ErrHeld }
 // ErrInvalidName is returned for an empty, over-long (more than 255 bytes),
 // non-UTF-8 or NUL-containing lease name. It is fence.ErrInvalidName.
 var ErrInvalidName = fence.ErrInvalidName
+
+// leaseLost is ErrLeaseLost's type: it matches fence.ErrFenced too.
+type leaseLost struct{}
+
+func (leaseLost) Error() string { return "lock: lease lost" }
+
+func (leaseLost) Is(target error) bool { return target == fence.ErrFenced }
+
+// BlockedError is returned by ForceRelease when its context ends while it
+// waits for the lease row's lock: guarded transactions that checked the
+// current token are still open (a takeover must wait for them, and so must
+// a forced release). Backends says which sessions hold it up.
+type BlockedError struct {
+	// Name is the lease name.
+	Name string
+	// Backends are the sessions the forced release was waiting for.
+	Backends []Backend
+	// Err is the context's error.
+	Err error
+}
+
+// Backend describes a PostgreSQL session (from pg_stat_activity).
+type Backend struct {
+	PID         int
+	Application string
+	User        string
+	State       string
+	XactStart   time.Time
+	Query       string
+}
+
+// Error names the lease and the sessions that hold it.
+func (e *BlockedError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "lock: force release %q: waited for the lease row's lock until %v", e.Name, e.Err)
+	if len(e.Backends) == 0 {
+		b.WriteString(" (the blocking sessions had ended by the time they were looked up)")
+	}
+	for i, be := range e.Backends {
+		sep := "; held by"
+		if i > 0 {
+			sep = ","
+		}
+		fmt.Fprintf(&b, "%s backend pid %d (application %q, user %q, %s, transaction open %v, last query %q)",
+			sep, be.PID, be.Application, be.User, be.State, time.Since(be.XactStart).Round(time.Millisecond), be.Query)
+	}
+	return b.String()
+}
+
+// Unwrap returns the context's error.
+func (e *BlockedError) Unwrap() error { return e.Err }

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // ErrNoLease is returned by ForceRelease for a name that has never been
@@ -67,20 +68,83 @@ func (c *Client) Leases(ctx context.Context) ([]Info, error) {
 // acquisition gets a greater token, so the old holder's guarded writes are
 // refused from then on. It returns the previous holder ("" if it was free)
 // and the lease's current token, or ErrNoLease.
+//
+// Like a takeover, it waits for open guarded transactions that checked the
+// current token. Bound the wait with ctx: if ctx ends first, ForceRelease
+// gives up and returns a *BlockedError naming the sessions it waited for.
 func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, token fence.Token, err error) {
 	if err := fence.ValidateName(name); err != nil {
 		return "", 0, err
 	}
-	var (
-		tok  int64
-		woke bool
-	)
-	err = c.pool.QueryRow(ctx, c.q.forceRelease, name).Scan(&tok, &holder, &woke)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return "", 0, fmt.Errorf("%w: %q", ErrNoLease, name)
-	}
+	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
 		return "", 0, fmt.Errorf("lock: force release %q: %w", name, err)
 	}
-	return holder, fence.Token(tok), nil
+	defer conn.Release()
+	pid := conn.Conn().PgConn().PID()
+	type result struct {
+		holder string
+		token  int64
+		err    error
+	}
+	// The statement runs on its own context, which this function cancels
+	// itself: first it looks up who blocks it, while it still waits.
+	qctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	done := make(chan result, 1)
+	go func() {
+		var (
+			r    result
+			woke bool
+		)
+		r.err = conn.QueryRow(qctx, c.q.forceRelease, name).Scan(&r.token, &r.holder, &woke)
+		done <- r
+	}()
+	var r result
+	select {
+	case r = <-done:
+	case <-ctx.Done():
+		bctx, bcancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
+		backends, berr := c.blockers(bctx, pid)
+		// Cancel the statement at the server: closing the connection
+		// (what cancelling its context does) would leave the backend
+		// waiting, and freeing the lease later, unasked.
+		if err := conn.Conn().PgConn().CancelRequest(bctx); err != nil {
+			cancel()
+		}
+		bcancel()
+		if r = <-done; r.err != nil {
+			be := &BlockedError{Name: name, Backends: backends, Err: ctx.Err()}
+			if berr != nil {
+				return "", 0, fmt.Errorf("%w (looking up the blocking sessions failed: %v)", be, berr)
+			}
+			return "", 0, be
+		}
+	}
+	if errors.Is(r.err, pgx.ErrNoRows) {
+		return "", 0, fmt.Errorf("%w: %q", ErrNoLease, name)
+	}
+	if r.err != nil {
+		return "", 0, fmt.Errorf("lock: force release %q: %w", name, r.err)
+	}
+	return r.holder, fence.Token(r.token), nil
+}
+
+// blockers lists the sessions that block backend pid.
+func (c *Client) blockers(ctx context.Context, pid uint32) ([]Backend, error) {
+	rows, err := c.pool.Query(ctx, c.q.blockers, int64(pid))
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Backend, error) {
+		var (
+			b  Backend
+			at *time.Time
+		)
+		err := r.Scan(&b.PID, &b.Application, &b.User, &b.State, &at, &b.Query)
+		if at != nil {
+			b.XactStart = *at
+		}
+		return b, err
+	})
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // Lease is a held lease: the right to act for a name, with the fencing token
@@ -152,6 +153,10 @@ func (l *Lease) Check(ctx context.Context) error {
 // lease does nothing and returns nil. It never touches a lease that has since
 // been taken by someone else. If the database cannot be reached the lease
 // still ends locally and the error is returned; the row then expires by TTL.
+//
+// A ctx that has already ended does not stop it: `defer lease.Release(ctx)`
+// at shutdown, when ctx is cancelled, still frees the lease, bounded by its
+// own timeout (5s).
 func (l *Lease) Release(ctx context.Context) error {
 	l.mu.Lock()
 	if l.ended {
@@ -167,6 +172,8 @@ func (l *Lease) Release(ctx context.Context) error {
 	if l.c.cfg.DurableRelease {
 		sql = l.c.q.releaseDurable
 	}
+	ctx, cancel := wait.Cleanup(ctx)
+	defer cancel()
 	if _, err := l.c.pool.Exec(ctx, sql, l.name, int64(l.token), l.secret); err != nil {
 		return fmt.Errorf("lock: release %q: %w", l.name, err)
 	}
@@ -185,7 +192,7 @@ func (l *Lease) lose(cause error) {
 	l.mu.Unlock()
 	l.cancel(cause)
 	l.c.untrack(l)
-	l.c.cfg.Logger.Warn("pgfence: lease lost", "lease", l.name, "token", int64(l.token), "cause", cause)
+	l.c.cfg.Logger.Warn("pgfence: lease lost", "lease", l.name, "token", l.token, "holder", l.c.cfg.Holder, "cause", cause)
 }
 
 // renewed extends the trust window after a successful renewal sent at sent.

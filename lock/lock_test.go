@@ -70,7 +70,7 @@ func TestRaceExactlyOneWinner(t *testing.T) {
 	// Every loser was told who won, with the winner's token (losers' attempts
 	// may have drawn sequence values, so the token need not be 1).
 	for _, he := range heldErrs {
-		if he.Token != int64(won.Token()) || he.Holder != won.Holder() {
+		if he.Token != won.Token() || he.Holder != won.Holder() {
 			t.Fatalf("HeldError %+v, want holder %q token %d", he, won.Holder(), won.Token())
 		}
 	}
@@ -327,7 +327,7 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 	if !errors.As(err, &held) {
 		t.Fatalf("TryAcquire = %v, want *HeldError", err)
 	}
-	if held.Holder != "ghost" || held.Token != ghost || held.ExpiresIn < 59*time.Minute || held.ExpiresIn > time.Hour {
+	if held.Holder != "ghost" || int64(held.Token) != ghost || held.ExpiresIn < 59*time.Minute || held.ExpiresIn > time.Hour {
 		t.Fatalf("HeldError = %+v, want ghost's token %d", held, ghost)
 	}
 	// Move the database's view: expired now. The same client acquires.
@@ -556,41 +556,55 @@ func TestLeasesAndForceRelease(t *testing.T) {
 	}
 }
 
-// A lease whose trust window is already over when the acquisition returns
-// (the holder was paused while it was in flight) ends at once, cleanly.
-func TestAcquireAfterTrustWindowEndsAtOnce(t *testing.T) {
+// Issue 10.5: Acquire returns only live leases. An acquisition that waits
+// behind an open guarded transaction for longer than the whole TTL comes back
+// with its trust window over (and, before the fix, with a database expiry
+// already past: now() is the statement start, before the wait). It is
+// renewed before it is returned: live locally and at the database.
+func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	app := pgtest.UniqueName("slow")
-	// The acquisition waits 300ms on a row lock, so its reply arrives after
-	// the 100ms window (TTL 200ms - margin) has closed.
-	pool := pgtest.NewPool(t, app)
-	c, err := lock.New(pool, lock.Config{TTL: 200 * time.Millisecond, RenewInterval: 50 * time.Millisecond,
-		SafetyMargin: 100 * time.Millisecond, Schema: db.Schema, Logger: quiet})
+	cfg := lock.Config{TTL: 300 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond}
+	first := newClient(t, db, cfg)
+	c := newClient(t, db, cfg)
+	old, err := first.TryAcquire(ctx, "late")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close(context.Background())
-	blocker, err := db.Pool.Begin(ctx)
+	// A guarded transaction of the first holder stays open for 3 TTLs,
+	// while the holder releases the lease (which does not wait for it).
+	guarded, err := db.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Create the row, then hold its lock so the next acquisition waits.
-	if l, err := c.TryAcquire(ctx, "late"); err != nil {
-		t.Fatal(err)
-	} else {
-		_ = l.Release(ctx)
-	}
-	if _, err := blocker.Exec(ctx, "SELECT 1 FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'late' FOR UPDATE"); err != nil {
+	if err := old.Guard().Check(ctx, guarded); err != nil {
+		_ = guarded.Rollback(ctx)
 		t.Fatal(err)
 	}
-	time.AfterFunc(300*time.Millisecond, func() { _ = blocker.Rollback(context.Background()) })
-	l, err := c.TryAcquire(ctx, "late")
+	ended := make(chan struct{})
+	time.AfterFunc(900*time.Millisecond, func() { _ = guarded.Rollback(context.Background()); close(ended) })
+	defer func() { <-ended }()
+	if err := old.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.Acquire(ctx, "late")
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitLost(t, l, time.Second, "a lease acquired after its trust window was not ended")
+	if err := l.Err(); err != nil || l.TimeLeft() < cfg.RenewInterval {
+		t.Fatalf("returned lease: Err %v, TimeLeft %v; want live with at least %v", err, l.TimeLeft(), cfg.RenewInterval)
+	}
+	var live bool
+	if err := db.Pool.QueryRow(ctx, "SELECT expires_at > clock_timestamp() FROM "+
+		pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'late'").Scan(&live); err != nil || !live {
+		t.Fatalf("database expiry of the returned lease has passed (%v)", err)
+	}
+	// And it stays live: the renewer keeps it.
+	time.Sleep(2 * cfg.TTL)
+	if err := l.Err(); err != nil {
+		t.Fatalf("lease ended after return: %v", err)
+	}
 }
 
 // Stats: renewals counted, latency and clock skew measured (client and
@@ -702,7 +716,7 @@ func TestAcquireAdoptsItsLostAcquisition(t *testing.T) {
 		t.Fatal(err)
 	}
 	var held *lock.HeldError
-	if _, err := c.TryAcquire(ctx, "orphan"); !errors.As(err, &held) || held.Token != token {
+	if _, err := c.TryAcquire(ctx, "orphan"); !errors.As(err, &held) || int64(held.Token) != token {
 		t.Fatalf("TryAcquire with a fresh secret = %v, want held with token %d", err, token)
 	}
 	// A first attempt sent so long ago that no trust would be left: wait.

@@ -16,6 +16,7 @@ import (
 func (c *Client) renewLoop() {
 	defer c.wg.Done()
 	wait := c.cfg.RenewInterval
+	failing := false // log once per change between healthy and failing
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
@@ -42,13 +43,29 @@ func (c *Client) renewLoop() {
 		c.mu.Unlock()
 		if err := c.renew(batch); err != nil {
 			c.stats.failures.Add(1)
-			c.cfg.Logger.Warn("pgfence: renewal failed", "leases", len(batch), "err", err)
+			if !failing {
+				c.cfg.Logger.Warn("pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
+					"leases", len(batch), "err", err)
+			} else {
+				c.cfg.Logger.Debug("pgfence: renewal failed again", "leases", len(batch), "err", err)
+			}
+			failing = true
 			wait = c.jitter(c.cfg.RenewInterval / 4)
 		} else {
+			if failing {
+				c.cfg.Logger.Info("pgfence: renewals healthy again", "leases", len(batch))
+			}
+			failing = false
 			wait = c.cfg.RenewInterval
 		}
 		t.Reset(wait)
 	}
+}
+
+// renewKey identifies one acquisition in a renewal's result.
+type renewKey struct {
+	name  string
+	token fence.Token
 }
 
 // renew renews batch in one statement. Leases the database did not renew
@@ -63,25 +80,39 @@ func (c *Client) renew(batch []*Lease) error {
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.RenewInterval)
 	defer cancel()
 	sent := time.Now()
-	rows, err := c.pool.Query(ctx, c.q.renew, names, tokens, secrets, c.cfg.TTL.Microseconds())
+	got, err := c.renewRows(ctx, names, tokens, secrets)
 	if err != nil {
 		return err
 	}
-	type key struct {
-		name  string
-		token fence.Token
+	for _, l := range batch {
+		if exp, ok := got[renewKey{l.name, l.token}]; ok {
+			l.renewed(sent, exp)
+		} else {
+			l.lose(fmt.Errorf("%w: %q (token %d): %w", ErrLeaseLost, l.name, l.token, errNotRenewed))
+		}
 	}
-	got := make(map[key]time.Time, len(batch))
+	return nil
+}
+
+// renewRows runs the renewal statement for the given acquisitions and
+// returns the new expiry of each one the database renewed.
+func (c *Client) renewRows(ctx context.Context, names []string, tokens []int64, secrets [][]byte) (map[renewKey]time.Time, error) {
+	sent := time.Now()
+	rows, err := c.pool.Query(ctx, c.q.renew, names, tokens, secrets, c.cfg.TTL.Microseconds())
+	if err != nil {
+		return nil, err
+	}
+	got := make(map[renewKey]time.Time, len(names))
 	var lastExp time.Time
 	for rows.Next() {
 		var (
-			k   key
+			k   renewKey
 			tok int64
 			exp time.Time
 		)
 		if err := rows.Scan(&k.name, &tok, &exp); err != nil {
 			rows.Close()
-			return err
+			return nil, err
 		}
 		k.token = fence.Token(tok)
 		got[k] = exp
@@ -89,18 +120,11 @@ func (c *Client) renew(batch []*Lease) error {
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return err
+		return nil, err
 	}
 	if len(got) > 0 {
 		// expires_at = the statement's now() + TTL, the same for every row.
 		c.stats.observe(sent, time.Now(), lastExp.Add(-c.cfg.TTL))
 	}
-	for _, l := range batch {
-		if exp, ok := got[key{l.name, l.token}]; ok {
-			l.renewed(sent, exp)
-		} else {
-			l.lose(fmt.Errorf("%w: %q (token %d): %w", ErrLeaseLost, l.name, l.token, errNotRenewed))
-		}
-	}
-	return nil
+	return got, nil
 }

@@ -8,16 +8,19 @@ import (
 
 // Clock choice. Every statement here runs on its own (autocommit), so now()
 // (the transaction start) is the statement start, at or after the moment the
-// client sent the request. Setting expires_at = now() + TTL therefore never
-// grants the holder more than TTL after its send time, which is what the local
-// trust window assumes; and judging expiry with expires_at <= now() errs
-// towards "still held" by the few microseconds the statement has run.
+// client sent the request. The local trust window counts from the send time,
+// so any expiry at or after now() + TTL is safe: the holder stops trusting
+// the lease before the database lets anyone else take it. Judging expiry with
+// expires_at <= now() errs towards "still held" by the time the statement has
+// run. The acquisition sets its times with clock_timestamp(), after any wait
+// for the row lock: with now(), an acquisition that waited behind a guarded
+// transaction for longer than the TTL was granted an expiry already past.
 // Check uses clock_timestamp() because it may run inside a longer transaction,
 // where now() could be seconds old and would wrongly call an expired lease held.
 
 // queries holds the package's SQL, built once per client for its schema.
 type queries struct {
-	acquire, heldBy, acquireNew, markWaiting, renew, release, releaseDurable, check, inspect, forceRelease string
+	acquire, heldBy, acquireNew, markWaiting, renew, release, releaseDurable, releaseSecret, backendBusy, check, inspect, forceRelease, blockers string
 }
 
 // wakeWaiters is a RETURNING expression for statements that free a lease
@@ -57,8 +60,8 @@ func newQueries(schema string) queries {
 		// throughput at 8 clients (BENCHMARKS.md). heldBy, pipelined after
 		// it in the same round trip, answers the failure case.
 		acquire: fmt.Sprintf(`UPDATE %[1]s l
-   SET token = DEFAULT, holder = $2, secret = $3, acquired_at = now(), renewed_at = now(),
-       expires_at = now() + $4 * interval '1 microsecond'
+   SET token = DEFAULT, holder = $2, secret = $3, acquired_at = clock_timestamp(), renewed_at = clock_timestamp(),
+       expires_at = clock_timestamp() + $4 * interval '1 microsecond'
  WHERE l.name = (SELECT f.name FROM %[1]s f WHERE f.name = $1 AND (f.holder IS NULL OR f.expires_at <= now()) FOR UPDATE)
    AND (l.holder IS NULL OR l.expires_at <= now())
 RETURNING l.token, l.expires_at`, t),
@@ -106,6 +109,22 @@ RETURNING %[2]s, set_config('synchronous_commit', 'off', true)`, t, wake),
 		releaseDurable: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
  WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
 RETURNING %[2]s`, t, wake),
+
+		// Frees an acquisition whose outcome its client does not know
+		// (the request was in flight when the caller gave up): the secret
+		// is known only to that attempt.
+		releaseSecret: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
+ WHERE l.name = $1 AND l.secret = $2
+RETURNING %[2]s`, t, wake),
+
+		// Whether backend $1 is still running a statement.
+		backendBusy: `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active')`,
+
+		// The sessions that block backend $1, for an operator whose
+		// ForceRelease waits behind them.
+		blockers: `SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
+       a.xact_start, left(coalesce(a.query, ''), 200)
+  FROM pg_stat_activity a WHERE a.pid = ANY (pg_blocking_pids($1)) ORDER BY a.pid`,
 
 		check: fmt.Sprintf(`SELECT token, secret = $2 AND holder IS NOT NULL, expires_at > clock_timestamp(), expires_at
   FROM %[1]s WHERE name = $1`, t),

@@ -11,6 +11,11 @@
 // migrations in every database and schema that holds pgfence objects: the
 // leases schema, and any schema that holds a resource fence
 // (fence.Resource) next to its protected data.
+//
+// Up is safe to call from every replica at start-up, all at once: runs
+// against the same schema wait for each other on an advisory lock (blocking,
+// not polling), and every caller returns the latest version with a nil error.
+// [Status] and [Verify] only read: they never create a schema or a table.
 package migrations
 
 import (
@@ -21,12 +26,16 @@ import (
 	"fmt"
 	"hash/fnv"
 	"io/fs"
+	"path"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/lock"
 
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -52,9 +61,21 @@ func mustSub(f fs.FS, dir string) fs.FS {
 }
 
 // Up applies every pending migration in schema ("" means the connection's
-// search_path) and returns the schema version reached.
+// search_path) and returns the schema version reached. Concurrent calls for
+// the same schema, from any number of goroutines or processes, queue on an
+// advisory lock; each returns the latest version. It needs CREATE on the
+// database only when the schema does not exist yet.
 func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
-	p, closeFn, err := provider(ctx, pool, schema)
+	if pool == nil {
+		return 0, ErrNilPool
+	}
+	if err := ident.ValidateSchema(schema); err != nil {
+		return 0, fmt.Errorf("migrations: %w", err)
+	}
+	if err := createSchema(ctx, pool, schema); err != nil {
+		return 0, err
+	}
+	p, closeFn, err := provider(pool, schema)
 	if err != nil {
 		return 0, err
 	}
@@ -69,54 +90,259 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	return v, nil
 }
 
-// Status reports, for each embedded migration, whether it is applied in schema.
-func Status(ctx context.Context, pool *pgxpool.Pool, schema string) ([]*goose.MigrationStatus, error) {
-	p, closeFn, err := provider(ctx, pool, schema)
+// createSchema creates schema unless it exists, under the same advisory
+// lock key that migrating it takes (a transaction-level lock conflicts with
+// goose's session-level one), so that replicas starting together do not race
+// on CREATE SCHEMA IF NOT EXISTS (which fails with 23505 when two sessions
+// create the same schema at once).
+func createSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	if schema == "" {
+		return nil
+	}
+	var exists bool
+	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists); err != nil {
+		return fmt.Errorf("migrations: look up schema %q: %w", schema, err)
+	}
+	if exists {
+		return nil
+	}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, lockID(schema)); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schema}.Sanitize())
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("migrations: create schema %q: %w", schema, err)
+	}
+	return nil
+}
+
+// MigrationStatus is one embedded migration and whether it is applied.
+type MigrationStatus struct {
+	// Version is the migration's version number.
+	Version int64
+	// Name is the migration's file name.
+	Name string
+	// AppliedAt is when it was applied; zero if it is pending.
+	AppliedAt time.Time
+}
+
+// Report is what Status found, without changing anything.
+type Report struct {
+	// Schema is the schema looked at ("" = the search_path).
+	Schema string
+	// SchemaExists is false when the named schema does not exist (or, for
+	// "", when the search_path names no existing schema).
+	SchemaExists bool
+	// Current is the applied version (0: not migrated).
+	Current int64
+	// Latest is the newest embedded version, the one this pgfence needs.
+	Latest int64
+	// Migrations lists every embedded migration with its state.
+	Migrations []MigrationStatus
+}
+
+// Status reports, for each embedded migration, whether it is applied in
+// schema. It only reads: a mistyped schema is reported as missing
+// (SchemaExists false), never created.
+func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, error) {
+	if pool == nil {
+		return nil, ErrNilPool
+	}
+	if err := ident.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("migrations: %w", err)
+	}
+	st, err := inspect(ctx, pool, schema)
 	if err != nil {
 		return nil, err
 	}
-	defer closeFn()
-	st, err := p.Status(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("migrations: status: %w", err)
+	rep := &Report{Schema: schema, SchemaExists: st.schemaExists, Current: st.current, Latest: Latest}
+	for _, m := range sources {
+		m.AppliedAt = st.applied[m.Version]
+		rep.Migrations = append(rep.Migrations, m)
 	}
-	return st, nil
+	return rep, nil
+}
+
+// Querier runs a query returning one row: a pool, a connection and a
+// transaction all satisfy it.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+type state struct {
+	schemaExists bool
+	current      int64
+	applied      map[int64]time.Time
+}
+
+// inspect reads the schema's migration state without writing anything.
+func inspect(ctx context.Context, q Querier, schema string) (state, error) {
+	st := state{applied: map[int64]time.Time{}}
+	var table *string
+	err := q.QueryRow(ctx, `SELECT CASE WHEN $1 = '' THEN current_schema() IS NOT NULL
+            ELSE EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1) END,
+       CASE WHEN $1 = '' THEN to_regclass($2)
+            ELSE to_regclass(format('%I.%I', $1::text, $2::text)) END::text`, schema, VersionTable).Scan(&st.schemaExists, &table)
+	if err != nil {
+		return st, fmt.Errorf("migrations: read the state of schema %q: %w", schema, err)
+	}
+	if table == nil {
+		return st, nil
+	}
+	rows, err := q.Query(ctx, `SELECT version_id, max(tstamp) FROM `+ident.Table(schema, VersionTable)+
+		` WHERE is_applied AND version_id > 0 GROUP BY version_id`)
+	if err != nil {
+		return st, fmt.Errorf("migrations: read the version of schema %q: %w", schema, err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			v  int64
+			at time.Time
+		)
+		if err := rows.Scan(&v, &at); err != nil {
+			return st, err
+		}
+		st.applied[v] = at
+		st.current = max(st.current, v)
+	}
+	return st, rows.Err()
+}
+
+// ErrNotMigrated is matched by every *NotMigratedError.
+var ErrNotMigrated = errors.New("migrations: schema not migrated")
+
+// NotMigratedError says that a schema lacks pgfence's objects, or holds an
+// older version of them than this pgfence needs. It matches ErrNotMigrated.
+type NotMigratedError struct {
+	// Schema is the schema looked at ("" = the search_path).
+	Schema string
+	// SchemaExists is false when the schema does not exist at all.
+	SchemaExists bool
+	// Found is the applied version (0: none).
+	Found int64
+	// Required is the version this pgfence needs (Latest).
+	Required int64
+}
+
+// Error says what was found and what to run.
+func (e *NotMigratedError) Error() string {
+	where := "schema " + strconv.Quote(e.Schema)
+	flag := " --schema " + shellQuote(e.Schema)
+	if e.Schema == "" {
+		where, flag = "the search_path", ""
+	}
+	var found string
+	switch {
+	case !e.SchemaExists:
+		found = where + " does not exist"
+	case e.Found == 0:
+		found = where + " has no pgfence tables (not migrated)"
+	default:
+		found = fmt.Sprintf("%s is at pgfence schema version %d, this pgfence needs %d", where, e.Found, e.Required)
+	}
+	return "migrations: " + found + ": run migrations.Up, or `pgfence" + flag + " migrate up`"
+}
+
+// Is makes errors.Is(err, ErrNotMigrated) true.
+func (e *NotMigratedError) Is(target error) bool { return target == ErrNotMigrated }
+
+// Verify checks, without writing anything, that schema ("" = search_path)
+// holds pgfence's objects at version Latest or newer. It returns a
+// *NotMigratedError when it does not, and the database error when it cannot
+// tell (for instance, the role may not read the schema).
+func Verify(ctx context.Context, q Querier, schema string) error {
+	if err := ident.ValidateSchema(schema); err != nil {
+		return fmt.Errorf("migrations: %w", err)
+	}
+	st, err := inspect(ctx, q, schema)
+	if err != nil {
+		return err
+	}
+	if !st.schemaExists || st.current < Latest {
+		return &NotMigratedError{Schema: schema, SchemaExists: st.schemaExists, Found: st.current, Required: Latest}
+	}
+	return nil
+}
+
+func shellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r == '_' || r == '-' || r == '.' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9')
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// sources lists the embedded migrations by version.
+var sources = mustSources()
+
+// Latest is the newest version among the embedded migrations: the schema
+// version this pgfence needs.
+var Latest = sources[len(sources)-1].Version
+
+func mustSources() []MigrationStatus {
+	names, err := fs.Glob(FS, "*.sql")
+	if err != nil {
+		panic(err)
+	}
+	var out []MigrationStatus
+	for _, n := range names {
+		digits, _, _ := strings.Cut(path.Base(n), "_")
+		v, err := strconv.ParseInt(digits, 10, 64)
+		if err != nil {
+			panic(fmt.Sprintf("migrations: %s has no version number", n))
+		}
+		out = append(out, MigrationStatus{Version: v, Name: n})
+	}
+	slices.SortFunc(out, func(a, b MigrationStatus) int { return int(a.Version - b.Version) })
+	return out
 }
 
 // NewProvider returns a goose Provider over db for pgfence's migrations, with
-// pgfence's version table, no global registry and a session advisory lock, for
-// callers that need goose's full API (down, redo, ...). db's connections decide
-// the schema through their search_path.
+// pgfence's version table, no global registry and a blocking session
+// advisory lock on lockID, for callers that need goose's full API (down,
+// redo, ...). db's connections decide the schema through their search_path.
 func NewProvider(db *sql.DB, lockID int64) (*goose.Provider, error) {
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(lockID))
-	if err != nil {
-		return nil, err
-	}
 	return goose.NewProvider(goose.DialectPostgres, db, FS,
 		goose.WithTableName(VersionTable),
 		goose.WithDisableGlobalRegistry(true),
-		goose.WithSessionLocker(locker),
+		goose.WithSessionLocker(sessionLocker(lockID)),
 	)
+}
+
+// sessionLocker holds a session-level advisory lock while goose migrates.
+// Unlike goose's own Postgres locker, which polls with pg_try_advisory_lock
+// every few seconds, it blocks in pg_advisory_lock: replicas that start
+// together are let in one after another as soon as the previous one is done.
+type sessionLocker int64
+
+// SessionLock implements goose's lock.SessionLocker.
+func (id sessionLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
+	if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_lock($1)`, int64(id)); err != nil {
+		return fmt.Errorf("migrations: take the migration lock: %w", err)
+	}
+	return nil
+}
+
+// SessionUnlock implements goose's lock.SessionLocker.
+func (id sessionLocker) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
+	_, err := conn.ExecContext(ctx, `SELECT pg_advisory_unlock($1)`, int64(id))
+	return err
 }
 
 // provider opens a private database/sql handle whose connections have the
 // pool's settings and search_path set to schema, so goose (which only speaks
 // database/sql) creates everything there without touching the pool's own
 // connections.
-func provider(ctx context.Context, pool *pgxpool.Pool, schema string) (*goose.Provider, func(), error) {
-	if pool == nil {
-		return nil, nil, ErrNilPool
-	}
-	if err := ident.ValidateSchema(schema); err != nil {
-		return nil, nil, fmt.Errorf("migrations: %w", err)
-	}
+func provider(pool *pgxpool.Pool, schema string) (*goose.Provider, func(), error) {
 	cfg := pool.Config().ConnConfig.Copy()
 	if schema != "" {
-		q := pgx.Identifier{schema}.Sanitize()
-		if _, err := pool.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+q); err != nil {
-			return nil, nil, fmt.Errorf("migrations: create schema: %w", err)
-		}
-		cfg.RuntimeParams["search_path"] = q
+		cfg.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
 	}
 	db := stdlib.OpenDB(*cfg)
 	db.SetMaxOpenConns(2)

@@ -3,12 +3,17 @@ package migrations_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os"
+	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgfence/pgfence/internal/ident"
@@ -17,7 +22,174 @@ import (
 	"github.com/pgfence/pgfence/migrations"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+func TestMain(m *testing.M) {
+	if schema := os.Getenv(childEnv); schema != "" {
+		os.Exit(migrateChild(schema))
+	}
+	pgtest.Main(m)
+}
+
+// childEnv makes the test binary a process that runs migrations.Up once on
+// the schema it names, for TestConcurrentUp.
+const childEnv = "PGFENCE_MIGRATE_CHILD"
+
+func migrateChild(schema string) int {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool, err := pgxpool.New(ctx, os.Getenv(pgtest.EnvURL))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer pool.Close()
+	v, err := migrations.Up(ctx, pool, schema)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fmt.Println(v)
+	return 0
+}
+
+// Issue 10.1: replicas that migrate at start-up all succeed. 16 goroutines,
+// then 8 processes, each against a schema that does not exist yet, all call
+// Up at once: every one ends with a nil error at the latest version (before
+// the fix, most failed with 23505 from CREATE SCHEMA IF NOT EXISTS, and
+// goose's polling locker made the rest wait in 5 s steps).
+func TestConcurrentUp(t *testing.T) {
+	ctx := pgtest.Context(t, 2*time.Minute)
+	pool := pgtest.NewPool(t, "migrations-concurrent", func(c *pgxpool.Config) { c.MaxConns = 20 })
+
+	schema := pgtest.Schema(t, "together")
+	var wg sync.WaitGroup
+	errs := make([]error, 16)
+	versions := make([]int64, 16)
+	start := make(chan struct{})
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			versions[i], errs[i] = migrations.Up(ctx, pool, schema)
+		}()
+	}
+	close(start)
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil || versions[i] != migrations.Latest {
+			t.Errorf("goroutine %d: version %d, %v; want %d, nil", i, versions[i], err, migrations.Latest)
+		}
+	}
+
+	schema = pgtest.Schema(t, "together_proc")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmds := make([]*exec.Cmd, 8)
+	outs := make([]*strings.Builder, 8)
+	for i := range cmds {
+		outs[i] = &strings.Builder{}
+		cmds[i] = exec.CommandContext(ctx, exe)
+		cmds[i].Env = append(os.Environ(), childEnv+"="+schema)
+		cmds[i].Stdout, cmds[i].Stderr = outs[i], outs[i]
+	}
+	for _, c := range cmds {
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, c := range cmds {
+		if err := c.Wait(); err != nil || strings.TrimSpace(outs[i].String()) != fmt.Sprint(migrations.Latest) {
+			t.Errorf("process %d: %v, output %q; want version %d", i, err, outs[i].String(), migrations.Latest)
+		}
+	}
+}
+
+// Issue 10.2: looking changes nothing. Status and Verify on a mistyped
+// schema report it missing and create nothing; on an existing but empty
+// schema, "not migrated"; on an old version, what was found and what is
+// needed, with the command to run.
+func TestStatusAndVerifyOnlyRead(t *testing.T) {
+	ctx := pgtest.Context(t, time.Minute)
+	pool := pgtest.NewPool(t, "migrations-readonly")
+	typo := pgtest.Schema(t, "typo")
+
+	st, err := migrations.Status(ctx, pool, typo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.SchemaExists || st.Current != 0 || st.Latest != migrations.Latest {
+		t.Fatalf("Status of a missing schema: %+v", st)
+	}
+	err = migrations.Verify(ctx, pool, typo)
+	var nm *migrations.NotMigratedError
+	if !errors.As(err, &nm) || !errors.Is(err, migrations.ErrNotMigrated) || nm.SchemaExists ||
+		!strings.Contains(err.Error(), "does not exist") || !strings.Contains(err.Error(), "migrate up") {
+		t.Fatalf("Verify of a missing schema: %v", err)
+	}
+	var exists bool
+	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, typo).Scan(&exists); err != nil || exists {
+		t.Fatalf("looking at schema %q created it (%v)", typo, err)
+	}
+
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{typo}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	err = migrations.Verify(ctx, pool, typo)
+	if !errors.As(err, &nm) || !nm.SchemaExists || nm.Found != 0 || !strings.Contains(err.Error(), "not migrated") {
+		t.Fatalf("Verify of an empty schema: %v", err)
+	}
+	var tables int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_tables WHERE schemaname = $1`, typo).Scan(&tables); err != nil || tables != 0 {
+		t.Fatalf("looking at schema %q created %d tables (%v)", typo, tables, err)
+	}
+
+	// An old version: migrate to 3 by hand.
+	cfg := pool.Config().ConnConfig.Copy()
+	cfg.RuntimeParams["search_path"] = pgx.Identifier{typo}.Sanitize()
+	db := stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { _ = db.Close() })
+	p, err := migrations.NewProvider(db, 4242421)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.UpTo(ctx, 3); err != nil {
+		t.Fatal(err)
+	}
+	err = migrations.Verify(ctx, pool, typo)
+	if !errors.As(err, &nm) || nm.Found != 3 || nm.Required != migrations.Latest ||
+		!strings.Contains(err.Error(), fmt.Sprintf("version 3, this pgfence needs %d", migrations.Latest)) {
+		t.Fatalf("Verify of version 3: %v", err)
+	}
+	if _, err := migrations.Up(ctx, pool, typo); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.Verify(ctx, pool, typo); err != nil {
+		t.Fatalf("Verify after Up: %v", err)
+	}
+}
+
+// Issue 10.4: every schema name that validation accepts can be migrated, and
+// names the migrations could not handle are refused up front.
+func TestSchemaNames(t *testing.T) {
+	ctx := pgtest.Context(t, 2*time.Minute)
+	pool := pgtest.NewPool(t, "migrations-names")
+	for _, name := range []string{`Upper`, `with space`, `semi;colon`, `quote'd`, `per%cent`, `ünï`, `back\slash`} {
+		schema := name + "_" + pgtest.UniqueName("n")[2:]
+		t.Cleanup(func() {
+			_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		})
+		if _, err := migrations.Up(ctx, pool, schema); err != nil {
+			t.Errorf("Up(%q): %v", schema, err)
+		}
+	}
+	for _, bad := range []string{"a$body$b", "x$", "nul\x00"} {
+		if _, err := migrations.Up(ctx, pool, bad); err == nil {
+			t.Errorf("Up(%q) was accepted", bad)
+		}
+	}
+}
 
 // Up is idempotent, uses pgfence's own version table, and works in a schema
 // whose name needs quoting; the fence function works from any search_path.
@@ -41,9 +213,12 @@ func TestUpStatusAndQuoting(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, s := range st {
+	if !st.SchemaExists || st.Current != migrations.Latest || len(st.Migrations) == 0 {
+		t.Fatalf("Status: %+v, want the schema at version %d", st, migrations.Latest)
+	}
+	for _, s := range st.Migrations {
 		if s.AppliedAt.IsZero() {
-			t.Errorf("migration %d not applied", s.Source.Version)
+			t.Errorf("migration %d not applied", s.Version)
 		}
 	}
 	var own, goose bool
@@ -114,7 +289,7 @@ func TestTokenSequenceUpgrade(t *testing.T) {
 		defer l.Release(ctx)
 		return int64(l.Token())
 	}
-	if _, err := p.UpTo(ctx, 4); err != nil {
+	if _, err := p.Up(ctx); err != nil {
 		t.Fatal(err)
 	}
 	last := int64(41)

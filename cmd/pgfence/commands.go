@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -44,14 +45,37 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	for _, s := range st {
+	where := "schema " + printable(st.Schema)
+	if st.Schema == "" {
+		where = "the search_path"
+	}
+	switch {
+	case !st.SchemaExists:
+		fmt.Fprintf(e.stdout, "%s: no such schema (not migrated; `pgfence migrate up` creates it)\n", where)
+	case st.Current == 0:
+		fmt.Fprintf(e.stdout, "%s: not migrated\n", where)
+	default:
+		fmt.Fprintf(e.stdout, "%s: version %d of %d\n", where, st.Current, st.Latest)
+	}
+	for _, m := range st.Migrations {
 		applied := "pending"
-		if !s.AppliedAt.IsZero() {
-			applied = "applied " + s.AppliedAt.UTC().Format(time.RFC3339)
+		if !m.AppliedAt.IsZero() {
+			applied = "applied " + m.AppliedAt.UTC().Format(time.RFC3339)
 		}
-		fmt.Fprintf(e.stdout, "%05d  %-28s %s\n", s.Source.Version, s.Source.Path, applied)
+		fmt.Fprintf(e.stdout, "%05d  %-36s %s\n", m.Version, m.Name, applied)
 	}
 	return nil
+}
+
+// printable escapes control characters (and invalid UTF-8) in s, so that a
+// lease name or holder read from the database cannot forge lines or
+// terminal escape sequences in an operator's terminal.
+func printable(s string) string {
+	q := strconv.Quote(s)
+	if q[1:len(q)-1] == s {
+		return s
+	}
+	return q
 }
 
 // leaseJSON is the --json shape of one lease (stable: scripts depend on it).
@@ -131,7 +155,7 @@ func cmdLeases(ctx context.Context, e *env, args []string) error {
 				holder += " (expired)"
 			}
 		}
-		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\n", i.Name, holder, i.Token, expires, heldFor)
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\n", printable(i.Name), printable(holder), i.Token, expires, heldFor)
 	}
 	return w.Flush()
 }
@@ -144,9 +168,13 @@ func round(d time.Duration) time.Duration {
 }
 
 func cmdRelease(ctx context.Context, e *env, args []string) error {
-	var yes bool
-	fs, err := parse(e, "release", "NAME [--yes]", args, func(fs *flag.FlagSet) {
+	var (
+		yes     bool
+		timeout time.Duration
+	)
+	fs, err := parse(e, "release", "NAME [--yes] [--timeout 10s]", args, func(fs *flag.FlagSet) {
 		fs.BoolVar(&yes, "yes", false, "do not ask for confirmation")
+		fs.DurationVar(&timeout, "timeout", 10*time.Second, "how long to wait for open guarded transactions on the lease")
 	})
 	if err != nil {
 		return err
@@ -154,6 +182,9 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	if fs.NArg() != 1 {
 		fs.Usage()
 		return fail(exitUsage, "release takes exactly one lease name")
+	}
+	if timeout <= 0 {
+		return fail(exitUsage, "--timeout must be positive")
 	}
 	name := fs.Arg(0)
 	c, infos, closeFn, err := e.leases(ctx)
@@ -175,17 +206,24 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 		if found.Holder != "" {
 			who = found.Holder
 		}
-		fmt.Fprintf(e.stderr, "Force-release lease %q, held by %s with token %d?\n"+
-			"The holder loses it and its writes with token %d will be refused. [y/N] ", name, who, found.Token, found.Token)
+		fmt.Fprintf(e.stderr, "Force-release lease %s, held by %s with token %d?\n"+
+			"The holder loses it and its writes with token %d will be refused. [y/N] ", strconv.Quote(name), printable(who), found.Token, found.Token)
 		var answer string
 		_, _ = fmt.Fscanln(e.stdin, &answer)
 		if a := strings.ToLower(strings.TrimSpace(answer)); a != "y" && a != "yes" {
 			return fail(exitError, "not released (confirm with y, or pass --yes)")
 		}
 	}
-	holder, tok, err := c.ForceRelease(ctx, name)
+	rctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	holder, tok, err := c.ForceRelease(rctx, name)
 	if errors.Is(err, lock.ErrNoLease) {
 		return fail(exitNoLease, "no lease named %q", name)
+	}
+	var blocked *lock.BlockedError
+	if errors.As(err, &blocked) {
+		return fail(exitError, "not released: %v\n(guarded transactions on the lease are still open; end them, or wait and try again)",
+			printable(blocked.Error()))
 	}
 	if err != nil {
 		return err
@@ -193,7 +231,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	if holder == "" {
 		holder = "nobody"
 	}
-	fmt.Fprintf(e.stdout, "released %q (was held by %s, token %d); the next holder gets token %d or greater\n", name, holder, tok, tok+1)
+	fmt.Fprintf(e.stdout, "released %s (was held by %s, token %d); the next holder gets token %d or greater\n", strconv.Quote(name), printable(holder), tok, tok+1)
 	return nil
 }
 
@@ -250,7 +288,7 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 		if r.Error != nil {
 			msg = strings.SplitN(*r.Error, "\n", 2)[0]
 		}
-		fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", r.Job, r.Shard, r.Slot.UTC().Format(time.RFC3339), r.Attempt, r.Token, r.Status, r.Holder, dur, msg)
+		fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", printable(r.Job), r.Shard, r.Slot.UTC().Format(time.RFC3339), r.Attempt, r.Token, r.Status, printable(r.Holder), dur, printable(msg))
 	}
 	return w.Flush()
 }

@@ -82,7 +82,7 @@ func TestLeasesThroughPgBouncer(t *testing.T) {
 				t.Fatal(err)
 			}
 			var held *lock.HeldError
-			if _, err := other.TryAcquire(ctx, "pooled"); !errors.As(err, &held) || held.Holder != "a" || held.Token != int64(l.Token()) {
+			if _, err := other.TryAcquire(ctx, "pooled"); !errors.As(err, &held) || held.Holder != "a" || held.Token != l.Token() {
 				t.Fatalf("second TryAcquire = %v, want held by a with token %d", err, l.Token())
 			}
 			// Renewals keep the lease through PgBouncer: after 3 TTLs it is

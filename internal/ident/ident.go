@@ -32,6 +32,10 @@ func ValidateSchema(schema string) error {
 		return fmt.Errorf("%w: schema name is %d bytes, the limit is %d", ErrInvalid, len(schema), maxLen)
 	case strings.ContainsRune(schema, 0):
 		return fmt.Errorf("%w: schema name contains a NUL byte", ErrInvalid)
+	case strings.ContainsRune(schema, '$'):
+		// The migrations build functions whose bodies name the schema
+		// inside dollar quotes; a '$' could end them early.
+		return fmt.Errorf("%w: schema name contains '$'", ErrInvalid)
 	}
 	return nil
 }

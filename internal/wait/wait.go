@@ -17,3 +17,18 @@ func Sleep(ctx context.Context, d time.Duration) bool {
 		return false
 	}
 }
+
+// CleanupTimeout bounds cleanup work that must still happen after the
+// caller's context has ended: releasing a lease at shutdown, recording a
+// run's outcome, abandoning an acquisition whose reply was lost.
+const CleanupTimeout = 5 * time.Second
+
+// Cleanup returns ctx while it is live; once it has ended, a context that
+// keeps its values but not its cancellation and ends after CleanupTimeout.
+// Call the returned cancel function when done.
+func Cleanup(ctx context.Context) (context.Context, context.CancelFunc) {
+	if ctx.Err() == nil {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(context.WithoutCancel(ctx), CleanupTimeout)
+}

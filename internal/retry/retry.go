@@ -1,0 +1,117 @@
+// Package retry classifies database errors as transient or permanent and
+// computes capped exponential backoff with jitter. It is pure logic: the
+// packages that loop (lock, runner) decide what to do with its answers.
+package retry
+
+import (
+	"context"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"net"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Transient reports whether err is worth retrying: the same request can
+// succeed later without anyone changing configuration or schema. The
+// classification (documented as a table in package lock) is:
+//
+//   - transient: a connection that could not be made, broke or was closed
+//     (network errors, io.EOF, SQLSTATE class 08), the server shutting down
+//     or terminating the session (57P01, 57P02, 57P03), a read-only server
+//     (25006, a standby after failover), serialization failures and
+//     deadlocks (40001, 40P01), lock and statement timeouts (55P03, 57014),
+//     insufficient resources (class 53, e.g. 53300 too many connections) and
+//     system errors (class 58);
+//   - permanent: every other server error, e.g. a missing table or function
+//     (42P01, 42883: the schema is missing or old), missing privileges
+//     (42501), invalid data (class 22), failed authentication (class 28), an
+//     unknown database (3D000), and pgfence's own refusals (PF...).
+//
+// Context cancellation is neither: callers check their context first.
+func Transient(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return transientCode(pg.Code)
+	}
+	// Not a server error: the request never got an answer.
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	var ne net.Error
+	var ce *pgconn.ConnectError
+	return errors.As(err, &ne) || errors.As(err, &ce) || errors.Is(err, io.EOF) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) || pgconn.SafeToRetry(err) ||
+		isConnClosed(err)
+}
+
+// transientCode classifies a SQLSTATE.
+func transientCode(code string) bool {
+	switch code {
+	case "25006", "40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03":
+		return true
+	}
+	if len(code) == 5 {
+		switch code[:2] {
+		case "08", "53", "58":
+			return true
+		}
+	}
+	return false
+}
+
+// ConnectionLost reports whether err says the session ended (the server
+// terminated it, or the connection broke): whatever the statement was, its
+// transaction did not and will not commit, unless the statement was COMMIT.
+func ConnectionLost(err error) bool {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Code == "57P01" || pg.Code == "57P02" || pg.Code == "57P03" ||
+			(len(pg.Code) == 5 && pg.Code[:2] == "08")
+	}
+	return Transient(err)
+}
+
+// isConnClosed matches pgx's "conn closed" error, which has no sentinel.
+func isConnClosed(err error) bool {
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if e.Error() == "conn closed" {
+			return true
+		}
+	}
+	return false
+}
+
+// Backoff is capped exponential backoff with jitter: the n-th wait (from 0)
+// is drawn from [d/2, d] where d = min(Base * 2^n, Max). Equal jitter keeps a
+// floor (a retry never comes at once) while spreading many clients that failed
+// together.
+type Backoff struct {
+	// Base is the first wait's upper bound. Must be positive.
+	Base time.Duration
+	// Max caps every wait. Must be >= Base.
+	Max time.Duration
+}
+
+// Ceiling returns the upper bound of the n-th wait, without jitter.
+func (b Backoff) Ceiling(n int) time.Duration {
+	d := b.Base
+	for i := 0; i < n && d < b.Max; i++ {
+		d *= 2
+	}
+	return min(d, b.Max)
+}
+
+// Wait returns the n-th wait, jittered.
+func (b Backoff) Wait(n int) time.Duration {
+	d := b.Ceiling(n)
+	if d <= 1 {
+		return d
+	}
+	return d/2 + time.Duration(rand.Int64N(int64(d/2)+1))
+}

@@ -1,0 +1,70 @@
+package retry
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+func TestTransient(t *testing.T) {
+	pg := func(code string) error { return fmt.Errorf("wrapped: %w", &pgconn.PgError{Code: code}) }
+	cases := []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"nil", nil, false},
+		{"terminated", pg("57P01"), true},
+		{"read only after failover", pg("25006"), true},
+		{"serialization", pg("40001"), true},
+		{"deadlock", pg("40P01"), true},
+		{"lock timeout", pg("55P03"), true},
+		{"statement timeout", pg("57014"), true},
+		{"too many connections", pg("53300"), true},
+		{"connection failure", pg("08006"), true},
+		{"io error", pg("58030"), true},
+		{"undefined table", pg("42P01"), false},
+		{"undefined function", pg("42883"), false},
+		{"privileges", pg("42501"), false},
+		{"bad byte sequence", pg("22021"), false},
+		{"bad password", pg("28P01"), false},
+		{"no database", pg("3D000"), false},
+		{"pgfence refusal", pg("PF010"), false},
+		{"eof", fmt.Errorf("read: %w", io.ErrUnexpectedEOF), true},
+		{"canceled", context.Canceled, false},
+		{"deadline", fmt.Errorf("x: %w", context.DeadlineExceeded), false},
+		{"conn closed", errors.New("conn closed"), true},
+		{"plain", errors.New("something else"), false},
+	}
+	for _, c := range cases {
+		if got := Transient(c.err); got != c.want {
+			t.Errorf("%s: Transient(%v) = %v, want %v", c.name, c.err, got, c.want)
+		}
+	}
+	if ConnectionLost(pg("40001")) || !ConnectionLost(pg("57P01")) || ConnectionLost(pg("42P01")) {
+		t.Error("ConnectionLost classifies server errors wrongly")
+	}
+}
+
+func TestBackoff(t *testing.T) {
+	b := Backoff{Base: 100 * time.Millisecond, Max: time.Second}
+	want := []time.Duration{100, 200, 400, 800, 1000, 1000}
+	for n, w := range want {
+		if got := b.Ceiling(n); got != w*time.Millisecond {
+			t.Errorf("Ceiling(%d) = %v, want %v", n, got, w*time.Millisecond)
+		}
+		for range 100 {
+			if got := b.Wait(n); got < b.Ceiling(n)/2 || got > b.Ceiling(n) {
+				t.Fatalf("Wait(%d) = %v, outside [%v, %v]", n, got, b.Ceiling(n)/2, b.Ceiling(n))
+			}
+		}
+	}
+	if got := b.Ceiling(1 << 20); got != time.Second {
+		t.Errorf("Ceiling of a huge attempt = %v, want the cap", got)
+	}
+}
