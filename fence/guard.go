@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/retry"
 )
 
 // Guard fences writes with a lease's token. Used inside a transaction, it
@@ -38,8 +39,10 @@ type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
 
-// MaxAttempts is how many times RunTx runs a transaction that the database
-// aborted with a serialization failure (40001) or a deadlock (40P01).
+// MaxAttempts is how many times RunTx runs a transaction that provably did
+// not commit for a reason that can pass: a serialization failure (40001), a
+// deadlock (40P01), or a connection lost before COMMIT was sent (a pooled
+// connection the server terminated, 57P01).
 const MaxAttempts = 3
 
 func (g Guard) validate() error {
@@ -70,7 +73,7 @@ func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
 	}
 	var cur int64
 	if err := tx.QueryRow(ctx, g.checkSQL(), g.Lease, int64(g.Token)).Scan(&cur); err != nil {
-		return translate(err, g.Lease, g.Token)
+		return translateCheck(err, g.Lease, g.Token)
 	}
 	return nil
 }
@@ -94,10 +97,17 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // costs no extra round trip; no statement of fn runs unless the check passed,
 // and the check's error (a *StaleTokenError, ErrUnknownLease,
 // ErrTokenNotIssued) is what that first call returns. If fn returns an error the transaction
-// rolls back and the error is returned unchanged. If the database aborts the
-// transaction with 40001 or 40P01, the whole transaction, fn included, runs
-// again, up to MaxAttempts times: fn must not have effects outside the
-// transaction. A connection lost during COMMIT returns ErrOutcomeUnknown.
+// rolls back and the error is returned unchanged.
+//
+// Every statement fn sends through tx runs under ctx as well as under the
+// context fn passes: when ctx ends (for Lease.RunTx: when the lease ends),
+// the statement in flight is cancelled, whatever context fn gave it.
+//
+// If the transaction provably did not commit for a passing reason (40001,
+// 40P01, or the connection lost before COMMIT was sent), the whole
+// transaction, fn included, runs again, up to MaxAttempts times: fn must not
+// have effects outside the transaction. A connection lost during COMMIT
+// returns ErrOutcomeUnknown.
 func (g Guard) RunTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) error {
 	if err := g.validate(); err != nil {
 		return err
@@ -110,32 +120,35 @@ func (g Guard) RunTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error)
 	}
 	var err error
 	for attempt := 1; attempt <= MaxAttempts; attempt++ {
-		err = g.runOnce(ctx, db, fn)
-		if !retryable(err) || ctx.Err() != nil {
+		var committing bool
+		committing, err = g.runOnce(ctx, db, fn)
+		if !retryable(err, committing) || ctx.Err() != nil {
 			return err
 		}
 	}
 	return err
 }
 
-func (g Guard) runOnce(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) (err error) {
+// runOnce runs one attempt; committing reports that COMMIT was sent (its
+// error, if any, is final).
+func (g Guard) runOnce(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) (committing bool, err error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer func() {
-		if err != nil {
+		if err != nil && !committing {
 			_ = tx.Rollback(context.WithoutCancel(ctx))
 		}
 	}()
-	gtx := &guardedTx{Tx: tx, g: g}
+	gtx := &guardedTx{Tx: tx, g: g, bound: ctx}
 	if err := fn(gtx); err != nil {
-		return err
+		return false, err
 	}
 	if err := gtx.ensure(ctx); err != nil {
-		return err
+		return false, err
 	}
-	return commit(ctx, tx)
+	return true, commit(ctx, tx)
 }
 
 // commit classifies a failed COMMIT: a server error or a request that was
@@ -153,13 +166,16 @@ func commit(ctx context.Context, tx pgx.Tx) error {
 	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
 }
 
-// retryable reports a definite abort that is safe to run again.
-func retryable(err error) bool {
+// retryable reports a failure that provably left nothing committed and can
+// pass: a definite abort (40001, 40P01, before or at COMMIT), or a lost
+// connection before COMMIT was sent (one lost during COMMIT leaves the
+// outcome unknown).
+func retryable(err error, committing bool) bool {
 	var pg *pgconn.PgError
-	if !errors.As(err, &pg) {
-		return false
+	if errors.As(err, &pg) && (pg.Code == "40001" || pg.Code == "40P01") {
+		return true
 	}
-	return pg.Code == "40001" || pg.Code == "40P01"
+	return !committing && retry.ConnectionLost(err)
 }
 
 // Fold returns an SQL expression that performs the guard's check wherever

@@ -2,6 +2,7 @@ package fence
 
 import (
 	"context"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -12,11 +13,52 @@ import (
 // QueryRow (pipelined, check first); any other first use, or a function that
 // sends nothing, gets the check on its own. Either way no statement of the
 // transaction runs before the check has passed.
+//
+// When bound is set (RunTx's context), every statement also runs under it:
+// the statement in flight is cancelled when bound ends, whatever context the
+// caller passed. This is what makes a lease's end stop the statements of
+// Lease.RunTx even when its function uses its own context.
 type guardedTx struct {
 	pgx.Tx
 	g       Guard
 	checked bool
+	bound   context.Context
 }
+
+// bind returns a context that ends when ctx or t.bound ends, and the
+// function that releases it (call it when the statement is done).
+//
+// When t.bound ends first, the statement is cancelled at the server (a
+// cancel request) before its context is cancelled: pgx reacts to a cancelled
+// context by closing the connection, and a server backend whose client has
+// gone keeps running its statement (and holding the lease row's lock, which
+// delays the next holder) until the statement ends by itself.
+func (t *guardedTx) bind(ctx context.Context) (context.Context, func()) {
+	if t.bound == nil || ctx == t.bound || t.bound.Done() == nil {
+		return ctx, func() {}
+	}
+	ctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(t.bound, func() {
+		t.cancelAtServer()
+		cancel(context.Cause(t.bound))
+	})
+	return ctx, func() { stop(); cancel(nil) }
+}
+
+// cancelAtServer asks the server to cancel the statement running on the
+// transaction's connection.
+func (t *guardedTx) cancelAtServer() {
+	conn := t.Tx.Conn()
+	if conn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cancelTimeout)
+	defer cancel()
+	_ = conn.PgConn().CancelRequest(ctx)
+}
+
+// cancelTimeout bounds a cancel request (a new connection to the server).
+const cancelTimeout = 2 * time.Second
 
 func (t *guardedTx) ensure(ctx context.Context) error {
 	if t.checked {
@@ -38,13 +80,15 @@ func (t *guardedTx) pipeline(ctx context.Context, sql string, args []any) (pgx.B
 	br := t.Tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
 		_ = br.Close()
-		return nil, translate(err, t.g.Lease, t.g.Token)
+		return nil, translateCheck(err, t.g.Lease, t.g.Token)
 	}
 	t.checked = true
 	return br, nil
 }
 
 func (t *guardedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	ctx, done := t.bind(ctx)
+	defer done()
 	if t.checked {
 		return t.Tx.Exec(ctx, sql, args...)
 	}
@@ -60,19 +104,27 @@ func (t *guardedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.C
 }
 
 func (t *guardedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	ctx, done := t.bind(ctx)
 	if t.checked {
-		return t.Tx.Query(ctx, sql, args...)
+		rows, err := t.Tx.Query(ctx, sql, args...)
+		if err != nil {
+			done()
+			return nil, err
+		}
+		return &boundRows{Rows: rows, done: done}, nil
 	}
 	br, err := t.pipeline(ctx, sql, args)
 	if err != nil {
+		done()
 		return nil, err
 	}
 	rows, err := br.Query()
 	if err != nil {
 		_ = br.Close()
+		done()
 		return nil, err
 	}
-	return &batchRows{Rows: rows, br: br}, nil
+	return &batchRows{Rows: rows, br: br, done: done}, nil
 }
 
 func (t *guardedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
@@ -81,30 +133,72 @@ func (t *guardedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 }
 
 func (t *guardedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	ctx, done := t.bind(ctx)
 	if err := t.ensure(ctx); err != nil {
+		done()
 		return errBatch{err}
 	}
-	return t.Tx.SendBatch(ctx, b)
+	return &boundBatch{BatchResults: t.Tx.SendBatch(ctx, b), done: done}
 }
 
 func (t *guardedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	ctx, done := t.bind(ctx)
+	defer done()
 	if err := t.ensure(ctx); err != nil {
 		return 0, err
 	}
 	return t.Tx.CopyFrom(ctx, table, cols, src)
 }
 
+// Begin starts a savepoint whose statements are bound and checked like
+// the transaction's own.
 func (t *guardedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if err := t.ensure(ctx); err != nil {
 		return nil, err
 	}
-	return t.Tx.Begin(ctx)
+	inner, err := t.Tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &guardedTx{Tx: inner, g: t.g, checked: true, bound: t.bound}, nil
 }
 
-// batchRows closes the batch that carried its query once the rows are done.
+// boundRows releases its statement's bound context when closed.
+type boundRows struct {
+	pgx.Rows
+	done func()
+}
+
+func (r *boundRows) Next() bool {
+	if r.Rows.Next() {
+		return true
+	}
+	r.Close()
+	return false
+}
+
+func (r *boundRows) Close() {
+	r.Rows.Close()
+	r.done()
+}
+
+// boundBatch releases its batch's bound context when closed.
+type boundBatch struct {
+	pgx.BatchResults
+	done func()
+}
+
+func (b *boundBatch) Close() error {
+	defer b.done()
+	return b.BatchResults.Close()
+}
+
+// batchRows closes the batch that carried its query once the rows are done,
+// then releases the bound context.
 type batchRows struct {
 	pgx.Rows
 	br       pgx.BatchResults
+	done     func()
 	closed   bool
 	closeErr error
 }
@@ -122,6 +216,7 @@ func (r *batchRows) Close() {
 	if !r.closed {
 		r.closed = true
 		r.closeErr = r.br.Close()
+		r.done()
 	}
 }
 

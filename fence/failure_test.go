@@ -1,0 +1,164 @@
+package fence_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+)
+
+// Issue 10.6: losing the lease cancels the statements under it, whatever
+// context the function passes them, at the server too (before the fix, a
+// pg_sleep ran on after the lease ended, holding the row lock and delaying
+// the next holder by as much). Both Lease.RunTx and Guard.RunTx given the
+// lease's context; the next holder acquires within seconds, not after the
+// 30 s statement.
+func TestLeaseEndCancelsStatements(t *testing.T) {
+	t.Parallel()
+	for _, form := range []string{"Lease.RunTx", "Guard.RunTx(lease ctx)"} {
+		t.Run(form, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			ctx := ctxT(t, time.Minute)
+			a := newClient(t, db, lock.Config{TTL: 2 * time.Second})
+			b := newClient(t, db, lock.Config{TTL: 2 * time.Second, PollInterval: 50 * time.Millisecond})
+			l, err := a.TryAcquire(ctx, "slow")
+			if err != nil {
+				t.Fatal(err)
+			}
+			fn := func(tx pgx.Tx) error {
+				// The function's own context never ends.
+				_, err := tx.Exec(context.Background(), "SELECT pg_sleep(30)")
+				return err
+			}
+			done := make(chan error, 1)
+			go func() {
+				if form == "Lease.RunTx" {
+					done <- l.RunTx(ctx, fn)
+				} else {
+					done <- l.Guard().RunTx(l.Context(), db.Pool, fn)
+				}
+			}()
+			time.Sleep(300 * time.Millisecond) // the statement is running
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			select {
+			case err := <-done:
+				if err == nil {
+					t.Fatal("the transaction committed after its lease ended")
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("the statement kept running after the lease ended")
+			}
+			// The server stopped it too: the next holder is not held up by
+			// the guarded transaction's row lock.
+			nctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			if _, err := b.Acquire(nctx, "slow"); err != nil {
+				t.Fatalf("next holder after %v: %v (the server kept the statement running)", time.Since(start), err)
+			}
+		})
+	}
+}
+
+// Issue 10.10: a pooled connection the server killed between transactions
+// (57P01) makes the next guarded transaction fail before anything was sent
+// for it to commit: RunTx runs it again on a fresh connection.
+func TestRunTxRetriesKilledConnection(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	app := pgtest.UniqueName("killed")
+	pool := pgtest.NewPool(t, app, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	c := newClient(t, db, lock.Config{})
+	l, err := c.TryAcquire(ctx, "k")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tbl := table(db, "kills")
+	mustExec(t, db, "CREATE TABLE "+tbl+" (n int)")
+	write := func(n int) error {
+		return l.Guard().RunTx(ctx, pool, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES ($1)", n)
+			return err
+		})
+	}
+	for n := range 3 {
+		if err := write(n); err != nil {
+			t.Fatal(err)
+		}
+		if killed := pgtest.Terminate(t, db.Pool, app); killed != 1 {
+			t.Fatalf("killed %d backends, want 1", killed)
+		}
+		time.Sleep(50 * time.Millisecond) // the FATAL message has arrived
+	}
+	if err := write(3); err != nil {
+		t.Fatalf("guarded transaction on a killed pooled connection: %v", err)
+	}
+	var rows int
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+tbl).Scan(&rows); err != nil || rows != 4 {
+		t.Fatalf("%d rows (%v), want 4: one per write, none twice", rows, err)
+	}
+}
+
+// Issue 10.8: one errors.Is target for "no longer the holder". A REPEATABLE
+// READ transaction whose snapshot predates a takeover fails the check with a
+// serialization failure (40001), not with the stale-token error: it is
+// reported as a *SnapshotError that matches fence.ErrFenced, and RunTx's
+// retry then confirms the stale token.
+func TestFencedTargetCoversSnapshotFailure(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	a := newClient(t, db, lock.Config{})
+	b := newClient(t, db, lock.Config{})
+	la, err := a.TryAcquire(ctx, "rr")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := la.Guard()
+	tx, err := db.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	if _, err := tx.Exec(ctx, "SELECT 1"); err != nil { // the snapshot
+		t.Fatal(err)
+	}
+	// A renewal after the snapshot does not disturb the check.
+	if err := la.Check(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := la.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.TryAcquire(ctx, "rr"); err != nil {
+		t.Fatal(err)
+	}
+	err = g.Check(ctx, tx)
+	var se *fence.SnapshotError
+	if !errors.As(err, &se) || !errors.Is(err, fence.ErrFenced) {
+		t.Fatalf("check in a snapshot older than the takeover: %v, want a SnapshotError matching ErrFenced", err)
+	}
+	// RunTx under REPEATABLE READ: a fresh snapshot confirms the stale token.
+	rr := pgtest.NewPool(t, "rr", func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_isolation"] = "repeatable read"
+	})
+	err = g.RunTx(ctx, rr, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1"); return err })
+	var stale *fence.StaleTokenError
+	if !errors.As(err, &stale) || !errors.Is(err, fence.ErrFenced) {
+		t.Fatalf("RunTx after the takeover: %v, want a StaleTokenError matching ErrFenced", err)
+	}
+	if !errors.Is(lock.ErrLeaseLost, fence.ErrFenced) {
+		t.Fatal("lock.ErrLeaseLost does not match fence.ErrFenced")
+	}
+}
