@@ -52,5 +52,19 @@
 //     consistent; effects outside the database do not roll back. Use
 //     synchronous replication for the leases table's database to close this.
 //   - RunTx returns ErrOutcomeUnknown when the connection fails during
-//     COMMIT: the write may or may not have happened.
+//     COMMIT: the write may or may not have happened. (A connection lost
+//     before COMMIT was sent is retried, like 40001 and 40P01.)
+//
+// # Errors
+//
+// ErrFenced is the one errors.Is target for "no longer the holder: stop":
+// it matches *StaleTokenError, lock.ErrLeaseLost, runner.ErrFenced, and
+// *SnapshotError (the check failed with 40001 because the transaction's
+// REPEATABLE READ or SERIALIZABLE snapshot predates a takeover; RunTx runs
+// such a transaction again, and the new snapshot reports the stale token).
+//
+// Statements sent through RunTx's transaction run under RunTx's context too,
+// whatever context the function passes them: when it ends (for
+// lock.Lease.RunTx, when the lease ends), the statement in flight is
+// cancelled at the server, so it stops holding the lease row's lock.
 package fence

@@ -49,4 +49,43 @@
 //
 // Election is the loop most programs want: campaign, lead with a context that
 // is cancelled on loss, release, campaign again.
+//
+// # Errors: permanent or transient
+//
+// A client's first acquisition checks that its schema is migrated (a
+// *migrations.NotMigratedError says what was found and what to run). After
+// that, every database error is either permanent, and ends Acquire,
+// Election.Run and runner.Runner.Run at once with that error, or transient,
+// and is retried with capped exponential backoff and jitter (PollInterval,
+// doubling, up to 10 x PollInterval), logged once when the failures start
+// and once when they stop:
+//
+//	error                                            SQLSTATE         class
+//	connection refused, broken, closed; I/O error    (none), 08xxx    transient
+//	terminated by an administrator, server shutdown  57P01-57P03      transient
+//	read-only transaction (a standby after failover) 25006            transient
+//	serialization failure, deadlock                  40001, 40P01     transient
+//	lock timeout, statement timeout                  55P03, 57014     transient
+//	too many connections, out of resources           53xxx            transient
+//	system error                                     58xxx            transient
+//	schema missing or too old                        42P01, 42883     permanent
+//	insufficient privilege                           42501            permanent
+//	invalid data (e.g. a NUL byte)                   22xxx            permanent
+//	authentication failed, no such database          28xxx, 3D000     permanent
+//	pgfence's own refusals                           PFxxx            permanent
+//	any other server error                           -                permanent
+//
+// Bad input never reaches the database: names, holders, schemas and
+// durations are checked first (ErrInvalidName, *ConfigError).
+//
+// An acquisition in flight when its caller gives up (its context ends) may
+// still be granted by the database: the client then frees that lease in the
+// background, by a secret only that acquisition knew, once the server has
+// finished the statement. Release still frees the lease when given a context
+// that has already ended (bounded by its own 5 s timeout). ForceRelease waits
+// for open guarded transactions only as long as its context allows, then
+// returns a *BlockedError that names them.
+//
+// "No longer the holder" has one errors.Is target, fence.ErrFenced: it
+// matches ErrLeaseLost as well as the fence package's refusals.
 package lock

@@ -2,6 +2,7 @@ package runner
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"sync"
 	"time"
@@ -37,6 +38,10 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 	for {
 		if live, err := r.heartbeat(ctx); err != nil {
 			if ctx.Err() != nil {
+				return
+			}
+			if permanent(err) {
+				r.fatal(fmt.Errorf("runner: heartbeat: %w", err))
 				return
 			}
 			r.cfg.Logger.Warn("pgfence runner: heartbeat failed; keeping current shards", "err", err)

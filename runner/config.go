@@ -1,12 +1,16 @@
 package runner
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 	"unicode/utf8"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/lock"
 )
 
 // Config configures a Runner. Every field documents its default.
@@ -76,12 +80,15 @@ type Event struct {
 	// Slot is the schedule slot of a run event; zero for leadership events.
 	Slot time.Time
 	// Token is the lease token involved.
-	Token int64
+	Token fence.Token
 	// Attempt is the run's attempt number (run events).
 	Attempt int
 	// Err is the error of a failed or fenced run, or why leadership ended.
 	Err error
 }
+
+// ErrInvalidConfig is matched by every *ConfigError.
+var ErrInvalidConfig = errors.New("runner: invalid config")
 
 // ConfigError names the configuration field that is wrong.
 type ConfigError struct {
@@ -92,6 +99,42 @@ type ConfigError struct {
 // Error names the field and the problem.
 func (e *ConfigError) Error() string { return "runner: invalid config: " + e.Field + ": " + e.Reason }
 
+// Is makes errors.Is(err, ErrInvalidConfig) true.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// checkSigns refuses negative durations, before defaults replace zeros.
+func (c Config) checkSigns() error {
+	for _, f := range []struct {
+		name string
+		d    time.Duration
+	}{{"TTL", c.TTL}, {"RenewInterval", c.RenewInterval}, {"PollInterval", c.PollInterval},
+		{"RebalanceInterval", c.RebalanceInterval}, {"ShutdownTimeout", c.ShutdownTimeout}} {
+		if f.d < 0 {
+			return &ConfigError{f.name, fmt.Sprintf("%v is negative", f.d)}
+		}
+	}
+	return nil
+}
+
+// lockConfig is the configuration of the runner's lease client.
+func (c Config) lockConfig() lock.Config {
+	return lock.Config{TTL: c.TTL, RenewInterval: c.RenewInterval, PollInterval: c.PollInterval,
+		Holder: c.Instance, Schema: c.Schema, Logger: c.Logger}
+}
+
+// fromLock names a lease-client configuration error with the runner's
+// field names.
+func fromLock(err error) error {
+	var ce *lock.ConfigError
+	if !errors.As(err, &ce) {
+		return err
+	}
+	field := ce.Field
+	if field == "Holder" {
+		field = "Instance"
+	}
+	return &ConfigError{field, ce.Reason}
+}
 func (c Config) withDefaults() Config {
 	if c.TTL == 0 {
 		c.TTL = 15 * time.Second
@@ -121,8 +164,8 @@ func (c Config) validate() error {
 		return bad("RebalanceInterval", "%v must be positive and less than TTL (%v)", c.RebalanceInterval, c.TTL)
 	case c.ShutdownTimeout < 0:
 		return bad("ShutdownTimeout", "%v is negative", c.ShutdownTimeout)
-	case len(c.Instance) > 255 || !utf8.ValidString(c.Instance):
-		return bad("Instance", "must be at most 255 bytes of UTF-8")
+	case len(c.Instance) > 255 || !utf8.ValidString(c.Instance) || strings.ContainsRune(c.Instance, 0):
+		return bad("Instance", "must be at most 255 bytes of UTF-8 without NUL")
 	}
 	if err := ident.ValidateSchema(c.Schema); err != nil {
 		return bad("Schema", "%v", err)

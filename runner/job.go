@@ -80,9 +80,9 @@ var (
 	// ErrRunning is returned by Register after Run has started.
 	ErrRunning = errors.New("runner: already running")
 	// ErrFenced is returned by Run.CommitTx (and recorded) when the run's
-	// slot was claimed by a newer token: the run is a zombie. It wraps
-	// nothing; a refused guard returns fence.ErrStaleToken instead.
-	ErrFenced = errors.New("runner: run fenced by a newer attempt")
+	// slot was claimed by a newer token: the run is a zombie. It matches
+	// fence.ErrFenced; a refused guard returns fence.ErrStaleToken instead.
+	ErrFenced error = runFenced{}
 )
 
 // Schedule yields a job's slots.
@@ -153,3 +153,10 @@ func (j *Job) validate() (Schedule, error) {
 	}
 	return sched, nil
 }
+
+// runFenced is ErrFenced's type: it matches fence.ErrFenced too.
+type runFenced struct{}
+
+func (runFenced) Error() string { return "runner: run fenced by a newer attempt" }
+
+func (runFenced) Is(target error) bool { return target == fence.ErrFenced }

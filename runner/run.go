@@ -49,10 +49,16 @@ func (r *Run) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 // at all, so the job's effects and the ledger stay one to one even if the
 // process dies right after. Call it at most once, as the run's last step;
 // after it succeeds, the runner records nothing more for this run. If the
-// slot was claimed by a newer attempt it returns ErrFenced.
+// slot was claimed by a newer attempt it returns ErrFenced. Like RunTx, its
+// statements are cancelled when the lease ends.
 func (r *Run) CommitTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	// The database decides, not the local view of the lease: this is the
-	// write that must be refused for a zombie, whatever it believes.
+	// write that must be refused for a zombie, whatever it believes. Only
+	// the statements follow the lease's context.
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stop := context.AfterFunc(r.lease.Context(), func() { cancel(context.Cause(r.lease.Context())) })
+	defer stop()
 	err := r.Guard().RunTx(ctx, r.w.r.pool, func(tx pgx.Tx) error {
 		if err := fn(tx); err != nil {
 			return err

@@ -7,9 +7,14 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
 )
 
 // Runner runs registered jobs so that each slot of each job (and shard) runs
@@ -25,6 +30,8 @@ type Runner struct {
 	jobs    []*job
 	names   map[string]bool
 	running bool
+
+	fatal func(error) // set by Run: stop everything with this error
 }
 
 type job struct {
@@ -37,23 +44,22 @@ type job struct {
 var ErrNilPool = errors.New("runner: nil pool")
 
 // New returns a runner on pool's database. It validates cfg (see Config for
-// the defaults) and returns a *ConfigError (or a *lock.ConfigError for the
-// lease timings) naming the bad field.
+// the defaults) and returns a *ConfigError naming the bad field (it matches
+// ErrInvalidConfig). It does not touch the database: Run checks the schema.
 func New(pool *pgxpool.Pool, cfg Config) (*Runner, error) {
 	if pool == nil {
 		return nil, ErrNilPool
 	}
-	if cfg.TTL < 0 || cfg.RebalanceInterval < 0 || cfg.PollInterval < 0 || cfg.RenewInterval < 0 {
-		return nil, &ConfigError{"TTL", "durations must not be negative"}
+	if err := cfg.checkSigns(); err != nil {
+		return nil, err
 	}
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	lc, err := lock.New(pool, lock.Config{TTL: cfg.TTL, RenewInterval: cfg.RenewInterval,
-		PollInterval: cfg.PollInterval, Holder: cfg.Instance, Schema: cfg.Schema, Logger: cfg.Logger})
+	lc, err := lock.New(pool, cfg.lockConfig())
 	if err != nil {
-		return nil, err
+		return nil, fromLock(err)
 	}
 	cfg.Instance = lc.Config().Holder
 	return &Runner{pool: pool, cfg: cfg, q: newQueries(cfg.Schema), lc: lc, names: make(map[string]bool)}, nil
@@ -104,6 +110,12 @@ var errShutdown = errors.New("runner: shutting down")
 // A run that does not return in time is abandoned: its lease is released
 // anyway, so its later guarded writes are refused. Run returns nil after a
 // clean stop.
+//
+// Run first checks that the schema is migrated (a
+// *migrations.NotMigratedError if not). A permanent database error later
+// (a dropped table, revoked privileges: see package lock for the
+// classification) stops every job the same graceful way and is returned;
+// transient errors are retried.
 func (r *Runner) Run(ctx context.Context) error {
 	r.mu.Lock()
 	if r.running {
@@ -114,7 +126,21 @@ func (r *Runner) Run(ctx context.Context) error {
 	jobs := append([]*job(nil), r.jobs...)
 	r.mu.Unlock()
 
+	if err := r.verify(ctx); err != nil {
+		return err
+	}
 	work, stopWork := context.WithCancelCause(context.Background())
+	var (
+		fatalOnce sync.Once
+		fatalErr  error
+	)
+	r.fatal = func(err error) {
+		fatalOnce.Do(func() {
+			fatalErr = err
+			r.cfg.Logger.Error("pgfence runner: stopping on a permanent error", "err", err)
+			stopWork(err)
+		})
+	}
 	var wg sync.WaitGroup
 	var sharded []*job
 	for _, j := range jobs {
@@ -131,7 +157,10 @@ func (r *Runner) Run(ctx context.Context) error {
 		go func() { defer wg.Done(); r.balance(work, sharded) }()
 	}
 
-	<-ctx.Done()
+	select {
+	case <-ctx.Done():
+	case <-work.Done():
+	}
 	stopWork(errShutdown)
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
@@ -140,10 +169,39 @@ func (r *Runner) Run(ctx context.Context) error {
 	case <-time.After(r.cfg.ShutdownTimeout):
 		r.cfg.Logger.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway")
 	}
-	cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
 	defer cancel()
 	_, _ = r.pool.Exec(cctx, r.q.leave, r.cfg.Instance)
-	return r.lc.Close(cctx)
+	if err := r.lc.Close(cctx); err != nil && fatalErr == nil {
+		return err
+	}
+	return fatalErr
+}
+
+// verify checks the schema, retrying transient errors until ctx ends.
+func (r *Runner) verify(ctx context.Context) error {
+	b := retry.Backoff{Base: r.cfg.PollInterval, Max: 10 * r.cfg.PollInterval}
+	for n := 0; ; n++ {
+		err := migrations.Verify(ctx, r.pool, r.cfg.Schema)
+		if err == nil || !retry.Transient(err) {
+			if err != nil {
+				return fmt.Errorf("runner: %w", err)
+			}
+			return nil
+		}
+		if n == 0 {
+			r.cfg.Logger.Warn("pgfence runner: cannot check the schema yet; retrying", "err", err)
+		}
+		if !wait.Sleep(ctx, b.Wait(n)) {
+			return ctx.Err()
+		}
+	}
+}
+
+// permanent reports a database error that retrying will not fix.
+func permanent(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) && !retry.Transient(err) && !errors.Is(err, fence.ErrFenced)
 }
 
 func (r *Runner) emit(e Event) {

@@ -10,10 +10,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -229,8 +231,25 @@ func TestBadInput(t *testing.T) {
 	if _, err := runner.New(db.Pool, runner.Config{TTL: time.Second, RebalanceInterval: 2 * time.Second}); err == nil || !strings.Contains(err.Error(), "RebalanceInterval") {
 		t.Errorf("rebalance > TTL: %v", err)
 	}
-	if _, err := runner.New(db.Pool, runner.Config{TTL: time.Second, RenewInterval: 900 * time.Millisecond}); !errors.Is(err, lock.ErrInvalidConfig) {
-		t.Errorf("renew too close to TTL: %v", err)
+	// Issue 10.4: every config error names its own field and matches
+	// runner.ErrInvalidConfig (a negative PollInterval was reported as
+	// "TTL" on main, and lease-timing errors only matched lock's).
+	for _, c := range []struct {
+		cfg   runner.Config
+		field string
+	}{
+		{runner.Config{TTL: time.Second, RenewInterval: 900 * time.Millisecond}, "RenewInterval"},
+		{runner.Config{PollInterval: -time.Second}, "PollInterval"},
+		{runner.Config{PollInterval: time.Nanosecond}, "PollInterval"},
+		{runner.Config{ShutdownTimeout: -1}, "ShutdownTimeout"},
+		{runner.Config{Instance: "a\x00b"}, "Instance"},
+		{runner.Config{Schema: "a$b"}, "Schema"},
+	} {
+		_, err := runner.New(db.Pool, c.cfg)
+		var ce *runner.ConfigError
+		if !errors.As(err, &ce) || ce.Field != c.field || !errors.Is(err, runner.ErrInvalidConfig) {
+			t.Errorf("New(%+v) = %v, want a runner.ConfigError for %s", c.cfg, err, c.field)
+		}
 	}
 	r, err := runner.New(db.Pool, runner.Config{Schema: db.Schema, Logger: quiet})
 	if err != nil {
@@ -414,4 +433,51 @@ func TestJobTimeout(t *testing.T) {
 	waitFor(t, 10*time.Second, "a failed run", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE status = 'failed' AND error LIKE '%deadline exceeded%'") >= 1
 	})
+}
+
+// Issue 10.3: a runner on a schema that is missing, or whose job table is
+// gone, returns the error instead of running nothing until it is stopped
+// (on main, Run logged a warning every poll and returned nil).
+func TestRunEndsOnPermanentErrors(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	ok := func(context.Context, *runner.Run) error { return nil }
+
+	missing := pgtest.Schema(t, "nojobs")
+	r, err := runner.New(db.Pool, runner.Config{Schema: missing, Logger: quiet, PollInterval: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Register(runner.Job{Name: "j", Schedule: "@every 1s", Run: ok}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Run(ctx); !errors.Is(err, migrations.ErrNotMigrated) {
+		t.Fatalf("Run on a missing schema: %v, want ErrNotMigrated", err)
+	}
+
+	// The schema is migrated, but the ledger has been dropped since.
+	if _, err := db.Pool.Exec(ctx, "DROP TABLE "+tbl(db, "pgfence_runs")); err != nil {
+		t.Fatal(err)
+	}
+	r, err = runner.New(db.Pool, runner.Config{Schema: db.Schema, Logger: quiet, PollInterval: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Register(runner.Job{Name: "j", Schedule: "@every 100ms", Run: ok}); err != nil {
+		t.Fatal(err)
+	}
+	err = r.Run(ctx)
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) || pg.Code != "42P01" || ctx.Err() != nil {
+		t.Fatalf("Run without its ledger: %v, want SQLSTATE 42P01 before the test's deadline", err)
+	}
+}
+
+// Issue 10.13: one token type; 10.8: runner.ErrFenced is fenced.
+func TestEventTokenType(t *testing.T) {
+	var tok fence.Token = runner.Event{Token: 3}.Token
+	if tok != 3 || !errors.Is(runner.ErrFenced, fence.ErrFenced) {
+		t.Fatal("runner.Event.Token is a fence.Token and runner.ErrFenced matches fence.ErrFenced")
+	}
 }

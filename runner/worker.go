@@ -39,7 +39,7 @@ func (w *worker) leaseName() string {
 func (w *worker) event(k EventKind, slot time.Time, l *lock.Lease, attempt int, err error) {
 	e := Event{Kind: k, Job: w.j.Name, Shard: w.shard, Slot: slot, Attempt: attempt, Err: err}
 	if l != nil {
-		e.Token = int64(l.Token())
+		e.Token = l.Token()
 	}
 	w.r.emit(e)
 }
@@ -50,21 +50,24 @@ func (w *worker) loop(ctx context.Context) {
 	for ctx.Err() == nil {
 		l, err := w.r.lc.Acquire(ctx, w.leaseName())
 		if err != nil {
-			if ctx.Err() == nil {
-				log.Warn("pgfence runner: campaign failed", "err", err)
-				wait.Sleep(ctx, w.r.cfg.PollInterval)
+			// Acquire retries transient errors itself: what it returns
+			// is the end of ctx, or permanent.
+			if ctx.Err() == nil && !errors.Is(err, lock.ErrClosed) {
+				w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
 			}
-			continue
+			return
 		}
-		log.Info("pgfence runner: leading", "token", int64(l.Token()))
+		log.Info("pgfence runner: leading", "token", l.Token())
 		w.event(LeadershipGained, time.Time{}, l, 0, nil)
 		err = w.lead(ctx, l)
 		// Nothing runs under the lease any more: say so before the
 		// release, which may take a while if the database is unreachable.
 		w.event(LeadershipLost, time.Time{}, l, 0, err)
-		rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		_ = l.Release(rctx)
-		cancel()
+		_ = l.Release(ctx) // bounded by its own timeout once ctx has ended
+		if permanent(err) {
+			w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
+			return
+		}
 	}
 }
 
@@ -115,7 +118,11 @@ func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
 	for ctx.Err() == nil {
 		attempt, claimed, err := w.claim(ctx, l, slot)
 		if err != nil {
-			if ctx.Err() != nil || errors.Is(err, fence.ErrStaleToken) || errors.Is(err, lock.ErrLeaseLost) {
+			if ctx.Err() != nil || errors.Is(err, fence.ErrFenced) {
+				return
+			}
+			if permanent(err) {
+				w.r.fatal(fmt.Errorf("runner: job %q: claim slot %s: %w", w.j.Name, slot.Format(time.RFC3339), err))
 				return
 			}
 			w.r.cfg.Logger.Warn("pgfence runner: claim failed", "job", w.j.Name, "slot", slot, "err", err)
@@ -155,7 +162,7 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 	}
 	// A run that finished must have its outcome recorded even if shutdown
 	// has begun; the folded fence, not the context, decides whether it may.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
 	defer cancel()
 	g := l.Guard()
 	args := append([]any{w.j.Name, w.shard, slot, int64(l.Token())}, w.fenceArgs...)
@@ -189,7 +196,7 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 // fenced marks this attempt's own row as fenced (only if no newer attempt has
 // claimed it) and reports the event.
 func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
 	defer cancel()
 	msg := "fenced"
 	if cause != nil {

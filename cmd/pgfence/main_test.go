@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
@@ -209,5 +210,60 @@ func TestBadInput(t *testing.T) {
 		if code := cmd.ProcessState.ExitCode(); code != tc.code || !strings.Contains(stderr.String(), tc.msg) {
 			t.Errorf("%v: exit %d stderr %q; want %d and %q", tc.args, code, stderr.String(), tc.code, tc.msg)
 		}
+	}
+}
+
+// Issue 10.12: names and holders are printed with their control characters
+// escaped: a lease name with a newline cannot forge a line in the table.
+// Issue 10.11: release waits behind an open guarded transaction only for
+// --timeout, and names the session that holds it up.
+// Issue 10.2: migrate status on a mistyped schema says so and creates nothing.
+func TestOperatorSafety(t *testing.T) {
+	c := newCLI(t)
+	ctx := pgtest.Context(t, time.Minute)
+	pool := pgtest.NewPool(t, "cli-safety")
+	lc, err := lock.New(pool, lock.Config{Schema: c.schema, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lc.Close(ctx)
+	forged := "real\nforged-lease  evil  999  1h  1h"
+	l, err := lc.TryAcquire(ctx, forged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, code := c.run("", "leases")
+	if code != 0 || strings.Count(out, "\n") != 2 || !strings.Contains(out, `"real\nforged-lease`) {
+		t.Fatalf("leases with a control character in a name: %d\n%s", code, out)
+	}
+
+	app := pgtest.UniqueName("guard")
+	gpool := pgtest.NewPool(t, app)
+	tx, err := gpool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if err := l.Guard().Check(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	out, code = c.run("", "release", "--yes", "--timeout", "300ms", forged)
+	if code != 1 || !strings.Contains(out, app) || !strings.Contains(out, "not released") || time.Since(start) > 10*time.Second {
+		t.Fatalf("release behind a guarded transaction: %d after %v\n%s", code, time.Since(start), out)
+	}
+	_ = tx.Rollback(ctx)
+	if out, code := c.run("", "release", "--yes", forged); code != 0 || strings.Count(out, "\n") != 1 {
+		t.Fatalf("release after the transaction ended: %d\n%s", code, out)
+	}
+
+	typo := c.schema + "_typo"
+	out, code = c.run("", "--schema", typo, "migrate", "status")
+	if code != 0 || !strings.Contains(out, "no such schema") {
+		t.Fatalf("migrate status on a missing schema: %d\n%s", code, out)
+	}
+	var exists bool
+	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, typo).Scan(&exists); err != nil || exists {
+		t.Fatalf("migrate status created schema %q (%v)", typo, err)
 	}
 }
