@@ -3,9 +3,12 @@ package runner
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 type shardKey struct {
@@ -18,12 +21,26 @@ type shardWorker struct {
 	done   chan struct{}
 }
 
-// balance heartbeats this instance and keeps a worker for exactly the shards
-// assigned to it: with the live instances sorted by id, shard s of every
-// sharded job belongs to instances[s mod len(instances)]. Every instance
-// computes the same assignment from the same rows; while views differ (an
-// instance just joined or died) two instances may both want a shard, and the
-// shard's lease decides.
+// deadInstanceRetention is how long the row of an instance that stopped
+// heartbeating stays (for operators) before the living delete it.
+const deadInstanceRetention = time.Hour
+
+// members maps a sharded job's name to the ids of the live instances that
+// registered it, sorted.
+type members map[string][]string
+
+// balance heartbeats this instance (with the sharded jobs it registered) and
+// keeps a worker for exactly the shards assigned to it: each job's shards
+// are spread by assign over the live instances that registered that job, so
+// services with different jobs can share a schema. Every instance computes
+// the same assignment from the same rows; while views differ (an instance
+// just joined or died) two instances may both want a shard, and the shard's
+// lease decides.
+//
+// An instance starts no shard worker until its view of the members has
+// held still for one settle interval: replicas that start together would
+// otherwise each see only themselves at first, take every shard, and hand
+// most of them over again at the next heartbeat.
 func (r *Runner) balance(ctx context.Context, jobs []*job) {
 	workers := make(map[shardKey]*shardWorker)
 	var wg sync.WaitGroup
@@ -33,10 +50,21 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 		}
 		wg.Wait()
 	}()
-	t := time.NewTicker(r.cfg.RebalanceInterval)
-	defer t.Stop()
+	names := make([]string, len(jobs))
+	for i, j := range jobs {
+		names[i] = j.Name
+	}
+	settle := min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second)
+	var (
+		seen    members // the view at the previous heartbeat, until settled
+		settled bool
+		waited  time.Duration
+	)
 	for {
-		if live, err := r.heartbeat(ctx); err != nil {
+		next := r.cfg.RebalanceInterval
+		view, err := r.heartbeat(ctx, names)
+		switch {
+		case err != nil:
 			if ctx.Err() != nil {
 				return
 			}
@@ -45,55 +73,73 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 				return
 			}
 			r.cfg.Logger.Warn("pgfence runner: heartbeat failed; keeping current shards", "err", err)
-		} else {
-			me := slices.Index(live, r.cfg.Instance)
-			for _, j := range jobs {
-				for s := range j.shards {
-					k := shardKey{j, s}
-					mine := me >= 0 && s%len(live) == me
-					w, have := workers[k]
-					switch {
-					case mine && !have:
-						wctx, cancel := context.WithCancel(ctx)
-						w = &shardWorker{cancel: cancel, done: make(chan struct{})}
-						workers[k] = w
-						sw := &worker{r: r, j: j, shard: s}
-						wg.Add(1)
-						go func() { defer wg.Done(); defer close(w.done); sw.loop(wctx) }()
-					case !mine && have:
-						w.cancel()
-						delete(workers, k)
-						wg.Add(1)
-						go func() { defer wg.Done(); <-w.done }()
-					}
-				}
-			}
+		case !settled && (seen == nil || !maps.EqualFunc(seen, view, slices.Equal[[]string])) && waited < r.cfg.RebalanceInterval:
+			seen, next = view, settle
+			waited += settle
+		default:
+			settled = true
+			r.apply(ctx, jobs, view, workers, &wg)
 		}
-		select {
-		case <-ctx.Done():
+		if !wait.Sleep(ctx, next) {
 			return
-		case <-t.C:
 		}
 	}
 }
 
-// heartbeat renews this instance's liveness row and returns the live
-// instances' ids, sorted.
-func (r *Runner) heartbeat(ctx context.Context) ([]string, error) {
+// apply starts and stops shard workers to match the assignment in view.
+func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers map[shardKey]*shardWorker, wg *sync.WaitGroup) {
+	for _, j := range jobs {
+		ids := view[j.Name]
+		me := slices.Index(ids, r.cfg.Instance)
+		owner := assign(j.Name, j.shards, ids)
+		for s := range j.shards {
+			k := shardKey{j, s}
+			mine := me >= 0 && owner[s] == me
+			w, have := workers[k]
+			switch {
+			case mine && !have:
+				wctx, cancel := context.WithCancel(ctx)
+				w = &shardWorker{cancel: cancel, done: make(chan struct{})}
+				workers[k] = w
+				sw := &worker{r: r, j: j, shard: s}
+				wg.Add(1)
+				go func() { defer wg.Done(); defer close(w.done); sw.loop(wctx) }()
+			case !mine && have:
+				w.cancel()
+				delete(workers, k)
+				wg.Add(1)
+				go func() { defer wg.Done(); <-w.done }()
+			}
+		}
+	}
+}
+
+// heartbeat renews this instance's liveness row, listing the sharded jobs it
+// runs, and returns the live members of every job.
+func (r *Runner) heartbeat(ctx context.Context, jobs []string) (members, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
 	defer cancel()
-	rows, err := r.pool.Query(ctx, r.q.heartbeat, r.cfg.Instance, r.cfg.TTL.Microseconds())
+	rows, err := r.pool.Query(ctx, r.q.heartbeat, r.cfg.Instance, r.cfg.TTL.Microseconds(), jobs,
+		deadInstanceRetention.Microseconds())
 	if err != nil {
 		return nil, err
 	}
 	defer rows.Close()
-	var ids []string
+	view := members{}
 	for rows.Next() {
-		var id string
-		if err := rows.Scan(&id); err != nil {
+		var (
+			id   string
+			runs []string
+		)
+		if err := rows.Scan(&id, &runs); err != nil {
 			return nil, err
 		}
-		ids = append(ids, id)
+		for _, j := range runs {
+			view[j] = append(view[j], id)
+		}
 	}
-	return ids, rows.Err()
+	for _, ids := range view {
+		slices.Sort(ids)
+	}
+	return view, rows.Err()
 }

@@ -4,12 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"time"
 
-	"github.com/robfig/cron/v3"
-
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/retry"
 )
 
 // Job is work that must run on exactly one machine per schedule slot (or,
@@ -20,12 +18,14 @@ type Job struct {
 	Name string
 
 	// Schedule says when the job runs, in one of these forms:
-	//   "@every 10m"                     a fixed interval; slots are multiples of it since the Unix epoch,
-	//                                    so every replica computes the same slots
-	//   "0 2 * * *"                      a standard 5-field cron expression, in UTC
-	//   "CRON_TZ=Europe/Paris 0 2 * * *" cron in a time zone
+	//   "@every 10m"                     a fixed interval; slots are multiples of it since the Unix epoch
+	//                                    (1970-01-01 00:00 UTC), so every replica computes the same slots
+	//   "0 2 * * *"                      a standard 5-field cron expression, in UTC whatever the
+	//                                    machine's local time zone
+	//   "CRON_TZ=Europe/Paris 0 2 * * *" cron in a named time zone (TZ= is accepted too)
 	//   "@daily", "@hourly", ...         cron descriptors (UTC unless CRON_TZ is given)
-	// Required.
+	// A schedule that does not parse, or never fires (such as "0 0 30 2 *"),
+	// is refused by Register. See ParseSchedule. Required.
 	Schedule string
 
 	// Run does the work for one slot. Its context is cancelled when the
@@ -51,8 +51,24 @@ type Job struct {
 type Retry struct {
 	// MaxAttempts is the most attempts a slot gets. Default 1.
 	MaxAttempts int
-	// Backoff is the wait before each retry. Default 1s.
+	// Backoff is the wait before each retry, or before the first one when
+	// MaxBackoff is set. Default 1s.
 	Backoff time.Duration
+	// MaxBackoff, when greater than Backoff, makes the waits grow: the
+	// n-th retry waits a random time between half and all of
+	// min(Backoff x 2^(n-1), MaxBackoff) (capped exponential backoff with
+	// jitter, so replicas that failed together do not retry together).
+	// Default 0: every retry waits Backoff.
+	MaxBackoff time.Duration
+}
+
+// wait returns the wait before retrying after the given failed attempt
+// (from 1).
+func (r Retry) wait(attempt int) time.Duration {
+	if r.MaxBackoff <= r.Backoff {
+		return r.Backoff
+	}
+	return retry.Backoff{Base: r.Backoff, Max: r.MaxBackoff}.Wait(attempt - 1)
 }
 
 // Missed is a policy for slots missed during downtime.
@@ -85,43 +101,6 @@ var (
 	ErrFenced error = runFenced{}
 )
 
-// Schedule yields a job's slots.
-type Schedule interface {
-	// Next returns the first slot strictly after t.
-	Next(t time.Time) time.Time
-}
-
-// every is an interval schedule aligned to the Unix epoch.
-type every time.Duration
-
-func (e every) Next(t time.Time) time.Time {
-	d := time.Duration(e)
-	return t.Truncate(d).Add(d)
-}
-
-// ParseSchedule parses a Job.Schedule string.
-func ParseSchedule(s string) (Schedule, error) {
-	s = strings.TrimSpace(s)
-	if rest, ok := strings.CutPrefix(s, "@every "); ok {
-		d, err := time.ParseDuration(strings.TrimSpace(rest))
-		if err != nil || d <= 0 {
-			return nil, fmt.Errorf("%w: %q: want @every and a positive duration such as 10m", ErrInvalidSchedule, s)
-		}
-		if d < time.Millisecond {
-			return nil, fmt.Errorf("%w: %q: the interval must be at least 1ms", ErrInvalidSchedule, s)
-		}
-		return every(d), nil
-	}
-	if s == "" {
-		return nil, fmt.Errorf("%w: empty", ErrInvalidSchedule)
-	}
-	sched, err := cron.ParseStandard(s)
-	if err != nil {
-		return nil, fmt.Errorf("%w: %q: %v", ErrInvalidSchedule, s, err)
-	}
-	return sched, nil
-}
-
 func (j *Job) validate() (Schedule, error) {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: %s", ErrInvalidJob, fmt.Sprintf(format, args...))
@@ -135,7 +114,7 @@ func (j *Job) validate() (Schedule, error) {
 	if j.Timeout < 0 {
 		return nil, bad("job %q: Timeout %v is negative", j.Name, j.Timeout)
 	}
-	if j.Retry.MaxAttempts < 0 || j.Retry.Backoff < 0 {
+	if j.Retry.MaxAttempts < 0 || j.Retry.Backoff < 0 || j.Retry.MaxBackoff < 0 {
 		return nil, bad("job %q: Retry has a negative value", j.Name)
 	}
 	if j.Missed != RunLatest && j.Missed != Skip {

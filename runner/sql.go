@@ -46,15 +46,18 @@ RETURNING r.attempt`, runs),
 
 		lastSlot: fmt.Sprintf(`SELECT max(slot) FROM %[1]s WHERE job = $1 AND shard = $2`, runs),
 
+		// Renews this instance's row (with the sharded jobs it runs),
+		// deletes rows of instances dead for longer than $4, and returns
+		// the live instances with their jobs.
 		heartbeat: fmt.Sprintf(`WITH me AS (
-    INSERT INTO %[1]s (id, started_at, heartbeat_at, expires_at)
-    VALUES ($1, now(), now(), now() + $2 * interval '1 microsecond')
-    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at
-    RETURNING id)
-SELECT id FROM %[1]s WHERE expires_at > now() AND id <> $1
-UNION
-SELECT id FROM me
-ORDER BY 1`, inst),
+    INSERT INTO %[1]s (id, started_at, heartbeat_at, expires_at, jobs)
+    VALUES ($1, now(), now(), now() + $2 * interval '1 microsecond', $3)
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at, jobs = EXCLUDED.jobs
+    RETURNING id, jobs),
+gone AS (DELETE FROM %[1]s WHERE expires_at < now() - $4 * interval '1 microsecond' AND id <> $1)
+SELECT id, jobs FROM %[1]s WHERE expires_at > now() AND id <> $1
+UNION ALL
+SELECT id, jobs FROM me`, inst),
 		leave: fmt.Sprintf(`UPDATE %[1]s SET expires_at = now() WHERE id = $1`, inst),
 	}
 }

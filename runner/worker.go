@@ -138,7 +138,7 @@ func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
 		if !w.finish(ctx, l, run, err) {
 			return
 		}
-		if !wait.Sleep(ctx, w.j.Retry.Backoff) {
+		if !wait.Sleep(ctx, w.j.Retry.wait(attempt)) {
 			return
 		}
 	}
@@ -262,7 +262,7 @@ func (r *Runner) recordSuccess(ctx context.Context, tx pgx.Tx, run *Run) error {
 // latestDue returns the latest slot in (after, now], or the zero time.
 func latestDue(s Schedule, after, now time.Time) time.Time {
 	if e, ok := s.(every); ok {
-		due := now.Truncate(time.Duration(e))
+		due := e.floor(now)
 		if due.After(after) {
 			return due
 		}

@@ -1,0 +1,105 @@
+package runner
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/robfig/cron/v3"
+)
+
+// Schedule yields a job's slots.
+type Schedule interface {
+	// Next returns the first slot strictly after t.
+	Next(t time.Time) time.Time
+}
+
+// every is an interval schedule aligned to the Unix epoch.
+type every time.Duration
+
+// Next returns the first multiple of the interval since the Unix epoch
+// that is after t.
+func (e every) Next(t time.Time) time.Time { return e.floor(t).Add(time.Duration(e)) }
+
+// floor returns the latest multiple of the interval since the Unix epoch
+// at or before t, in UTC.
+func (e every) floor(t time.Time) time.Time {
+	d, n := int64(e), t.UnixNano()
+	q := n / d
+	if n%d < 0 {
+		q--
+	}
+	return time.Unix(0, q*d).UTC()
+}
+
+// cronSchedule is a cron expression evaluated in one time zone, never the
+// machine's local one.
+type cronSchedule struct{ spec *cron.SpecSchedule }
+
+func (c cronSchedule) Next(t time.Time) time.Time { return c.spec.Next(t) }
+
+// ParseSchedule parses a Job.Schedule string (see Job.Schedule for the
+// forms). Cron expressions are evaluated in UTC unless they start with
+// CRON_TZ=<zone> (or TZ=<zone>), whatever the machine's local time zone is,
+// so that every replica computes the same slots. It returns an error wrapping
+// ErrInvalidSchedule, never panics, and refuses a schedule that never fires.
+func ParseSchedule(s string) (sched Schedule, err error) {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %q: %s", ErrInvalidSchedule, s, fmt.Sprintf(format, args...))
+	}
+	spec := strings.TrimSpace(s)
+	if spec == "" {
+		return nil, fmt.Errorf("%w: empty", ErrInvalidSchedule)
+	}
+	loc := time.UTC
+	if strings.HasPrefix(spec, "CRON_TZ=") || strings.HasPrefix(spec, "TZ=") {
+		prefix, rest, _ := strings.Cut(spec, " ")
+		_, zone, _ := strings.Cut(prefix, "=")
+		spec = strings.TrimSpace(rest)
+		switch {
+		case zone == "":
+			return nil, bad("no time zone after %s", prefix)
+		case zone == "Local":
+			return nil, bad("the machine's local time zone differs between replicas; name the zone")
+		case spec == "":
+			return nil, bad("no schedule after the time zone")
+		case strings.HasPrefix(spec, "CRON_TZ=") || strings.HasPrefix(spec, "TZ="):
+			return nil, bad("more than one time zone")
+		}
+		if loc, err = time.LoadLocation(zone); err != nil {
+			return nil, bad("unknown time zone %q", zone)
+		}
+	}
+	if rest, ok := strings.CutPrefix(spec, "@every "); ok {
+		d, err := time.ParseDuration(strings.TrimSpace(rest))
+		switch {
+		case err != nil || d <= 0:
+			return nil, bad("want @every and a positive duration such as 10m")
+		case d < time.Millisecond:
+			return nil, bad("the interval must be at least 1ms")
+		}
+		return every(d), nil
+	}
+	// The cron library has panicked on malformed input before: whatever
+	// it does, a bad schedule is an error, never a crash.
+	defer func() {
+		if p := recover(); p != nil {
+			sched, err = nil, bad("%v", p)
+		}
+	}()
+	parsed, err := cron.ParseStandard(spec)
+	if err != nil {
+		return nil, bad("%v", err)
+	}
+	cs, ok := parsed.(*cron.SpecSchedule)
+	if !ok {
+		return nil, bad("unsupported form")
+	}
+	cs.Location = loc
+	// robfig/cron looks five years ahead and returns the zero time when it
+	// finds nothing: such a schedule would run once for year 1, then spin.
+	if cs.Next(time.Now()).IsZero() {
+		return nil, bad("never fires")
+	}
+	return cronSchedule{cs}, nil
+}
