@@ -616,8 +616,11 @@ func TestFoldedCheck(t *testing.T) {
 	l, _ := c.TryAcquire(ctx, "fold")
 	old := l.Guard()
 	insert := func(g fence.Guard, v int) error {
-		expr, args := g.Fold(2)
-		_, err := db.Pool.Exec(ctx, "INSERT INTO "+tbl+" SELECT $1 FROM (SELECT "+expr+") f", append([]any{v}, args...)...)
+		f, err := g.Fold(1)
+		if err != nil {
+			return err
+		}
+		_, err = db.Pool.Exec(ctx, "INSERT INTO "+tbl+" SELECT $1 FROM (SELECT "+f.Expr+") f", append([]any{v}, f.Args...)...)
 		return g.Err(err)
 	}
 	if err := insert(old, 1); err != nil {
@@ -634,8 +637,13 @@ func TestFoldedCheck(t *testing.T) {
 	if got := rows(t, db, "SELECT string_agg(v::text, ',' ORDER BY v) FROM "+tbl); got[0] != "1,3" {
 		t.Fatalf("rows = %v", got)
 	}
-	if expr, _ := (fence.Guard{Lease: "fold", Token: 0}).Fold(1); expr != "" {
-		t.Fatalf("Fold of an invalid guard = %q", expr)
+	// Issue 11.10: an invalid guard is an error, not an empty expression
+	// that becomes a syntax error at run time.
+	if f, err := (fence.Guard{Lease: "fold", Token: 0}).Fold(1); !errors.Is(err, fence.ErrInvalidToken) || f.Expr != "" {
+		t.Fatalf("Fold of an invalid guard = %q, %v; want ErrInvalidToken", f.Expr, err)
+	}
+	if _, err := old.Fold(-1); err == nil {
+		t.Fatal("Fold(-1) was accepted")
 	}
 }
 

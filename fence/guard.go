@@ -178,26 +178,45 @@ func retryable(err error, committing bool) bool {
 	return !committing && retry.ConnectionLost(err)
 }
 
-// Fold returns an SQL expression that performs the guard's check wherever
-// the statement evaluates it, with its two arguments at placeholders $first
-// and $first+1, and those arguments' values. It lets a single autocommitted
+// Folded is a guard's check as an SQL expression, for a statement that
+// carries its own fence (see Guard.Fold).
+type Folded struct {
+	// Expr performs the check where the statement evaluates it.
+	Expr string
+	// Args are the values of Expr's two parameters, to append after the
+	// statement's own arguments.
+	Args []any
+}
+
+// Fold returns the guard's check as an SQL expression for a statement that
+// already has n parameters ($1 to $n): the expression uses $n+1 and $n+2,
+// and Folded.Args holds their values. It lets a single autocommitted
 // statement carry its own fence, for one round trip in all:
 //
-//	expr, args := g.Fold(3)
-//	_, err := pool.Exec(ctx, `UPDATE jobs SET state = $1 FROM (SELECT `+expr+`) f WHERE id = $2`,
-//		append([]any{state, id}, args...)...)
+//	f, err := g.Fold(2)
+//	if err != nil {
+//		return err // an invalid guard
+//	}
+//	_, err = pool.Exec(ctx, `UPDATE jobs SET state = $1 FROM (SELECT `+f.Expr+`) f WHERE id = $2`,
+//		append([]any{state, id}, f.Args...)...)
 //	err = g.Err(err)
 //
 // The expression must be evaluated before the statement writes (a FROM
 // subquery or a CTE referenced in FROM is), and the statement's transaction
-// then holds the lease row's KEY SHARE lock until it commits. It returns an
-// empty expression if the guard is invalid; call Validate first to get why.
-func (g Guard) Fold(first int) (expr string, args []any) {
-	if g.validate() != nil || first < 1 {
-		return "", nil
+// then holds the lease row's KEY SHARE lock until it commits. Fold returns
+// the guard's validation error (the same as Check's), or an error for a
+// negative n; it never returns an expression that cannot run.
+func (g Guard) Fold(n int) (Folded, error) {
+	if err := g.validate(); err != nil {
+		return Folded{}, err
 	}
-	return fmt.Sprintf("%s($%d::text, $%d::bigint)", ident.Table(g.Schema, "pgfence_check"), first, first+1),
-		[]any{g.Lease, int64(g.Token)}
+	if n < 0 {
+		return Folded{}, fmt.Errorf("fence: Fold: %d parameters", n)
+	}
+	return Folded{
+		Expr: fmt.Sprintf("%s($%d::text, $%d::bigint)", ident.Table(g.Schema, "pgfence_check"), n+1, n+2),
+		Args: []any{g.Lease, int64(g.Token)},
+	}, nil
 }
 
 // Validate reports whether the guard's fields are usable (name, token >= 1,

@@ -72,7 +72,7 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 				r.fatal(fmt.Errorf("runner: heartbeat: %w", err))
 				return
 			}
-			r.cfg.Logger.Warn("pgfence runner: heartbeat failed; keeping current shards", "err", err)
+			r.log.Warn("pgfence runner: heartbeat failed; keeping current shards", "err", err)
 		case !settled && (seen == nil || !maps.EqualFunc(seen, view, slices.Equal[[]string])) && waited < r.cfg.RebalanceInterval:
 			seen, next = view, settle
 			waited += settle
@@ -90,7 +90,7 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers map[shardKey]*shardWorker, wg *sync.WaitGroup) {
 	for _, j := range jobs {
 		ids := view[j.Name]
-		me := slices.Index(ids, r.cfg.Instance)
+		me := slices.Index(ids, r.cfg.Lock.Holder)
 		owner := assign(j.Name, j.shards, ids)
 		for s := range j.shards {
 			k := shardKey{j, s}
@@ -119,7 +119,7 @@ func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers m
 func (r *Runner) heartbeat(ctx context.Context, jobs []string) (members, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
 	defer cancel()
-	rows, err := r.pool.Query(ctx, r.q.heartbeat, r.cfg.Instance, r.cfg.TTL.Microseconds(), jobs,
+	rows, err := r.pool.Query(ctx, r.q.heartbeat, r.cfg.Lock.Holder, r.cfg.Lock.TTL.Microseconds(), jobs,
 		deadInstanceRetention.Microseconds())
 	if err != nil {
 		return nil, err

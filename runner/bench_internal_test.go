@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
 )
 
 // roundTrips counts statements and batches sent: one round trip each.
@@ -42,7 +43,7 @@ func BenchmarkRunOverhead(b *testing.B) {
 	}
 	ins := "INSERT INTO " + pgx.Identifier{db.Schema, "effects"}.Sanitize() + " VALUES (1)"
 	body := func(ctx context.Context, _ *Run) error { _, err := pool.Exec(ctx, ins); return err }
-	r, err := New(pool, Config{Schema: db.Schema, TTL: time.Minute, Logger: quietLogger()})
+	r, err := New(pool, Config{Lock: lock.Config{Schema: db.Schema, TTL: time.Minute, Logger: quietLogger()}})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -57,7 +58,10 @@ func BenchmarkRunOverhead(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	w.foldFence(l) // as lead does at the start of a term
+	t, err := w.newTerm(l) // as lead does at the start of a term
+	if err != nil {
+		b.Fatal(err)
+	}
 	slot := time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
 	bare := func(n int) (time.Duration, int64) {
 		before, start := rt.n.Load(), time.Now()
@@ -72,7 +76,7 @@ func BenchmarkRunOverhead(b *testing.B) {
 		before, start := rt.n.Load(), time.Now()
 		for range n {
 			slot = slot.Add(time.Hour)
-			w.runSlot(ctx, l, slot)
+			w.runSlot(ctx, t, slot)
 		}
 		return time.Since(start), rt.n.Load() - before
 	}

@@ -3,40 +3,27 @@ package runner
 import (
 	"errors"
 	"fmt"
-	"log/slog"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/pgfence/pgfence/fence"
-	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/lock"
 )
 
 // Config configures a Runner. Every field documents its default.
 type Config struct {
-	// Schema holds pgfence's tables. Default "" (search_path).
-	Schema string
-
-	// Instance identifies this runner (the lease holder and the instance
-	// row). Must be unique among live runners. At most 255 bytes.
-	// Default "host:pid:random".
-	Instance string
-
-	// TTL of the job leases and of this instance's liveness row, judged
-	// by the database clock. Default 15s.
-	TTL time.Duration
-
-	// RenewInterval is how often leases are renewed. Default TTL/3.
-	RenewInterval time.Duration
-
-	// PollInterval is how often a replica that does not lead a job checks
-	// whether it can take it over, when no release notification arrives
-	// (a leader that died sends none). Default 1s.
-	PollInterval time.Duration
+	// Lock configures the leases of jobs and shards and names this
+	// instance: Lock.Holder is the instance's id (unique among live
+	// runners; default "host:pid:random"), Lock.Schema holds pgfence's
+	// tables, Lock.Logger receives the runner's log too, Lock.TTL is also
+	// the TTL of this instance's liveness row, and Lock.PollInterval is how
+	// often a replica that does not lead a job checks whether it can take
+	// it over when no release notification arrives (a leader that died
+	// sends none). Every field has lock.Config's default.
+	Lock lock.Config
 
 	// RebalanceInterval is how often this instance heartbeats and
-	// recomputes its share of sharded jobs. Default 5s; must be < TTL.
+	// recomputes its share of sharded jobs. Default min(5s, Lock.TTL/2);
+	// must be < Lock.TTL.
 	RebalanceInterval time.Duration
 
 	// ShutdownTimeout bounds how long Run waits, after its context ends,
@@ -44,8 +31,10 @@ type Config struct {
 	// Default 10s.
 	ShutdownTimeout time.Duration
 
-	// Logger receives the runner's log. Default slog.Default().
-	Logger *slog.Logger
+	// Retention is how long finished runs stay in the ledger: every
+	// replica prunes older ones hourly (see Prune), keeping the latest slot
+	// of each job and shard. Default 30 days; negative: keep every run.
+	Retention time.Duration
 
 	// OnEvent, if set, is called for every job and leadership event. It
 	// must not block for long: it runs on the job's goroutine.
@@ -104,55 +93,36 @@ func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig 
 
 // checkSigns refuses negative durations, before defaults replace zeros.
 func (c Config) checkSigns() error {
-	for _, f := range []struct {
-		name string
-		d    time.Duration
-	}{{"TTL", c.TTL}, {"RenewInterval", c.RenewInterval}, {"PollInterval", c.PollInterval},
-		{"RebalanceInterval", c.RebalanceInterval}, {"ShutdownTimeout", c.ShutdownTimeout}} {
-		if f.d < 0 {
-			return &ConfigError{f.name, fmt.Sprintf("%v is negative", f.d)}
-		}
+	switch {
+	case c.RebalanceInterval < 0:
+		return &ConfigError{"RebalanceInterval", fmt.Sprintf("%v is negative", c.RebalanceInterval)}
+	case c.ShutdownTimeout < 0:
+		return &ConfigError{"ShutdownTimeout", fmt.Sprintf("%v is negative", c.ShutdownTimeout)}
 	}
 	return nil
 }
 
-// lockConfig is the configuration of the runner's lease client.
-func (c Config) lockConfig() lock.Config {
-	return lock.Config{TTL: c.TTL, RenewInterval: c.RenewInterval, PollInterval: c.PollInterval,
-		Holder: c.Instance, Schema: c.Schema, Logger: c.Logger}
-}
-
-// fromLock names a lease-client configuration error with the runner's
-// field names.
+// fromLock names a lease-client configuration error as a field of Lock.
 func fromLock(err error) error {
 	var ce *lock.ConfigError
 	if !errors.As(err, &ce) {
 		return err
 	}
-	field := ce.Field
-	if field == "Holder" {
-		field = "Instance"
-	}
-	return &ConfigError{field, ce.Reason}
+	return &ConfigError{"Lock." + ce.Field, ce.Reason}
 }
-func (c Config) withDefaults() Config {
-	if c.TTL == 0 {
-		c.TTL = 15 * time.Second
-	}
-	if c.RenewInterval == 0 {
-		c.RenewInterval = c.TTL / 3
-	}
-	if c.PollInterval == 0 {
-		c.PollInterval = time.Second
-	}
+
+// withDefaults fills in defaults; lcfg is the lease client's configuration
+// with its own defaults filled in.
+func (c Config) withDefaults(lcfg lock.Config) Config {
+	c.Lock = lcfg
 	if c.RebalanceInterval == 0 {
-		c.RebalanceInterval = min(5*time.Second, c.TTL/2)
+		c.RebalanceInterval = min(5*time.Second, c.Lock.TTL/2)
 	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = 10 * time.Second
 	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
+	if c.Retention == 0 {
+		c.Retention = 30 * 24 * time.Hour
 	}
 	return c
 }
@@ -160,15 +130,10 @@ func (c Config) withDefaults() Config {
 func (c Config) validate() error {
 	bad := func(f, format string, a ...any) error { return &ConfigError{f, fmt.Sprintf(format, a...)} }
 	switch {
-	case c.RebalanceInterval <= 0 || c.RebalanceInterval >= c.TTL:
-		return bad("RebalanceInterval", "%v must be positive and less than TTL (%v)", c.RebalanceInterval, c.TTL)
+	case c.RebalanceInterval <= 0 || c.RebalanceInterval >= c.Lock.TTL:
+		return bad("RebalanceInterval", "%v must be positive and less than Lock.TTL (%v)", c.RebalanceInterval, c.Lock.TTL)
 	case c.ShutdownTimeout < 0:
 		return bad("ShutdownTimeout", "%v is negative", c.ShutdownTimeout)
-	case len(c.Instance) > 255 || !utf8.ValidString(c.Instance) || strings.ContainsRune(c.Instance, 0):
-		return bad("Instance", "must be at most 255 bytes of UTF-8 without NUL")
-	}
-	if err := ident.ValidateSchema(c.Schema); err != nil {
-		return bad("Schema", "%v", err)
 	}
 	return nil
 }

@@ -41,9 +41,23 @@
 // # Sharded jobs
 //
 // RegisterSharded gives a job N shards, each with its own lease and token.
-// Live instances heartbeat into pgfence_instances; with the live instances
-// sorted by id, shard s belongs to instance s mod n, so shards spread evenly
-// (n divides N: exactly N/n each; otherwise within one). When an instance
-// joins or leaves, owners release shards that are no longer theirs and new
-// owners take them; a shard's lease ensures no two instances hold it at once.
+// Live instances heartbeat into pgfence_instances with the sharded jobs they
+// registered; each job's shards are spread over the live instances that
+// registered that job only, so services with different jobs can share a
+// schema. The assignment is rendezvous hashing with bounded loads: no
+// instance gets more than ceil(N/n) shards, and a join or a leave moves
+// about N/n of them. When an instance joins or leaves, owners release
+// shards that are no longer theirs and new owners take them; a shard's lease
+// ensures no two instances hold it at once. An instance starts its shard
+// workers once its view of the members has held still for a moment, so
+// replicas that start together do not all grab every shard first.
+//
+// # Leases and the ledger's upkeep
+//
+// Every job and shard campaigns through lock.Election, with the lease
+// settings of Config.Lock. Runs and Prune read and trim the ledger; every
+// runner prunes runs older than Config.Retention hourly. A permanent
+// database error stops Run (see package lock for which errors are
+// permanent); failed runs are logged at ERROR and fenced ones at WARN, with
+// job, shard, slot, attempt and token.
 package runner

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -18,7 +19,7 @@ func ExampleRunner() {
 	defer stop()
 	_, _ = db.Pool.Exec(ctx, "CREATE TABLE "+db.Schema+".summary (slot timestamptz PRIMARY KEY)")
 
-	r, _ := runner.New(db.Pool, runner.Config{Schema: db.Schema, Logger: quiet})
+	r, _ := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: quiet}})
 	err := r.Register(runner.Job{
 		Name:     "compact-events",
 		Schedule: "@every 100ms", // or "CRON_TZ=Europe/Paris 0 2 * * *"

@@ -75,8 +75,8 @@ func (ev *events) count(k runner.EventKind) int {
 // start builds and runs a runner; it is stopped when the test ends.
 func start(t testing.TB, pool *pgxpool.Pool, cfg runner.Config, register func(r *runner.Runner) error) *instance {
 	t.Helper()
-	if cfg.Logger == nil {
-		cfg.Logger = quiet
+	if cfg.Lock.Logger == nil {
+		cfg.Lock.Logger = quiet
 	}
 	r, err := runner.New(pool, cfg)
 	if err != nil {

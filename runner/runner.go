@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -25,6 +26,7 @@ type Runner struct {
 	cfg  Config
 	q    queries
 	lc   *lock.Client
+	log  *slog.Logger
 
 	mu      sync.Mutex
 	jobs    []*job
@@ -53,20 +55,20 @@ func New(pool *pgxpool.Pool, cfg Config) (*Runner, error) {
 	if err := cfg.checkSigns(); err != nil {
 		return nil, err
 	}
-	cfg = cfg.withDefaults()
-	if err := cfg.validate(); err != nil {
-		return nil, err
-	}
-	lc, err := lock.New(pool, cfg.lockConfig())
+	lc, err := lock.New(pool, cfg.Lock)
 	if err != nil {
 		return nil, fromLock(err)
 	}
-	cfg.Instance = lc.Config().Holder
-	return &Runner{pool: pool, cfg: cfg, q: newQueries(cfg.Schema), lc: lc, names: make(map[string]bool)}, nil
+	cfg = cfg.withDefaults(lc.Config())
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	return &Runner{pool: pool, cfg: cfg, q: newQueries(cfg.Lock.Schema), lc: lc, log: cfg.Lock.Logger,
+		names: make(map[string]bool)}, nil
 }
 
-// Instance returns this runner's instance identity.
-func (r *Runner) Instance() string { return r.cfg.Instance }
+// Instance returns this runner's instance identity (Config.Lock.Holder).
+func (r *Runner) Instance() string { return r.cfg.Lock.Holder }
 
 // Register adds a singleton job: each slot runs on exactly one replica. It
 // returns ErrInvalidJob / ErrInvalidSchedule (naming the problem),
@@ -137,7 +139,7 @@ func (r *Runner) Run(ctx context.Context) error {
 	r.fatal = func(err error) {
 		fatalOnce.Do(func() {
 			fatalErr = err
-			r.cfg.Logger.Error("pgfence runner: stopping on a permanent error", "err", err)
+			r.log.Error("pgfence runner: stopping on a permanent error", "err", err)
 			stopWork(err)
 		})
 	}
@@ -156,6 +158,8 @@ func (r *Runner) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() { defer wg.Done(); r.balance(work, sharded) }()
 	}
+	wg.Add(1)
+	go func() { defer wg.Done(); r.prune(work) }()
 
 	select {
 	case <-ctx.Done():
@@ -167,11 +171,11 @@ func (r *Runner) Run(ctx context.Context) error {
 	select {
 	case <-done:
 	case <-time.After(r.cfg.ShutdownTimeout):
-		r.cfg.Logger.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway")
+		r.log.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway")
 	}
 	cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
 	defer cancel()
-	_, _ = r.pool.Exec(cctx, r.q.leave, r.cfg.Instance)
+	_, _ = r.pool.Exec(cctx, r.q.leave, r.cfg.Lock.Holder)
 	if err := r.lc.Close(cctx); err != nil && fatalErr == nil {
 		return err
 	}
@@ -180,9 +184,9 @@ func (r *Runner) Run(ctx context.Context) error {
 
 // verify checks the schema, retrying transient errors until ctx ends.
 func (r *Runner) verify(ctx context.Context) error {
-	b := retry.Backoff{Base: r.cfg.PollInterval, Max: 10 * r.cfg.PollInterval}
+	b := retry.Backoff{Base: r.cfg.Lock.PollInterval, Max: 10 * r.cfg.Lock.PollInterval}
 	for n := 0; ; n++ {
-		err := migrations.Verify(ctx, r.pool, r.cfg.Schema)
+		err := migrations.Verify(ctx, r.pool, r.cfg.Lock.Schema)
 		if err == nil || !retry.Transient(err) {
 			if err != nil {
 				return fmt.Errorf("runner: %w", err)
@@ -190,7 +194,7 @@ func (r *Runner) verify(ctx context.Context) error {
 			return nil
 		}
 		if n == 0 {
-			r.cfg.Logger.Warn("pgfence runner: cannot check the schema yet; retrying", "err", err)
+			r.log.Warn("pgfence runner: cannot check the schema yet; retrying", "err", err)
 		}
 		if !wait.Sleep(ctx, b.Wait(n)) {
 			return ctx.Err()

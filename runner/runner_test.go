@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"testing"
@@ -38,8 +39,7 @@ func TestEverySlotSucceedsExactlyOnce(t *testing.T) {
 	mustExec(t, db, "CREATE TABLE "+tbl(db, "effects")+" (slot timestamptz, token bigint)")
 	const interval = 300 * time.Millisecond
 	for i := range 3 {
-		start(t, db.Pool, runner.Config{Schema: db.Schema, Instance: fmt.Sprintf("i%d", i), TTL: 3 * time.Second,
-			PollInterval: 100 * time.Millisecond}, func(r *runner.Runner) error {
+		start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: fmt.Sprintf("i%d", i), TTL: 3 * time.Second, PollInterval: 100 * time.Millisecond}}, func(r *runner.Runner) error {
 			return r.Register(chargeJob(db, "tick", "@every 300ms"))
 		})
 	}
@@ -131,8 +131,7 @@ func TestLeaderRevokedMidRun(t *testing.T) {
 	}
 	for i := range 3 {
 		who := fmt.Sprintf("i%d", i)
-		start(t, db.Pool, runner.Config{Schema: db.Schema, Instance: who, TTL: ttl, PollInterval: poll,
-			OnEvent: ev.hook(who)}, func(r *runner.Runner) error { return r.Register(job) })
+		start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: poll}, OnEvent: ev.hook(who)}, func(r *runner.Runner) error { return r.Register(job) })
 	}
 	select {
 	case <-stuck:
@@ -198,8 +197,7 @@ func TestGracefulShutdownHandsOver(t *testing.T) {
 	ins := map[string]*instance{}
 	for i := range 3 {
 		who := fmt.Sprintf("i%d", i)
-		ins[who] = start(t, db.Pool, runner.Config{Schema: db.Schema, Instance: who, TTL: 30 * time.Second,
-			PollInterval: 10 * time.Second, OnEvent: ev.hook(who)},
+		ins[who] = start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second}, OnEvent: ev.hook(who)},
 			func(r *runner.Runner) error { return r.Register(chargeJob(db, "handover", "@every 1h")) })
 	}
 	first := <-gainedAt
@@ -228,7 +226,7 @@ func TestBadInput(t *testing.T) {
 	if _, err := runner.New(nil, runner.Config{}); !errors.Is(err, runner.ErrNilPool) {
 		t.Errorf("nil pool: %v", err)
 	}
-	if _, err := runner.New(db.Pool, runner.Config{TTL: time.Second, RebalanceInterval: 2 * time.Second}); err == nil || !strings.Contains(err.Error(), "RebalanceInterval") {
+	if _, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{TTL: time.Second}, RebalanceInterval: 2 * time.Second}); err == nil || !strings.Contains(err.Error(), "RebalanceInterval") {
 		t.Errorf("rebalance > TTL: %v", err)
 	}
 	// Issue 10.4: every config error names its own field and matches
@@ -238,12 +236,13 @@ func TestBadInput(t *testing.T) {
 		cfg   runner.Config
 		field string
 	}{
-		{runner.Config{TTL: time.Second, RenewInterval: 900 * time.Millisecond}, "RenewInterval"},
-		{runner.Config{PollInterval: -time.Second}, "PollInterval"},
-		{runner.Config{PollInterval: time.Nanosecond}, "PollInterval"},
+		{runner.Config{Lock: lock.Config{TTL: time.Second, RenewInterval: 900 * time.Millisecond}}, "Lock.RenewInterval"},
+		{runner.Config{Lock: lock.Config{PollInterval: -time.Second}}, "Lock.PollInterval"},
+		{runner.Config{Lock: lock.Config{PollInterval: time.Nanosecond}}, "Lock.PollInterval"},
 		{runner.Config{ShutdownTimeout: -1}, "ShutdownTimeout"},
-		{runner.Config{Instance: "a\x00b"}, "Instance"},
-		{runner.Config{Schema: "a$b"}, "Schema"},
+		{runner.Config{RebalanceInterval: -1}, "RebalanceInterval"},
+		{runner.Config{Lock: lock.Config{Holder: "a\x00b"}}, "Lock.Holder"},
+		{runner.Config{Lock: lock.Config{Schema: "a$b"}}, "Lock.Schema"},
 	} {
 		_, err := runner.New(db.Pool, c.cfg)
 		var ce *runner.ConfigError
@@ -251,7 +250,7 @@ func TestBadInput(t *testing.T) {
 			t.Errorf("New(%+v) = %v, want a runner.ConfigError for %s", c.cfg, err, c.field)
 		}
 	}
-	r, err := runner.New(db.Pool, runner.Config{Schema: db.Schema, Logger: quiet})
+	r, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: quiet}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -305,7 +304,7 @@ func TestRetriesAndFailures(t *testing.T) {
 			return nil
 		}}
 	ev := &events{}
-	start(t, db.Pool, runner.Config{Schema: db.Schema, OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
+	start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema}, OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
 	waitFor(t, 10*time.Second, "a slot to succeed on its third attempt", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE status = 'succeeded' AND attempt = 3") >= 1
 	})
@@ -358,7 +357,7 @@ func TestMissedSlotPolicy(t *testing.T) {
 			}
 			job := runner.Job{Name: "hourly", Schedule: "@every 1h", Missed: tc.policy,
 				Run: func(context.Context, *runner.Run) error { return nil }}
-			start(t, db.Pool, runner.Config{Schema: db.Schema, OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
+			start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema}, OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
 			var got []time.Time
 			timeout := time.After(2 * time.Second)
 		collect:
@@ -405,7 +404,7 @@ func TestShutdownRecordsFinishedRuns(t *testing.T) {
 				<-ctx.Done() // works until told to stop
 				return tc.result(ctx)
 			}}
-			in := start(t, db.Pool, runner.Config{Schema: db.Schema}, func(r *runner.Runner) error { return r.Register(job) })
+			in := start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema}}, func(r *runner.Runner) error { return r.Register(job) })
 			<-started
 			in.stop(t)
 			var status string
@@ -429,7 +428,7 @@ func TestJobTimeout(t *testing.T) {
 			<-ctx.Done()
 			return ctx.Err()
 		}}
-	start(t, db.Pool, runner.Config{Schema: db.Schema}, func(r *runner.Runner) error { return r.Register(job) })
+	start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema}}, func(r *runner.Runner) error { return r.Register(job) })
 	waitFor(t, 10*time.Second, "a failed run", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE status = 'failed' AND error LIKE '%deadline exceeded%'") >= 1
 	})
@@ -445,7 +444,7 @@ func TestRunEndsOnPermanentErrors(t *testing.T) {
 	ok := func(context.Context, *runner.Run) error { return nil }
 
 	missing := pgtest.Schema(t, "nojobs")
-	r, err := runner.New(db.Pool, runner.Config{Schema: missing, Logger: quiet, PollInterval: 10 * time.Millisecond})
+	r, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: missing, Logger: quiet, PollInterval: 10 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -460,7 +459,7 @@ func TestRunEndsOnPermanentErrors(t *testing.T) {
 	if _, err := db.Pool.Exec(ctx, "DROP TABLE "+tbl(db, "pgfence_runs")); err != nil {
 		t.Fatal(err)
 	}
-	r, err = runner.New(db.Pool, runner.Config{Schema: db.Schema, Logger: quiet, PollInterval: 10 * time.Millisecond})
+	r, err = runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: quiet, PollInterval: 10 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -481,3 +480,128 @@ func TestEventTokenType(t *testing.T) {
 		t.Fatal("runner.Event.Token is a fence.Token and runner.ErrFenced matches fence.ErrFenced")
 	}
 }
+
+// Issue 11.8 and 11.11: the ledger has a read API, and rows that are not
+// needed go away: Prune deletes old finished runs but keeps each job's
+// latest slot and anything running; heartbeats delete instance rows dead
+// for an hour.
+func TestLedgerReadAndPrune(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	runs := tbl(db, "pgfence_runs")
+	old := time.Now().Add(-48 * time.Hour)
+	mustExec(t, db, "INSERT INTO "+runs+` (job, shard, slot, attempt, token, status, holder, started_at, finished_at, error) VALUES
+		('a', 0, $1, 1, 1, 'succeeded', 'h', $1, $1, NULL),
+		('a', 0, $1 + interval '1 hour', 1, 2, 'failed', 'h', $1 + interval '1 hour', $1 + interval '1 hour', 'boom'),
+		('a', 0, $1 + interval '2 hours', 1, 3, 'succeeded', 'h', $1 + interval '2 hours', $1 + interval '2 hours', NULL),
+		('b', 1, $1, 1, 4, 'running', 'h', $1, NULL, NULL),
+		('b', 1, now(), 1, 5, 'succeeded', 'h', now(), now(), NULL)`, old)
+
+	all, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{})
+	if err != nil || len(all) != 5 || all[0].Job != "b" || all[0].Token != 5 {
+		t.Fatalf("Runs: %d runs, first %+v, %v", len(all), all[0], err)
+	}
+	failed, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{Job: "a", Status: runner.StatusFailed})
+	if err != nil || len(failed) != 1 || failed[0].Error != "boom" || failed[0].FinishedAt == nil {
+		t.Fatalf("failed runs of a: %+v, %v", failed, err)
+	}
+	n, err := runner.Prune(ctx, db.Pool, db.Schema, time.Now().Add(-24*time.Hour))
+	if err != nil || n != 2 {
+		t.Fatalf("Prune deleted %d, %v; want the two older finished runs of a", n, err)
+	}
+	left, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{Limit: 100})
+	if err != nil || len(left) != 3 {
+		t.Fatalf("after Prune: %d runs, %v; want a's latest slot, b's running and recent runs", len(left), err)
+	}
+
+	inst := tbl(db, "pgfence_instances")
+	mustExec(t, db, "INSERT INTO "+inst+` (id, started_at, heartbeat_at, expires_at) VALUES
+		('long-dead', now() - interval '3 hours', now() - interval '2 hours', now() - interval '2 hours'),
+		('just-dead', now() - interval '3 minutes', now() - interval '2 minutes', now() - interval '1 minute')`)
+	in := start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: "alive"}, RebalanceInterval: 100 * time.Millisecond},
+		func(r *runner.Runner) error {
+			return r.RegisterSharded(runner.Job{Name: "s", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}, 1)
+		})
+	waitFor(t, 10*time.Second, "the heartbeat to delete the long-dead instance row", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+inst+" WHERE id = 'long-dead'") == 0
+	})
+	if queryInt(t, db, "SELECT count(*) FROM "+inst+" WHERE id IN ('just-dead', 'alive')") != 2 {
+		t.Fatal("the heartbeat deleted a recent row too")
+	}
+	in.stop(t)
+}
+
+// Issue 11.12: failures are visible in the log: a failed run at ERROR, a
+// fenced one at WARN, with job, shard, slot, attempt and token.
+func TestFailuresAreLogged(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	rec := &logRecords{}
+	job := runner.Job{Name: "flaky", Schedule: "@every 100ms", Run: func(ctx context.Context, run *runner.Run) error {
+		return errors.New("disk full")
+	}}
+	in := start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: slog.New(rec)}},
+		func(r *runner.Runner) error { return r.Register(job) })
+	waitFor(t, 10*time.Second, "a failed run to be logged", func() bool { return rec.find(slog.LevelError, "run failed") != nil })
+	in.stop(t)
+	r := rec.find(slog.LevelError, "run failed")
+	attrs := map[string]string{}
+	r.Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.String(); return true })
+	for _, k := range []string{"job", "shard", "slot", "attempt", "token", "err"} {
+		if attrs[k] == "" {
+			t.Errorf("the failed-run record has no %q: %v", k, attrs)
+		}
+	}
+	if attrs["job"] != "flaky" || !strings.Contains(attrs["err"], "disk full") {
+		t.Errorf("the failed-run record: %v", attrs)
+	}
+}
+
+// logRecords keeps slog records, with the attributes of WithAttrs loggers.
+type logRecords struct {
+	mu    sync.Mutex
+	recs  []slog.Record
+	attrs []slog.Attr
+}
+
+func (l *logRecords) Enabled(context.Context, slog.Level) bool { return true }
+func (l *logRecords) Handle(_ context.Context, r slog.Record) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	r = r.Clone()
+	r.AddAttrs(l.attrs...)
+	l.recs = append(l.recs, r)
+	return nil
+}
+func (l *logRecords) WithAttrs(as []slog.Attr) slog.Handler {
+	return &logView{l, append(append([]slog.Attr(nil), l.attrs...), as...)}
+}
+func (l *logRecords) WithGroup(string) slog.Handler { return l }
+func (l *logRecords) find(level slog.Level, msg string) *slog.Record {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for i := range l.recs {
+		if l.recs[i].Level == level && strings.Contains(l.recs[i].Message, msg) {
+			return &l.recs[i]
+		}
+	}
+	return nil
+}
+
+// logView is a logRecords with more attributes.
+type logView struct {
+	l     *logRecords
+	attrs []slog.Attr
+}
+
+func (v *logView) Enabled(context.Context, slog.Level) bool { return true }
+func (v *logView) Handle(ctx context.Context, r slog.Record) error {
+	r = r.Clone()
+	r.AddAttrs(v.attrs...)
+	return v.l.Handle(ctx, r)
+}
+func (v *logView) WithAttrs(as []slog.Attr) slog.Handler {
+	return &logView{v.l, append(append([]slog.Attr(nil), v.attrs...), as...)}
+}
+func (v *logView) WithGroup(string) slog.Handler { return v }

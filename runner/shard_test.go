@@ -14,6 +14,7 @@ import (
 
 	"github.com/pgfence/pgfence/internal/faultproxy"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -78,8 +79,7 @@ func TestShardsSpreadAndRebalance(t *testing.T) {
 	launch := func(who string) {
 		pool, p := proxiedPool(t, "shard-"+who)
 		proxies[who] = p
-		ins[who] = start(t, pool, runner.Config{Schema: db.Schema, Instance: who, TTL: ttl, RebalanceInterval: rebalance,
-			PollInterval: 200 * time.Millisecond}, func(r *runner.Runner) error { return r.RegisterSharded(job(who), shards) })
+		ins[who] = start(t, pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: 200 * time.Millisecond}, RebalanceInterval: rebalance}, func(r *runner.Runner) error { return r.RegisterSharded(job(who), shards) })
 	}
 	held := func() map[string]int {
 		r, err := db.Pool.Query(context.Background(), "SELECT holder, count(*) FROM "+tbl(db, "pgfence_leases")+
@@ -190,8 +190,7 @@ func TestTwoServicesShareASchema(t *testing.T) {
 		}}
 	}
 	cfg := func(who string) runner.Config {
-		return runner.Config{Schema: db.Schema, Instance: who, TTL: 2 * time.Second, RebalanceInterval: 300 * time.Millisecond,
-			PollInterval: 100 * time.Millisecond}
+		return runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: 2 * time.Second, PollInterval: 100 * time.Millisecond}, RebalanceInterval: 300 * time.Millisecond}
 	}
 	var ins []*instance
 	for _, who := range []string{"a1", "a2"} {

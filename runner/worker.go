@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime/debug"
 	"strconv"
 	"time"
@@ -16,18 +17,43 @@ import (
 	"github.com/pgfence/pgfence/lock"
 )
 
-// worker campaigns for one job's (or shard's) lease and, while it leads,
-// runs the job's slots.
+// worker campaigns for one job's (or shard's) lease through lock.Election
+// and, while it leads, runs the job's slots.
 type worker struct {
 	r     *Runner
 	j     *job
 	shard int
-
-	// The ledger statements with the current term's fence folded in,
-	// built once per term (see lead).
-	claimSQL, succeedSQL, failSQL string
-	fenceArgs                     []any
 }
+
+// term is one leadership term of a worker: the lease and the ledger
+// statements with the lease's fence folded in, built once when the term
+// starts.
+type term struct {
+	lease                *lock.Lease
+	claim, succeed, fail string
+	fence                []any // the fold's arguments, after each statement's own
+}
+
+// newTerm builds the term's fenced statements.
+func (w *worker) newTerm(l *lock.Lease) (*term, error) {
+	g := l.Guard()
+	t := &term{lease: l}
+	for _, st := range []struct {
+		sql   *string
+		n     int
+		build func(fence string) string
+	}{{&t.claim, 6, w.r.q.claim}, {&t.succeed, 4, w.r.q.succeedFenced}, {&t.fail, 5, w.r.q.fail}} {
+		f, err := g.Fold(st.n)
+		if err != nil {
+			return nil, err
+		}
+		*st.sql, t.fence = st.build(f.Expr), f.Args
+	}
+	return t, nil
+}
+
+// args are a statement's own arguments followed by the fold's.
+func (t *term) args(own ...any) []any { return append(own, t.fence...) }
 
 func (w *worker) leaseName() string {
 	if w.j.shards == 0 {
@@ -44,60 +70,61 @@ func (w *worker) event(k EventKind, slot time.Time, l *lock.Lease, attempt int, 
 	w.r.emit(e)
 }
 
-// loop campaigns, leads, releases and campaigns again until ctx ends.
+// loop campaigns, leads, releases and campaigns again until ctx ends, with
+// lock.Election. A permanent error stops the whole runner.
 func (w *worker) loop(ctx context.Context) {
-	log := w.r.cfg.Logger.With("job", w.j.Name, "shard", w.shard)
-	for ctx.Err() == nil {
-		l, err := w.r.lc.Acquire(ctx, w.leaseName())
-		if err != nil {
-			// Acquire retries transient errors itself: what it returns
-			// is the end of ctx, or permanent.
-			if ctx.Err() == nil && !errors.Is(err, lock.ErrClosed) {
+	log := w.log()
+	e := &lock.Election{
+		Client: w.r.lc,
+		Name:   w.leaseName(),
+		Lead: func(ctx context.Context, l *lock.Lease) error {
+			log.Info("pgfence runner: leading", "token", l.Token())
+			w.event(LeadershipGained, time.Time{}, l, 0, nil)
+			return w.lead(ctx, l)
+		},
+		OnStop: func(l *lock.Lease, err error) {
+			w.event(LeadershipLost, time.Time{}, l, 0, err)
+			if permanent(err) {
 				w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
 			}
-			return
-		}
-		log.Info("pgfence runner: leading", "token", l.Token())
-		w.event(LeadershipGained, time.Time{}, l, 0, nil)
-		err = w.lead(ctx, l)
-		// Nothing runs under the lease any more: say so before the
-		// release, which may take a while if the database is unreachable.
-		w.event(LeadershipLost, time.Time{}, l, 0, err)
-		_ = l.Release(ctx) // bounded by its own timeout once ctx has ended
-		if permanent(err) {
-			w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
-			return
-		}
+		},
+		RetryDelay: -1, // a lost lease is campaigned for again at once
+	}
+	if err := e.Run(ctx); err != nil && !errors.Is(err, lock.ErrClosed) {
+		// Acquire retries transient errors itself: this is permanent.
+		w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
 	}
 }
 
-// lead runs slots while l is held and ctx lives, and returns why it stopped.
-func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
-	lctx, cancel := context.WithCancelCause(l.Context())
-	defer cancel(nil)
-	stop := context.AfterFunc(ctx, func() { cancel(context.Cause(ctx)) })
-	defer stop()
-	w.foldFence(l)
+// log is the runner's logger with the worker's job and shard.
+func (w *worker) log() *slog.Logger { return w.r.log.With("job", w.j.Name, "shard", w.shard) }
 
+// lead runs slots while ctx (which ends with the lease) lives, and returns
+// why it stopped.
+func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
+	t, err := w.newTerm(l)
+	if err != nil {
+		return err
+	}
 	// Taking over: finish the last slot if it was left unfinished (its
 	// runner died or paused), then the latest missed slot, by policy.
 	var last *time.Time
-	if err := w.r.pool.QueryRow(lctx, w.r.q.lastSlot, w.j.Name, w.shard).Scan(&last); err != nil {
+	if err := w.r.pool.QueryRow(ctx, w.r.q.lastSlot, w.j.Name, w.shard).Scan(&last); err != nil {
 		return err
 	}
 	now := time.Now()
 	if last != nil {
-		w.runSlot(lctx, l, *last)
+		w.runSlot(ctx, t, *last)
 		if due := latestDue(w.j.sched, *last, now); !due.IsZero() &&
 			(w.j.Missed == RunLatest || now.Sub(due) < time.Second) {
-			w.runSlot(lctx, l, due)
+			w.runSlot(ctx, t, due)
 		}
 	}
 	cursor := now
 	for {
 		next := w.j.sched.Next(cursor)
-		if !sleepUntil(lctx, next) {
-			return context.Cause(lctx)
+		if !sleepUntil(ctx, next) {
+			return context.Cause(ctx)
 		}
 		// Slots that passed while the previous run was still going are
 		// not queued up: the latest due one runs.
@@ -105,18 +132,19 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 		if due := latestDue(w.j.sched, next, time.Now()); !due.IsZero() {
 			slot = due
 		}
-		w.runSlot(lctx, l, slot)
+		w.runSlot(ctx, t, slot)
 		cursor = slot
-		if lctx.Err() != nil {
-			return context.Cause(lctx)
+		if ctx.Err() != nil {
+			return context.Cause(ctx)
 		}
 	}
 }
 
 // runSlot claims slot and runs it, with retries, while the lease holds.
-func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
+func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
+	l := t.lease
 	for ctx.Err() == nil {
-		attempt, claimed, err := w.claim(ctx, l, slot)
+		attempt, claimed, err := w.claim(ctx, t, slot)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, fence.ErrFenced) {
 				return
@@ -125,8 +153,8 @@ func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
 				w.r.fatal(fmt.Errorf("runner: job %q: claim slot %s: %w", w.j.Name, slot.Format(time.RFC3339), err))
 				return
 			}
-			w.r.cfg.Logger.Warn("pgfence runner: claim failed", "job", w.j.Name, "slot", slot, "err", err)
-			wait.Sleep(ctx, w.r.cfg.PollInterval)
+			w.log().Warn("pgfence runner: claim failed; retrying", "slot", slot, "err", err)
+			wait.Sleep(ctx, w.r.cfg.Lock.PollInterval)
 			continue
 		}
 		if !claimed {
@@ -135,7 +163,7 @@ func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
 		run := &Run{Job: w.j.Name, Shard: w.shard, Shards: w.j.shards, Slot: slot, Attempt: attempt, Token: l.Token(), w: w, lease: l}
 		w.event(RunStarted, slot, l, attempt, nil)
 		err = w.call(ctx, run)
-		if !w.finish(ctx, l, run, err) {
+		if !w.finish(ctx, t, run, err) {
 			return
 		}
 		if !wait.Sleep(ctx, w.j.Retry.wait(attempt)) {
@@ -145,8 +173,8 @@ func (w *worker) runSlot(ctx context.Context, l *lock.Lease, slot time.Time) {
 }
 
 // finish records the attempt's outcome and reports whether to retry.
-func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr error) (retry bool) {
-	slot, attempt := run.Slot, run.Attempt
+func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (retry bool) {
+	l, slot, attempt := t.lease, run.Slot, run.Attempt
 	if runErr == nil && run.committed {
 		w.event(RunSucceeded, slot, l, attempt, nil)
 		return false
@@ -165,11 +193,10 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
 	defer cancel()
 	g := l.Guard()
-	args := append([]any{w.j.Name, w.shard, slot, int64(l.Token())}, w.fenceArgs...)
 	var err error
 	if runErr == nil {
 		var tag pgconn.CommandTag
-		tag, err = w.r.pool.Exec(ctx, w.succeedSQL, args...)
+		tag, err = w.r.pool.Exec(ctx, t.succeed, t.args(w.j.Name, w.shard, slot, int64(l.Token()))...)
 		if err = g.Err(err); err == nil && tag.RowsAffected() != 1 {
 			err = ErrFenced
 		}
@@ -178,18 +205,21 @@ func (w *worker) finish(ctx context.Context, l *lock.Lease, run *Run, runErr err
 			return false
 		}
 	} else {
-		_, err = w.r.pool.Exec(ctx, w.failSQL, append(args, runErr.Error())...)
+		_, err = w.r.pool.Exec(ctx, t.fail, t.args(w.j.Name, w.shard, slot, int64(l.Token()), runErr.Error())...)
 		if err = g.Err(err); err == nil {
+			retry := attempt < w.j.Retry.MaxAttempts
+			w.log().Error("pgfence runner: run failed", "slot", slot, "attempt", attempt, "token", l.Token(),
+				"retry", retry, "err", runErr)
 			w.event(RunFailed, slot, l, attempt, runErr)
-			return attempt < w.j.Retry.MaxAttempts
+			return retry
 		}
 	}
 	if errors.Is(err, fence.ErrStaleToken) || errors.Is(err, ErrFenced) || l.Err() != nil {
 		w.fenced(l, run, err)
 		return false
 	}
-	w.r.cfg.Logger.Warn("pgfence runner: recording the outcome failed; the next leader will rerun the slot",
-		"job", w.j.Name, "slot", slot, "err", err)
+	w.log().Warn("pgfence runner: recording the outcome failed; the next leader will rerun the slot",
+		"slot", slot, "attempt", attempt, "token", l.Token(), "err", err)
 	return false
 }
 
@@ -203,34 +233,23 @@ func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
 		msg = cause.Error()
 	}
 	_, _ = w.r.pool.Exec(ctx, w.r.q.markFenced, w.j.Name, w.shard, run.Slot, int64(l.Token()), msg)
+	w.log().Warn("pgfence runner: run fenced: a newer holder took over; its writes are refused",
+		"slot", run.Slot, "attempt", run.Attempt, "token", l.Token(), "err", cause)
 	w.event(RunFenced, run.Slot, l, run.Attempt, cause)
 }
 
 // claim claims slot in one autocommitted, fenced statement.
-func (w *worker) claim(ctx context.Context, l *lock.Lease, slot time.Time) (attempt int, claimed bool, err error) {
+func (w *worker) claim(ctx context.Context, t *term, slot time.Time) (attempt int, claimed bool, err error) {
+	l := t.lease
 	if err := l.Err(); err != nil {
 		return 0, false, err
 	}
-	err = w.r.pool.QueryRow(ctx, w.claimSQL, append([]any{w.j.Name, w.shard, slot, int64(l.Token()),
-		w.r.cfg.Instance, w.j.Retry.MaxAttempts}, w.fenceArgs...)...).Scan(&attempt)
+	err = w.r.pool.QueryRow(ctx, t.claim, t.args(w.j.Name, w.shard, slot, int64(l.Token()),
+		w.r.cfg.Lock.Holder, w.j.Retry.MaxAttempts)...).Scan(&attempt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, false, nil
 	}
 	return attempt, err == nil, l.Guard().Err(err)
-}
-
-// foldFence builds the term's fenced ledger statements. The fold expression
-// takes the same two arguments in every statement, so each statement puts
-// them right after its own parameters: claim has six, the others four
-// (fail's error message comes last, as $7).
-func (w *worker) foldFence(l *lock.Lease) {
-	g := l.Guard()
-	claimExpr, args := g.Fold(7)
-	outcomeExpr, _ := g.Fold(5)
-	w.claimSQL = fmt.Sprintf(w.r.q.claim, claimExpr)
-	w.succeedSQL = fmt.Sprintf(w.r.q.succeedFenced, outcomeExpr)
-	w.failSQL = fmt.Sprintf(w.r.q.fail, outcomeExpr)
-	w.fenceArgs = args
 }
 
 // call runs the job function with its timeout, turning a panic into an error.

@@ -12,11 +12,11 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
+	"github.com/pgfence/pgfence/runner"
 )
 
 func cmdMigrate(ctx context.Context, e *env, args []string) error {
@@ -111,7 +111,7 @@ func (e *env) leases(ctx context.Context) (*lock.Client, []lock.Info, func(), er
 	infos, err := c.Leases(ctx)
 	if err != nil {
 		closeFn()
-		return nil, nil, nil, err
+		return nil, nil, nil, e.explain(err)
 	}
 	return c, infos, closeFn, nil
 }
@@ -236,44 +236,38 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 }
 
 func cmdJobs(ctx context.Context, e *env, args []string) error {
+	if len(args) > 0 && args[0] == "prune" {
+		return cmdJobsPrune(ctx, e, args[1:])
+	}
 	var (
-		limit  int
+		f      runner.RunFilter
+		status string
 		asJSON bool
 	)
-	if _, err := parse(e, "jobs", "[--limit N] [--json]", args, func(fs *flag.FlagSet) {
-		fs.IntVar(&limit, "limit", 20, "how many recent runs")
+	if _, err := parse(e, "jobs", "[--limit N] [--job NAME] [--status S] [--json] | prune --older-than D", args, func(fs *flag.FlagSet) {
+		fs.IntVar(&f.Limit, "limit", 20, "how many recent runs")
+		fs.StringVar(&f.Job, "job", "", "only this job's runs")
+		fs.StringVar(&status, "status", "", "only runs in this state: running, succeeded, failed or fenced")
 		fs.BoolVar(&asJSON, "json", false, "print JSON")
 	}); err != nil {
 		return err
 	}
-	if limit < 1 {
+	if f.Limit < 1 {
 		return fail(exitUsage, "--limit must be at least 1")
+	}
+	switch f.Status = runner.Status(status); f.Status {
+	case "", runner.StatusRunning, runner.StatusSucceeded, runner.StatusFailed, runner.StatusFenced:
+	default:
+		return fail(exitUsage, "--status must be running, succeeded, failed or fenced")
 	}
 	pool, err := e.connect(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	type runJSON struct {
-		Job        string     `json:"job"`
-		Shard      int        `json:"shard"`
-		Slot       time.Time  `json:"slot"`
-		Attempt    int        `json:"attempt"`
-		Token      int64      `json:"token"`
-		Status     string     `json:"status"`
-		Holder     string     `json:"holder"`
-		StartedAt  time.Time  `json:"started_at"`
-		FinishedAt *time.Time `json:"finished_at"`
-		Error      *string    `json:"error"`
-	}
-	rows, err := pool.Query(ctx, `SELECT job, shard, slot, attempt, token, status, holder, started_at, finished_at, error
-		FROM `+ident.Table(e.schema, "pgfence_runs")+` ORDER BY started_at DESC LIMIT $1`, limit)
+	runs, err := runner.Runs(ctx, pool, e.schema, f)
 	if err != nil {
-		return err
-	}
-	runs, err := pgx.CollectRows(rows, pgx.RowToStructByPos[runJSON])
-	if err != nil {
-		return err
+		return e.explain(err)
 	}
 	if asJSON {
 		return writeJSON(e.stdout, runs)
@@ -281,14 +275,50 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "JOB\tSHARD\tSLOT\tATTEMPT\tTOKEN\tSTATUS\tHOLDER\tDURATION\tERROR")
 	for _, r := range runs {
-		dur, msg := "-", ""
+		dur := "-"
 		if r.FinishedAt != nil {
 			dur = round(r.FinishedAt.Sub(r.StartedAt)).String()
 		}
-		if r.Error != nil {
-			msg = strings.SplitN(*r.Error, "\n", 2)[0]
-		}
-		fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", printable(r.Job), r.Shard, r.Slot.UTC().Format(time.RFC3339), r.Attempt, r.Token, r.Status, printable(r.Holder), dur, printable(msg))
+		msg := strings.SplitN(r.Error, "\n", 2)[0]
+		fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", printable(r.Job), r.Shard, r.Slot.UTC().Format(time.RFC3339),
+			r.Attempt, r.Token, r.Status, printable(r.Holder), dur, printable(msg))
 	}
 	return w.Flush()
+}
+
+func cmdJobsPrune(ctx context.Context, e *env, args []string) error {
+	var olderThan time.Duration
+	if _, err := parse(e, "jobs prune", "--older-than D", args, func(fs *flag.FlagSet) {
+		fs.DurationVar(&olderThan, "older-than", 0, "delete finished runs that started longer ago than this (e.g. 720h)")
+	}); err != nil {
+		return err
+	}
+	if olderThan <= 0 {
+		return fail(exitUsage, "jobs prune needs a positive --older-than, e.g. --older-than 720h")
+	}
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	n, err := runner.Prune(ctx, pool, e.schema, time.Now().Add(-olderThan))
+	if err != nil {
+		return e.explain(err)
+	}
+	fmt.Fprintf(e.stdout, "pruned %d runs older than %v (the latest slot of each job and shard is kept)\n", n, olderThan)
+	return nil
+}
+
+// explain adds what to do when pgfence's tables are missing from the schema
+// the command looked in.
+func (e *env) explain(err error) error {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) || pg.Code != "42P01" {
+		return err
+	}
+	where := "schema " + strconv.Quote(e.schema)
+	if e.schema == "" {
+		where = "the search_path"
+	}
+	return fmt.Errorf("%w\n(looked in %s: choose the schema with --schema or PGFENCE_SCHEMA, or run `pgfence migrate up`)", err, where)
 }

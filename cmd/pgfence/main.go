@@ -12,14 +12,17 @@
 //	release NAME [--yes]  force-free a lease; its holder is fenced
 //	run --lease NAME [--ttl D] [--wait] [--grace D] -- COMMAND [ARGS...]
 //	                      run COMMAND while holding the lease, like flock(1) across hosts
-//	jobs [--limit N] [--json]
+//	jobs [--limit N] [--job NAME] [--status S] [--json]
 //	                      recent runs from the runner's ledger
+//	jobs prune --older-than D
+//	                      delete finished runs older than D (the latest slot of each job is kept)
 //
 // Global flags (also accepted after the command name):
 //
 //	--database-url URL  the database (default $DATABASE_URL, else the libpq
 //	                    variables PGHOST, PGPORT, ..., else localhost:5432)
-//	--schema NAME       schema holding pgfence's tables (default: search_path)
+//	--schema NAME       schema holding pgfence's tables (default $PGFENCE_SCHEMA, else
+//	                    the connection's search_path)
 //
 // Exit codes:
 //
@@ -93,7 +96,7 @@ func (f into) Set(s string) error { *f.p = s; return nil }
 
 func (e *env) flags(fs *flag.FlagSet) {
 	fs.Var(into{&e.dbURL}, "database-url", "database `URL` (default $DATABASE_URL, else the libpq variables)")
-	fs.Var(into{&e.schema}, "schema", "`schema` holding pgfence's tables (default: search_path)")
+	fs.Var(into{&e.schema}, "schema", "`schema` holding pgfence's tables (default $PGFENCE_SCHEMA, else the search_path)")
 }
 
 func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
@@ -131,15 +134,17 @@ commands:
   release NAME [--yes]  force-free a lease (its holder is fenced)
   run --lease NAME [--ttl 15s] [--wait] [--grace 10s] -- COMMAND [ARGS...]
                         run COMMAND on exactly one machine at a time
-  jobs [--limit 20] [--json]
+  jobs [--limit 20] [--job NAME] [--status S] [--json]
                         recent runs from the runner's ledger
+  jobs prune --older-than D
+                        delete finished runs older than D
 
 exit codes: 0 ok, 1 error, 2 usage, 3 no such lease, 75 lease held elsewhere,
 76 lease lost while the command ran; run passes its command's code through.
 `
 
 func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	e := &env{stdin: stdin, stdout: stdout, stderr: stderr}
+	e := &env{stdin: stdin, stdout: stdout, stderr: stderr, schema: os.Getenv("PGFENCE_SCHEMA")}
 	global := flag.NewFlagSet("pgfence", flag.ContinueOnError)
 	global.SetOutput(stderr)
 	global.Usage = func() { fmt.Fprint(stderr, usage) }

@@ -25,6 +25,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/devdb"
+	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -72,16 +73,14 @@ func run(schema string, duration time.Duration, replicas int) error {
 	defer stopReplicas()
 	var wg sync.WaitGroup
 	for i := 1; i <= replicas; i++ {
-		r, err := runner.New(pool, runner.Config{Schema: schema, Instance: fmt.Sprintf("replica-%d", i), TTL: 2 * time.Second,
-			PollInterval: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
-			OnEvent: func(e runner.Event) {
-				switch e.Kind {
-				case runner.RunSucceeded:
-					succeeded.Add(1)
-				case runner.RunFenced:
-					fenced.Add(1)
-				}
-			}})
+		r, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: schema, Holder: fmt.Sprintf("replica-%d", i), TTL: 2 * time.Second, PollInterval: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, OnEvent: func(e runner.Event) {
+			switch e.Kind {
+			case runner.RunSucceeded:
+				succeeded.Add(1)
+			case runner.RunFenced:
+				fenced.Add(1)
+			}
+		}})
 		if err != nil {
 			return err
 		}

@@ -92,8 +92,7 @@ func workerMain() int {
 		fmt.Fprintln(os.Stderr, "worker:", err)
 		return 1
 	}
-	r, err := runner.New(pool, runner.Config{Schema: "pgfence", Instance: holder, TTL: leaseTTL, RenewInterval: leaseTTL / 4,
-		PollInterval: 50 * time.Millisecond, RebalanceInterval: 200 * time.Millisecond, ShutdownTimeout: 2 * time.Second, Logger: quiet})
+	r, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: "pgfence", Holder: holder, TTL: leaseTTL, RenewInterval: leaseTTL / 4, PollInterval: 50 * time.Millisecond, Logger: quiet}, RebalanceInterval: 200 * time.Millisecond, ShutdownTimeout: 2 * time.Second})
 	if err == nil {
 		err = r.Register(runner.Job{Name: chargeJob, Schedule: "@every 1s", Run: chargeFn(pool, fenced, rand.New(rand.NewPCG(seed, uint64(id)+100)))})
 	}

@@ -1,0 +1,127 @@
+package runner
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/wait"
+)
+
+// Status is the state of a run in the ledger.
+type Status string
+
+// Run statuses.
+const (
+	StatusRunning   Status = "running"
+	StatusSucceeded Status = "succeeded"
+	StatusFailed    Status = "failed"
+	StatusFenced    Status = "fenced"
+)
+
+// RunInfo is one row of the ledger (pgfence_runs): the latest attempt at a
+// job's (and shard's) slot.
+type RunInfo struct {
+	Job        string      `json:"job"`
+	Shard      int         `json:"shard"`
+	Slot       time.Time   `json:"slot"`
+	Attempt    int         `json:"attempt"`
+	Token      fence.Token `json:"token"`
+	Status     Status      `json:"status"`
+	Holder     string      `json:"holder"`
+	StartedAt  time.Time   `json:"started_at"`
+	FinishedAt *time.Time  `json:"finished_at"` // nil while running
+	Error      string      `json:"error"`       // "" unless failed or fenced
+}
+
+// RunFilter selects runs for Runs. The zero value selects the 20 most
+// recent runs of every job.
+type RunFilter struct {
+	// Job, if set, selects one job's runs.
+	Job string
+	// Status, if set, selects runs in that state.
+	Status Status
+	// Limit is the most runs returned. Default 20.
+	Limit int
+}
+
+// Querier runs queries: a pool, a connection and a transaction all satisfy it.
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Runs returns recent runs from the ledger in schema ("" = search_path),
+// newest first: for dashboards, and for `pgfence jobs`.
+func Runs(ctx context.Context, q Querier, schema string, f RunFilter) ([]RunInfo, error) {
+	if err := ident.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("runner: %w", err)
+	}
+	if f.Limit == 0 {
+		f.Limit = 20
+	}
+	if f.Limit < 0 {
+		return nil, fmt.Errorf("runner: RunFilter.Limit %d is negative", f.Limit)
+	}
+	rows, err := q.Query(ctx, newQueries(schema).runs, f.Job, string(f.Status), f.Limit)
+	if err != nil {
+		return nil, fmt.Errorf("runner: read the ledger: %w", err)
+	}
+	runs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (RunInfo, error) {
+		var (
+			ri  RunInfo
+			tok int64
+		)
+		err := r.Scan(&ri.Job, &ri.Shard, &ri.Slot, &ri.Attempt, &tok, &ri.Status, &ri.Holder, &ri.StartedAt, &ri.FinishedAt, &ri.Error)
+		ri.Token = fence.Token(tok)
+		return ri, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("runner: read the ledger: %w", err)
+	}
+	return runs, nil
+}
+
+// Prune deletes finished runs that started before before from the ledger in
+// schema, except the latest slot of each job and shard (a new leader
+// resumes from it), and returns how many it deleted. Runners call it hourly
+// with Config.Retention; `pgfence jobs prune` calls it on demand.
+func Prune(ctx context.Context, q Querier, schema string, before time.Time) (int64, error) {
+	if err := ident.ValidateSchema(schema); err != nil {
+		return 0, fmt.Errorf("runner: %w", err)
+	}
+	tag, err := q.Exec(ctx, newQueries(schema).prune, before)
+	if err != nil {
+		return 0, fmt.Errorf("runner: prune the ledger: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// pruneEvery is how often a runner prunes the ledger.
+const pruneEvery = time.Hour
+
+// prune deletes runs older than Retention now and then every pruneEvery,
+// until ctx ends.
+func (r *Runner) prune(ctx context.Context) {
+	if r.cfg.Retention < 0 {
+		return
+	}
+	for {
+		if n, err := Prune(ctx, r.pool, r.cfg.Lock.Schema, time.Now().Add(-r.cfg.Retention)); err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			r.log.Warn("pgfence runner: pruning the ledger failed", "err", err)
+		} else if n > 0 {
+			r.log.Info("pgfence runner: pruned the ledger", "runs", n, "retention", r.cfg.Retention)
+		}
+		if !wait.Sleep(ctx, pruneEvery) {
+			return
+		}
+	}
+}
