@@ -2,6 +2,7 @@ package runner_test
 
 import (
 	"context"
+	"os"
 	"runtime"
 	"sync"
 	"testing"
@@ -14,7 +15,12 @@ import (
 	"github.com/pgfence/pgfence/runner"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(fleetEnv) != "" {
+		os.Exit(fleetMember()) // a service process of TestFleet
+	}
+	pgtest.Main(m)
+}
 
 var quiet = pgtest.Quiet
 
