@@ -189,7 +189,6 @@ func nullTime(t time.Time) any {
 	return t
 }
 
-
 func deref(s *string) string {
 	if s == nil {
 		return "-"
