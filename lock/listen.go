@@ -155,3 +155,16 @@ func (li *listener) listen(ctx context.Context, onReady func()) error {
 		li.wake(p.Name)
 	}
 }
+
+// Watch returns a channel that receives a value whenever a release of the
+// lease name is announced (by Release, ForceRelease, or a statement calling
+// the schema's pgfence_wake_waiters(name)), and a function that stops
+// watching. It shares the client's one listening connection with blocked
+// acquirers, which stays open while anything watches or waits. Announcements
+// are merged while a value is pending, and may be missed while the
+// connection is being re-established (every watcher is woken once when it
+// is back), so use it to react sooner, not as the only trigger.
+func (c *Client) Watch(name string) (<-chan struct{}, func()) {
+	s := c.lis.subscribe(name)
+	return s.C, s.cancel
+}

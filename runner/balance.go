@@ -7,8 +7,6 @@ import (
 	"slices"
 	"sync"
 	"time"
-
-	"github.com/pgfence/pgfence/internal/wait"
 )
 
 type shardKey struct {
@@ -20,6 +18,10 @@ type shardWorker struct {
 	cancel context.CancelFunc
 	done   chan struct{}
 }
+
+// membersName is the pseudo-lease whose "release" announces a change of
+// members: runners rebalance at once instead of at their next heartbeat.
+const membersName = "pgfence/instances"
 
 // deadInstanceRetention is how long the row of an instance that stopped
 // heartbeating stays (for operators) before the living delete it.
@@ -37,11 +39,21 @@ type members map[string][]string
 // just joined or died) two instances may both want a shard, and the shard's
 // lease decides.
 //
-// An instance starts no shard worker until its view of the members has
-// held still for one settle interval: replicas that start together would
-// otherwise each see only themselves at first, take every shard, and hand
-// most of them over again at the next heartbeat.
+// When it applies a new view: at once when members only left (their shards
+// would otherwise stay unowned); when members joined (or at start-up, when
+// it knows no view yet), only once the view has held still for a settle
+// interval, or after RebalanceInterval of continuous change. Meanwhile the
+// shards stay with their current owners. So replicas that start together,
+// or one after another, move each shard about once instead of at every
+// join.
+//
+// A join (announced after the first heartbeat) and a graceful leave
+// (announced by Run's exit) make every runner of the schema heartbeat at
+// once, so shards change hands in milliseconds rather than at the next
+// RebalanceInterval.
 func (r *Runner) balance(ctx context.Context, jobs []*job) {
+	changed, stopWatch := r.lc.Watch(membersName)
+	defer stopWatch()
 	workers := make(map[shardKey]*shardWorker)
 	var wg sync.WaitGroup
 	defer func() {
@@ -56,13 +68,14 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 	}
 	settle := min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second)
 	var (
-		seen    members // the view at the previous heartbeat, until settled
-		settled bool
-		waited  time.Duration
+		applied, pending members // nil: none yet
+		pendingSince, changing time.Time
+		announced              bool
 	)
 	for {
 		next := r.cfg.RebalanceInterval
 		view, err := r.heartbeat(ctx, names)
+		now := time.Now()
 		switch {
 		case err != nil:
 			if ctx.Err() != nil {
@@ -73,17 +86,53 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 				return
 			}
 			r.log.Warn("pgfence runner: heartbeat failed; keeping current shards", "err", err)
-		case !settled && (seen == nil || !maps.EqualFunc(seen, view, slices.Equal[[]string])) && waited < r.cfg.RebalanceInterval:
-			seen, next = view, settle
-			waited += settle
-		default:
-			settled = true
+		case applied != nil && sameMembers(view, applied):
+			pending = nil
+		case applied != nil && onlyLeft(applied, view),
+			pending != nil && sameMembers(view, pending) && now.Sub(pendingSince) >= settle,
+			pending != nil && now.Sub(changing) >= r.cfg.RebalanceInterval:
 			r.apply(ctx, jobs, view, workers, &wg)
+			applied, pending = view, nil
+		default: // joined, or not settled yet: wait for the view to hold still
+			if pending == nil {
+				changing = now
+			}
+			if pending == nil || !sameMembers(view, pending) {
+				pending, pendingSince = view, now
+			}
+			next = settle
 		}
-		if !wait.Sleep(ctx, next) {
+		if err == nil && !announced {
+			if _, err := r.pool.Exec(ctx, r.q.announce, membersName); err == nil {
+				announced = true
+			}
+		}
+		t := time.NewTimer(next)
+		select {
+		case <-ctx.Done():
+			t.Stop()
 			return
+		case <-t.C:
+		case <-changed:
+			t.Stop()
 		}
 	}
+}
+
+// sameMembers reports whether two views list the same members for every job.
+func sameMembers(a, b members) bool { return maps.EqualFunc(a, b, slices.Equal[[]string]) }
+
+// onlyLeft reports whether view differs from before only by members that
+// left (view's members of every job are among before's).
+func onlyLeft(before, view members) bool {
+	for j, ids := range view {
+		for _, id := range ids {
+			if !slices.Contains(before[j], id) {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // apply starts and stops shard workers to match the assignment in view.

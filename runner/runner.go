@@ -175,7 +175,7 @@ func (r *Runner) Run(ctx context.Context) error {
 	}
 	cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
 	defer cancel()
-	_, _ = r.pool.Exec(cctx, r.q.leave, r.cfg.Lock.Holder)
+	_, _ = r.pool.Exec(cctx, r.q.leave, r.cfg.Lock.Holder, membersName)
 	if err := r.lc.Close(cctx); err != nil && fatalErr == nil {
 		return err
 	}

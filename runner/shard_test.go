@@ -209,3 +209,32 @@ func TestTwoServicesShareASchema(t *testing.T) {
 		t.Fatalf("%d (job, shard, slot) ran twice", dup)
 	}
 }
+
+// Issue 11.7: a graceful leave hands its shards over at once, not after the
+// others' next heartbeat (on main: up to RebalanceInterval, 5 s by default,
+// with the shards unowned). Here RebalanceInterval is 10 s; the survivor
+// holds every shard within a second of the other's Run returning.
+func TestGracefulLeaveHandsOverAtOnce(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	job := runner.Job{Name: "handover", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}
+	cfg := func(who string) runner.Config {
+		return runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second},
+			RebalanceInterval: 10 * time.Second}
+	}
+	held := func(who string) int {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_leases")+
+			" WHERE name LIKE 'pgfence/job/handover/%' AND holder = $1 AND expires_at > now()", who)
+	}
+	a := start(t, db.Pool, cfg("a"), func(r *runner.Runner) error { return r.RegisterSharded(job, 8) })
+	waitFor(t, 15*time.Second, "a to hold all 8 shards", func() bool { return held("a") == 8 })
+	joined := time.Now()
+	start(t, db.Pool, cfg("b"), func(r *runner.Runner) error { return r.RegisterSharded(job, 8) })
+	waitFor(t, 5*time.Second, "the join to be rebalanced without waiting for a heartbeat",
+		func() bool { return held("a") == 4 && held("b") == 4 })
+	t.Logf("join rebalanced in %v (RebalanceInterval 10s)", time.Since(joined))
+	left := time.Now()
+	a.stop(t)
+	waitFor(t, 2*time.Second, "b to take a's shards at once", func() bool { return held("b") == 8 })
+	t.Logf("graceful leave handed over in %v (RebalanceInterval 10s)", time.Since(left))
+}

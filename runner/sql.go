@@ -13,12 +13,13 @@ import (
 type queries struct {
 	claim, succeedFenced, fail func(fence string) string
 
-	succeed, markFenced, lastSlot, heartbeat, leave, prune, runs string
+	succeed, markFenced, lastSlot, heartbeat, announce, leave, prune, runs string
 }
 
 func newQueries(schema string) queries {
 	runs := ident.Table(schema, "pgfence_runs")
 	inst := ident.Table(schema, "pgfence_instances")
+	wake := ident.Table(schema, "pgfence_wake_waiters")
 	return queries{
 		// Carries its own fence (after its six parameters): one
 		// autocommitted statement, refused if the lease moved on. A slot is
@@ -70,7 +71,12 @@ gone AS (DELETE FROM %[1]s WHERE expires_at < now() - $4 * interval '1 microseco
 SELECT id, jobs FROM %[1]s WHERE expires_at > now() AND id <> $1
 UNION ALL
 SELECT id, jobs FROM me`, inst),
-		leave: fmt.Sprintf(`UPDATE %[1]s SET expires_at = now() WHERE id = $1`, inst),
+		// Announces a change of members (a join, or with leave a graceful
+		// leave) to every runner of the schema, on the channel blocked
+		// acquirers listen to, as a release of the pseudo-lease $1.
+		announce: fmt.Sprintf(`SELECT %[1]s($1)`, wake),
+		leave: fmt.Sprintf(`WITH gone AS (UPDATE %[1]s SET expires_at = now() WHERE id = $1 RETURNING id)
+SELECT %[2]s($2) FROM gone`, inst, wake),
 
 		// Finished runs that started before $1, except the latest slot of
 		// each job and shard (a new leader resumes from it).
