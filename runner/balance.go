@@ -68,7 +68,7 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 	}
 	settle := min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second)
 	var (
-		applied, pending members // nil: none yet
+		applied, pending       members // nil: none yet
 		pendingSince, changing time.Time
 		announced              bool
 	)
