@@ -247,7 +247,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			break
 		}
 		renewSent := time.Now()
-		got, err := c.renewRows(ctx, []string{name}, []int64{g.token}, [][]byte{secret})
+		got, err := c.renewRows(ctx, c.pool, []string{name}, []int64{g.token}, [][]byte{secret})
 		if err != nil {
 			// Ours at the database, but not trustworthy: free it now
 			// (synchronously, since a later attempt may use this secret).

@@ -287,3 +287,42 @@ func TestOneTargetForFenced(t *testing.T) {
 		t.Fatalf("token %d, ErrInvalidName %q", tok, fence.ErrInvalidName)
 	}
 }
+
+// Issue 11.7: renewals never starve behind the pool's other users. Every
+// pooled connection is held (by jobs, guarded transactions, waiting
+// acquirers) for three TTLs: the lease is still renewed and stays live (on
+// main the renewal waited for a pooled connection and the lease was lost).
+func TestRenewalsDoNotStarve(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	pool := pgtest.NewPool(t, "starve", func(c *pgxpool.Config) { c.MaxConns = 2 })
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: 600 * time.Millisecond, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(ctx)
+	l, err := c.TryAcquire(ctx, "busy-pool")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held []*pgxpool.Conn
+	for range 2 {
+		pc, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, pc)
+	}
+	before := c.Stats().Renewals
+	time.Sleep(1800 * time.Millisecond)
+	for _, pc := range held {
+		pc.Release()
+	}
+	if err := l.Err(); err != nil {
+		t.Fatalf("lease lost while the pool was busy: %v", err)
+	}
+	if got := c.Stats().Renewals - before; got < 5 {
+		t.Fatalf("%d renewals in 3 TTLs with the pool busy, want about 9", got)
+	}
+}

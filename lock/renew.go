@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ownconn"
 )
 
 // renewLoop renews every held lease once per RenewInterval, in one statement,
@@ -13,8 +16,14 @@ import (
 // client acquiring and releasing in a loop does not start a goroutine each time). A failed renewal is retried after
 // a quarter interval; leases whose trust window runs out meanwhile end on
 // their own timers.
+//
+// The renewer has a connection of its own (hijacked from the pool), so that
+// renewals never wait behind the pool's other users: a pool kept busy by
+// jobs, guarded transactions or waiting acquirers must not cost a lease.
 func (c *Client) renewLoop() {
 	defer c.wg.Done()
+	own := ownconn.New(c.pool)
+	defer own.Close()
 	wait := c.cfg.RenewInterval
 	failing := false // log once per change between healthy and failing
 	t := time.NewTimer(wait)
@@ -41,7 +50,7 @@ func (c *Client) renewLoop() {
 			batch = append(batch, l)
 		}
 		c.mu.Unlock()
-		if err := c.renew(batch); err != nil {
+		if err := c.renew(own, batch); err != nil {
 			c.stats.failures.Add(1)
 			if !failing {
 				c.cfg.Logger.Warn("pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
@@ -68,9 +77,9 @@ type renewKey struct {
 	token fence.Token
 }
 
-// renew renews batch in one statement. Leases the database did not renew
-// (taken over, freed, or expired there) are lost.
-func (c *Client) renew(batch []*Lease) error {
+// renew renews batch in one statement on q. Leases the database did not
+// renew (taken over, freed, or expired there) are lost.
+func (c *Client) renew(q querier, batch []*Lease) error {
 	names := make([]string, len(batch))
 	tokens := make([]int64, len(batch))
 	secrets := make([][]byte, len(batch))
@@ -80,7 +89,7 @@ func (c *Client) renew(batch []*Lease) error {
 	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.RenewInterval)
 	defer cancel()
 	sent := time.Now()
-	got, err := c.renewRows(ctx, names, tokens, secrets)
+	got, err := c.renewRows(ctx, q, names, tokens, secrets)
 	if err != nil {
 		return err
 	}
@@ -94,11 +103,16 @@ func (c *Client) renew(batch []*Lease) error {
 	return nil
 }
 
-// renewRows runs the renewal statement for the given acquisitions and
+// querier runs a query: the pool, or the renewer's own connection.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+// renewRows runs the renewal statement for the given acquisitions on q and
 // returns the new expiry of each one the database renewed.
-func (c *Client) renewRows(ctx context.Context, names []string, tokens []int64, secrets [][]byte) (map[renewKey]time.Time, error) {
+func (c *Client) renewRows(ctx context.Context, q querier, names []string, tokens []int64, secrets [][]byte) (map[renewKey]time.Time, error) {
 	sent := time.Now()
-	rows, err := c.pool.Query(ctx, c.q.renew, names, tokens, secrets, c.cfg.TTL.Microseconds())
+	rows, err := q.Query(ctx, c.q.renew, names, tokens, secrets, c.cfg.TTL.Microseconds())
 	if err != nil {
 		return nil, err
 	}

@@ -7,6 +7,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/ownconn"
 )
 
 type shardKey struct {
@@ -51,9 +53,14 @@ type members map[string][]string
 // (announced by Run's exit) make every runner of the schema heartbeat at
 // once, so shards change hands in milliseconds rather than at the next
 // RebalanceInterval.
+//
+// Heartbeats go over a connection of the balancer's own, so that they never
+// wait behind jobs or waiting acquirers for a pooled connection.
 func (r *Runner) balance(ctx context.Context, jobs []*job) {
 	changed, stopWatch := r.lc.Watch(membersName)
 	defer stopWatch()
+	own := ownconn.New(r.pool)
+	defer own.Close()
 	workers := make(map[shardKey]*shardWorker)
 	var wg sync.WaitGroup
 	defer func() {
@@ -74,7 +81,7 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 	)
 	for {
 		next := r.cfg.RebalanceInterval
-		view, err := r.heartbeat(ctx, names)
+		view, err := r.heartbeat(ctx, own, names)
 		now := time.Now()
 		switch {
 		case err != nil:
@@ -103,7 +110,7 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 			next = settle
 		}
 		if err == nil && !announced {
-			if _, err := r.pool.Exec(ctx, r.q.announce, membersName); err == nil {
+			if _, err := own.Exec(ctx, r.q.announce, membersName); err == nil {
 				announced = true
 			}
 		}
@@ -165,10 +172,10 @@ func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers m
 
 // heartbeat renews this instance's liveness row, listing the sharded jobs it
 // runs, and returns the live members of every job.
-func (r *Runner) heartbeat(ctx context.Context, jobs []string) (members, error) {
+func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string) (members, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
 	defer cancel()
-	rows, err := r.pool.Query(ctx, r.q.heartbeat, r.cfg.Lock.Holder, r.cfg.Lock.TTL.Microseconds(), jobs,
+	rows, err := own.Query(ctx, r.q.heartbeat, r.cfg.Lock.Holder, r.cfg.Lock.TTL.Microseconds(), jobs,
 		deadInstanceRetention.Microseconds())
 	if err != nil {
 		return nil, err

@@ -238,3 +238,39 @@ func TestGracefulLeaveHandsOverAtOnce(t *testing.T) {
 	waitFor(t, 2*time.Second, "b to take a's shards at once", func() bool { return held("b") == 8 })
 	t.Logf("graceful leave handed over in %v (RebalanceInterval 10s)", time.Since(left))
 }
+
+// Issue 11.7: heartbeats never starve behind the pool's other users: with
+// every pooled connection held for three TTLs, the instance's liveness row
+// stays live.
+func TestHeartbeatsDoNotStarve(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	pool := pgtest.NewPool(t, "starve-hb", func(c *pgxpool.Config) { c.MaxConns = 2 })
+	job := runner.Job{Name: "hb", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}
+	in := start(t, pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: "hb", TTL: 600 * time.Millisecond},
+		RebalanceInterval: 100 * time.Millisecond}, func(r *runner.Runner) error { return r.RegisterSharded(job, 2) })
+	live := func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_instances")+" WHERE id = 'hb' AND expires_at > now()") == 1
+	}
+	waitFor(t, 10*time.Second, "the instance to heartbeat", live)
+	var held []*pgxpool.Conn
+	for range 2 {
+		pc, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, pc)
+	}
+	deadline := time.Now().Add(1800 * time.Millisecond)
+	for time.Now().Before(deadline) {
+		if !live() {
+			t.Fatal("the instance's liveness row expired while the pool was busy")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	for _, pc := range held {
+		pc.Release()
+	}
+	in.stop(t)
+}
