@@ -23,5 +23,5 @@ func ExampleUp() {
 	}
 	fmt.Println("pgfence schema version", version)
 	// Output:
-	// pgfence schema version 5
+	// pgfence schema version 3
 }

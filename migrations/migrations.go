@@ -4,7 +4,15 @@
 // Apply them with [Up], which runs goose's Provider API with pgfence's own
 // version table (pgfence_db_version) so it never touches the goose table of the
 // application that imports pgfence. Applications that run their own goose
-// migrations can instead fold [FS] into their run.
+// migrations keep doing so for their own schema and call [Up] (or use
+// [NewProvider] for goose's full API) for pgfence's: do not fold [FS] into
+// your own goose run, whose version numbers would collide with pgfence's.
+//
+// The history is one migration per area (leases, fences, runner), each the
+// complete definition of its objects; releases add migrations after them.
+// Undoing the leases migration destroys the token history, so its Down
+// refuses (SQLSTATE PF011) unless the migrating session has set
+// pgfence.allow_token_reset = 'on'.
 //
 // Objects are created in the schema given to [Up] (created if missing), or in
 // the first schema of the connection's search_path when it is empty. Run the
@@ -43,7 +51,8 @@ import (
 //go:embed sql/*.sql
 var embedded embed.FS
 
-// FS is the migrations directory: goose SQL files at its root.
+// FS is the migrations directory: goose SQL files at its root, for reading
+// (and for tools that inspect them). Apply them with Up or NewProvider.
 var FS fs.FS = mustSub(embedded, "sql")
 
 // VersionTable is the name of pgfence's goose version table.
@@ -75,11 +84,11 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	if err := createSchema(ctx, pool, schema); err != nil {
 		return 0, err
 	}
-	p, closeFn, err := provider(pool, schema)
+	p, err := NewProvider(pool, schema)
 	if err != nil {
 		return 0, err
 	}
-	defer closeFn()
+	defer p.Close()
 	if _, err := p.Up(ctx); err != nil {
 		return 0, fmt.Errorf("migrations: up: %w", err)
 	}
@@ -303,16 +312,37 @@ func mustSources() []MigrationStatus {
 	return out
 }
 
-// NewProvider returns a goose Provider over db for pgfence's migrations, with
-// pgfence's version table, no global registry and a blocking session
-// advisory lock on lockID, for callers that need goose's full API (down,
-// redo, ...). db's connections decide the schema through their search_path.
-func NewProvider(db *sql.DB, lockID int64) (*goose.Provider, error) {
-	return goose.NewProvider(goose.DialectPostgres, db, FS,
+// NewProvider returns a goose Provider for pgfence's migrations in schema
+// ("" = the pool's search_path), for callers that need goose's full API
+// (down, redo, status by version). It is what Up uses: pgfence's version
+// table, no global registry, and the same advisory lock as Up (derived from
+// the schema), so it excludes concurrent Up calls on that schema. It opens
+// a private database/sql handle with the pool's settings and search_path
+// set to schema (goose speaks only database/sql); the schema must exist.
+// Close the provider when done.
+func NewProvider(pool *pgxpool.Pool, schema string) (*goose.Provider, error) {
+	if pool == nil {
+		return nil, ErrNilPool
+	}
+	if err := ident.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("migrations: %w", err)
+	}
+	cfg := pool.Config().ConnConfig.Copy()
+	if schema != "" {
+		cfg.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
+	}
+	db := stdlib.OpenDB(*cfg)
+	db.SetMaxOpenConns(2)
+	p, err := goose.NewProvider(goose.DialectPostgres, db, FS,
 		goose.WithTableName(VersionTable),
 		goose.WithDisableGlobalRegistry(true),
-		goose.WithSessionLocker(sessionLocker(lockID)),
+		goose.WithSessionLocker(sessionLocker(lockID(schema))),
 	)
+	if err != nil {
+		_ = db.Close()
+		return nil, fmt.Errorf("migrations: %w", err)
+	}
+	return p, nil
 }
 
 // sessionLocker holds a session-level advisory lock while goose migrates.
@@ -333,25 +363,6 @@ func (id sessionLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
 func (id sessionLocker) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
 	_, err := conn.ExecContext(ctx, `SELECT pg_advisory_unlock($1)`, int64(id))
 	return err
-}
-
-// provider opens a private database/sql handle whose connections have the
-// pool's settings and search_path set to schema, so goose (which only speaks
-// database/sql) creates everything there without touching the pool's own
-// connections.
-func provider(pool *pgxpool.Pool, schema string) (*goose.Provider, func(), error) {
-	cfg := pool.Config().ConnConfig.Copy()
-	if schema != "" {
-		cfg.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
-	}
-	db := stdlib.OpenDB(*cfg)
-	db.SetMaxOpenConns(2)
-	p, err := NewProvider(db, lockID(schema))
-	if err != nil {
-		_ = db.Close()
-		return nil, nil, fmt.Errorf("migrations: %w", err)
-	}
-	return p, func() { _ = p.Close() }, nil
 }
 
 // lockID derives the advisory lock goose holds while migrating from the schema,

@@ -14,7 +14,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -145,22 +144,19 @@ func TestStatusAndVerifyOnlyRead(t *testing.T) {
 		t.Fatalf("looking at schema %q created %d tables (%v)", typo, tables, err)
 	}
 
-	// An old version: migrate to 3 by hand.
-	cfg := pool.Config().ConnConfig.Copy()
-	cfg.RuntimeParams["search_path"] = pgx.Identifier{typo}.Sanitize()
-	db := stdlib.OpenDB(*cfg)
-	t.Cleanup(func() { _ = db.Close() })
-	p, err := migrations.NewProvider(db, 4242421)
+	// An old version: migrate to 2 by hand.
+	p, err := migrations.NewProvider(pool, typo)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.UpTo(ctx, 3); err != nil {
+	defer p.Close()
+	if _, err := p.UpTo(ctx, 2); err != nil {
 		t.Fatal(err)
 	}
 	err = migrations.Verify(ctx, pool, typo)
-	if !errors.As(err, &nm) || nm.Found != 3 || nm.Required != migrations.Latest ||
-		!strings.Contains(err.Error(), fmt.Sprintf("version 3, this pgfence needs %d", migrations.Latest)) {
-		t.Fatalf("Verify of version 3: %v", err)
+	if !errors.As(err, &nm) || nm.Found != 2 || nm.Required != migrations.Latest ||
+		!strings.Contains(err.Error(), fmt.Sprintf("version 2, this pgfence needs %d", migrations.Latest)) {
+		t.Fatalf("Verify of version 2: %v", err)
 	}
 	if _, err := migrations.Up(ctx, pool, typo); err != nil {
 		t.Fatal(err)
@@ -247,74 +243,52 @@ func TestUpStatusAndQuoting(t *testing.T) {
 	}
 }
 
-// Upgrading a schema that already issued tokens (version 3, tokens raised by
-// the library as token + 1) to the token sequence (version 4) keeps tokens
-// rising for existing and new leases; going back down restores the old
-// guards, and up again still starts above every token issued.
-func TestTokenSequenceUpgrade(t *testing.T) {
+// Issue 12.1: undoing the leases migration does not silently destroy the
+// token history: its Down refuses (PF011) unless the migrating session opts
+// in with pgfence.allow_token_reset = 'on'.
+func TestDownKeepsTheTokenHistory(t *testing.T) {
 	ctx := pgtest.Context(t, time.Minute)
-	pool := pgtest.NewPool(t, "migrations-upgrade")
-	schema := pgtest.Schema(t, "upgrade")
-	q := pgx.Identifier{schema}.Sanitize()
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+q); err != nil {
+	pool := pgtest.NewPool(t, "migrations-down")
+	schema := pgtest.Schema(t, "down")
+	if _, err := migrations.Up(ctx, pool, schema); err != nil {
 		t.Fatal(err)
 	}
-	cfg := pool.Config().ConnConfig.Copy()
-	cfg.RuntimeParams["search_path"] = q
-	db := stdlib.OpenDB(*cfg)
-	t.Cleanup(func() { _ = db.Close() })
-	p, err := migrations.NewProvider(db, 424242)
+	c, err := lock.New(pool, lock.Config{Schema: schema, Logger: pgtest.Quiet})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.UpTo(ctx, 3); err != nil {
+	l, err := c.TryAcquire(ctx, "history")
+	if err != nil {
 		t.Fatal(err)
 	}
-	tbl := ident.Table(schema, "pgfence_leases")
-	if _, err := pool.Exec(ctx, "INSERT INTO "+tbl+` (name, token, acquired_at, renewed_at, expires_at)
-		VALUES ('old', 41, now(), now(), now()), ('older', 40, now(), now(), now())`); err != nil {
+	_ = c.Close(ctx)
+	p, err := migrations.NewProvider(pool, schema)
+	if err != nil {
 		t.Fatal(err)
 	}
-	acquire := func(name string) int64 {
-		t.Helper()
-		c, err := lock.New(pool, lock.Config{Schema: schema, Logger: pgtest.Quiet})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close(ctx)
-		l, err := c.TryAcquire(ctx, name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer l.Release(ctx)
-		return int64(l.Token())
-	}
-	if _, err := p.Up(ctx); err != nil {
-		t.Fatal(err)
-	}
-	last := int64(41)
-	for _, name := range []string{"older", "new", "old"} {
-		tok := acquire(name)
-		if tok <= last {
-			t.Fatalf("%s after upgrade: token %d, want above %d", name, tok, last)
-		}
-		last = tok
-	}
-	if _, err := p.DownTo(ctx, 3); err != nil {
-		t.Fatal(err)
-	}
+	defer p.Close()
+	_, err = p.DownTo(ctx, 0)
 	var pg *pgconn.PgError
-	if _, err := pool.Exec(ctx, "UPDATE "+tbl+" SET token = token - 1"); !errors.As(err, &pg) || pg.Code != "PF010" {
-		t.Fatalf("after down to 3, token decrease: %v, want PF010", err)
+	if !errors.As(err, &pg) || pg.Code != "PF011" {
+		t.Fatalf("Down to 0: %v, want PF011", err)
 	}
-	// Version 3's library raised tokens by one; do it by hand, as it would.
-	if _, err := pool.Exec(ctx, "UPDATE "+tbl+" SET token = token + 100 WHERE name = 'old'"); err != nil {
+	var tok int64
+	if err := pool.QueryRow(ctx, "SELECT token FROM "+ident.Table(schema, "pgfence_leases")+" WHERE name = 'history'").Scan(&tok); err != nil || tok != int64(l.Token()) {
+		t.Fatalf("after a refused Down the token history is %d, %v; want %d", tok, err, l.Token())
+	}
+	optIn := pgtest.NewPool(t, "migrations-down-optin", func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["pgfence.allow_token_reset"] = "on"
+	})
+	p2, err := migrations.NewProvider(optIn, schema)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.Up(ctx); err != nil {
-		t.Fatal(err)
+	defer p2.Close()
+	if _, err := p2.DownTo(ctx, 0); err != nil {
+		t.Fatalf("Down to 0 with the opt-in: %v", err)
 	}
-	if tok := acquire("new"); tok <= last+100 {
-		t.Fatalf("after down and up: token %d, want above %d", tok, last+100)
+	var gone bool
+	if err := pool.QueryRow(ctx, "SELECT to_regclass($1) IS NULL", ident.Table(schema, "pgfence_leases")).Scan(&gone); err != nil || !gone {
+		t.Fatalf("with the opt-in the leases table is still there (%v)", err)
 	}
 }

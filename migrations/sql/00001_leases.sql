@@ -1,95 +1,87 @@
--- pgfence leases: one row per lease name. The token column is both the lock
--- version and the fencing token. Rows are never deleted and the token never
--- decreases; the triggers below make the schema refuse both.
--- The table is deliberately not UNLOGGED: after a crash an unlogged table is
--- truncated and tokens would start again from 1.
+-- Leases: one row per lease name; token is both the lock's version and the
+-- fencing token. Why it looks like this (measurements: BENCHMARKS.md):
+--   * token is an identity column: an acquisition sets token = DEFAULT (a
+--     fresh nextval) and nothing else can set it, so tokens only rise, for
+--     every lease of the table alike, and a decrease is refused by the schema
+--     (SQLSTATE 428C9). CACHE 1, or values would come out of order across
+--     sessions.
+--   * No index on token and no row trigger on UPDATE, so acquisitions are
+--     HOT updates; fillfactor 10 leaves them room on the page. The fence
+--     still makes a takeover wait for open guarded transactions
+--     (pgfence_check holds FOR KEY SHARE): the library's acquisition locks the
+--     row FOR UPDATE first. A token raised by hand must do the same.
+--   * Rows are never deleted (tokens would restart) and the table is logged
+--     (an UNLOGGED table is emptied by a crash). CHECKs are done by an insert
+--     trigger: PostgreSQL re-prepares a table's CHECKs on every UPDATE.
+--   * waiters_until: set by blocked acquirers, so that a release sends NOTIFY
+--     only when someone waits (pgfence_wake_waiters).
 
 -- +goose Up
 CREATE TABLE pgfence_leases (
-    name        text        PRIMARY KEY CHECK (octet_length(name) BETWEEN 1 AND 255),
-    token       bigint      NOT NULL CHECK (token >= 1),
-    holder      text,
-    secret      bytea,
-    acquired_at timestamptz NOT NULL,
-    renewed_at  timestamptz NOT NULL,
-    expires_at  timestamptz NOT NULL,
-    -- Set by blocked acquirers (and refreshed while they wait) so that a
-    -- release sends NOTIFY only when someone is waiting: a committing NOTIFY
-    -- takes a database-wide lock that would serialise every release.
-    waiters_until timestamptz,
-    -- Makes token a key column: a takeover (which changes token) then needs
-    -- the FOR UPDATE row lock and waits for a guarded transaction's
-    -- FOR KEY SHARE lock, while a renewal (only expires_at changes) does not.
-    CONSTRAINT pgfence_leases_name_token_key UNIQUE (name, token),
-    CONSTRAINT pgfence_leases_held_has_secret CHECK ((holder IS NULL) = (secret IS NULL))
-);
+    name          text        PRIMARY KEY,
+    token         bigint      GENERATED ALWAYS AS IDENTITY (CACHE 1),
+    holder        text,
+    secret        bytea,
+    acquired_at   timestamptz NOT NULL,
+    renewed_at    timestamptz NOT NULL,
+    expires_at    timestamptz NOT NULL,
+    waiters_until timestamptz
+) WITH (fillfactor = 10);
 
 -- +goose StatementBegin
 CREATE FUNCTION pgfence_leases_protect() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    IF TG_OP = 'DELETE' OR TG_OP = 'TRUNCATE' THEN
-        RAISE EXCEPTION 'pgfence: lease rows are never deleted (tokens must not restart)'
+    RAISE EXCEPTION 'pgfence: lease rows are never deleted (tokens must not restart)'
+        USING ERRCODE = 'PF010';
+END
+$$;
+-- +goose StatementEnd
+
+CREATE TRIGGER pgfence_leases_protect_delete BEFORE DELETE ON pgfence_leases
+    FOR EACH ROW EXECUTE FUNCTION pgfence_leases_protect();
+CREATE TRIGGER pgfence_leases_protect_truncate BEFORE TRUNCATE ON pgfence_leases
+    FOR EACH STATEMENT EXECUTE FUNCTION pgfence_leases_protect();
+
+-- A name's first acquisition inserts its row. An INSERT can override the
+-- token (OVERRIDING SYSTEM VALUE): refuse one the sequence has not issued,
+-- since later acquisitions of the name would go below it.
+-- +goose StatementBegin
+CREATE FUNCTION pgfence_leases_check_insert() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    issued bigint := pg_sequence_last_value(
+        pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
+BEGIN
+    IF NEW.token < 1 OR NEW.token > coalesce(issued, 0) THEN
+        RAISE EXCEPTION 'pgfence: token % of lease % was not issued by the token sequence (last issued %)',
+            NEW.token, NEW.name, issued
             USING ERRCODE = 'PF010';
     END IF;
-    IF NEW.name IS DISTINCT FROM OLD.name THEN
-        RAISE EXCEPTION 'pgfence: a lease cannot be renamed'
-            USING ERRCODE = 'PF010';
+    IF octet_length(NEW.name) NOT BETWEEN 1 AND 255 THEN
+        RAISE EXCEPTION 'pgfence: a lease name must be 1 to 255 bytes long'
+            USING ERRCODE = '23514';
     END IF;
-    IF NEW.token < OLD.token THEN
-        RAISE EXCEPTION 'pgfence: token of lease % cannot decrease from % to %', OLD.name, OLD.token, NEW.token
-            USING ERRCODE = 'PF010';
-    END IF;
-    IF TG_OP = 'DELETE' THEN
-        RETURN OLD;
+    IF (NEW.holder IS NULL) <> (NEW.secret IS NULL) THEN
+        RAISE EXCEPTION 'pgfence: a held lease has a secret and a free one has none'
+            USING ERRCODE = '23514';
     END IF;
     RETURN NEW;
 END
 $$;
 -- +goose StatementEnd
 
--- The WHEN clause is evaluated without calling the function, so the
--- function (and its cost) runs only for an update that is about to be refused.
-CREATE TRIGGER pgfence_leases_protect_update BEFORE UPDATE ON pgfence_leases
-    FOR EACH ROW WHEN (NEW.token < OLD.token OR NEW.name IS DISTINCT FROM OLD.name)
-    EXECUTE FUNCTION pgfence_leases_protect();
-CREATE TRIGGER pgfence_leases_protect_delete BEFORE DELETE ON pgfence_leases
-    FOR EACH ROW EXECUTE FUNCTION pgfence_leases_protect();
-CREATE TRIGGER pgfence_leases_protect_truncate BEFORE TRUNCATE ON pgfence_leases
-    FOR EACH STATEMENT EXECUTE FUNCTION pgfence_leases_protect();
+CREATE TRIGGER pgfence_leases_check_insert BEFORE INSERT ON pgfence_leases
+    FOR EACH ROW EXECUTE FUNCTION pgfence_leases_check_insert();
 
--- Wakes blocked acquirers the moment a lease is freed (by the library or by an
--- operator), if any are waiting. The payload names the schema so clients of other schemas that
--- share the database can ignore it.
--- +goose StatementBegin
-CREATE FUNCTION pgfence_leases_notify() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify('pgfence_released',
-        json_build_object('schema', TG_TABLE_SCHEMA, 'name', NEW.name)::text);
-    RETURN NULL;
-END
-$$;
--- +goose StatementEnd
-
-CREATE TRIGGER pgfence_leases_released AFTER UPDATE ON pgfence_leases
-    FOR EACH ROW WHEN (OLD.holder IS NOT NULL AND NEW.holder IS NULL AND OLD.waiters_until > now())
-    EXECUTE FUNCTION pgfence_leases_notify();
-
--- pgfence_check is the fence: called inside the protected transaction, it
--- takes a FOR KEY SHARE lock on the lease row (so a takeover, which changes the
--- key column token, waits until the transaction ends) and raises unless the
--- presented token is the newest one issued. Raising (rather than returning a
--- boolean) lets the check be pipelined with the caller's own statements: the
--- server skips everything after the failed check, and the transaction can no
--- longer commit.
---   PF001 stale token (a greater one was issued); DETAIL is the current token
---   PF002 no such lease
---   PF003 token was never issued for this lease
--- The function names its table with the schema it is created in, so it works
--- whatever the caller's search_path is. The name is baked in (rather than a
--- SET search_path clause, which costs a configuration save and restore on
--- every call: about 6-14% of a one-insert guarded transaction, measured).
+-- pgfence_check(name, token) is the fence, called inside the protected
+-- transaction: it locks the lease row FOR KEY SHARE until the transaction
+-- ends (a takeover waits for it) and raises unless token is the newest one
+-- issued: PF001 stale (DETAIL: the current token), PF002 no such lease,
+-- PF003 never issued. Raising lets the check be pipelined with the caller's
+-- statements: the server skips the rest, and the transaction cannot commit.
+-- The schema is baked into the body (a SET search_path clause costs a
+-- configuration save and restore per call).
 -- +goose StatementBegin
 DO $do$
 BEGIN
@@ -121,8 +113,41 @@ END
 $do$;
 -- +goose StatementEnd
 
+-- pgfence_wake_waiters(name) sends the release notification blocked
+-- acquirers (and runners watching their members) listen for; the payload
+-- names the schema, baked in, so listeners of other schemas ignore it.
+-- +goose StatementBegin
+DO $do$
+BEGIN
+EXECUTE format($fn$
+CREATE FUNCTION %1$I.pgfence_wake_waiters(p_name text) RETURNS boolean
+LANGUAGE sql
+AS $body$
+    SELECT pg_notify('pgfence_released', json_build_object('schema', %2$L::text, 'name', p_name)::text) IS NOT NULL
+$body$
+$fn$, current_schema(), current_schema());
+END
+$do$;
+-- +goose StatementEnd
+
 -- +goose Down
+-- Dropping the leases table destroys the token history: tokens would start
+-- again from 1 and every resource fence would refuse the new leaders (or,
+-- worse, a fence outside this database would accept a reissued token).
+-- Refused unless the session opts in: SET pgfence.allow_token_reset = 'on'.
+-- +goose StatementBegin
+DO $do$
+BEGIN
+    IF coalesce(current_setting('pgfence.allow_token_reset', true), '') <> 'on' THEN
+        RAISE EXCEPTION 'pgfence: refusing to drop pgfence_leases: it holds the token history'
+            USING ERRCODE = 'PF011',
+                  HINT = 'Tokens would restart at 1. To drop it anyway, SET pgfence.allow_token_reset = ''on'' in the migrating session.';
+    END IF;
+END
+$do$;
+-- +goose StatementEnd
+DROP FUNCTION pgfence_wake_waiters(text);
 DROP FUNCTION pgfence_check(text, bigint);
 DROP TABLE pgfence_leases;
-DROP FUNCTION pgfence_leases_notify();
+DROP FUNCTION pgfence_leases_check_insert();
 DROP FUNCTION pgfence_leases_protect();

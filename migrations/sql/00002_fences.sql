@@ -1,7 +1,7 @@
--- Resource fences: a per-resource high-water mark kept with the protected data.
--- Run these migrations in the database (and schema) that holds the data; the
--- fence admits a token only if it is >= the highest admitted so far, inside the
--- transaction that writes the data.
+-- Resource fences: a per-resource high-water mark of admitted tokens, kept
+-- with the protected data (run these migrations in that database and
+-- schema). pgfence_admit, inside the transaction that writes the data,
+-- admits a token only if it is >= the highest admitted so far.
 
 -- +goose Up
 CREATE TABLE pgfence_fences (
@@ -30,6 +30,8 @@ END
 $$;
 -- +goose StatementEnd
 
+-- A mark never moves backwards and a fence row is never deleted. (The WHEN
+-- clause is evaluated without calling the function.)
 CREATE TRIGGER pgfence_fences_protect_update BEFORE UPDATE ON pgfence_fences
     FOR EACH ROW WHEN (NEW.token < OLD.token OR NEW.resource IS DISTINCT FROM OLD.resource)
     EXECUTE FUNCTION pgfence_fences_protect();
@@ -38,13 +40,11 @@ CREATE TRIGGER pgfence_fences_protect_delete BEFORE DELETE ON pgfence_fences
 CREATE TRIGGER pgfence_fences_protect_truncate BEFORE TRUNCATE ON pgfence_fences
     FOR EACH STATEMENT EXECUTE FUNCTION pgfence_fences_protect();
 
--- pgfence_admit is the resource fence: inside the transaction that writes the
--- protected data it raises the resource's high-water mark to p_token, or raises
--- PF001 (DETAIL: the current mark) when a greater token has been admitted. The
--- upsert holds the fence row's lock until the transaction ends, so a concurrent
--- writer with another token waits and then sees this one's outcome. Raising
--- aborts the whole transaction: a refused write cannot be committed by mistake.
--- The schema is baked into the body, as for pgfence_check.
+-- pgfence_admit(resource, token) locks the fence row until the transaction
+-- ends (concurrent admissions of the resource queue on it), raises PF001
+-- (DETAIL: the current mark) for a token below the mark, and writes the row
+-- only when the mark rises, which is once per leadership term. Raising aborts
+-- the whole transaction. The schema is baked in, as for pgfence_check.
 -- +goose StatementBegin
 DO $do$
 BEGIN
@@ -55,18 +55,25 @@ AS $body$
 DECLARE
     cur bigint;
 BEGIN
-    INSERT INTO %1$I.pgfence_fences AS f (resource, token, updated_at)
-    VALUES (p_resource, p_token, now())
-    ON CONFLICT (resource) DO UPDATE
-        SET token = EXCLUDED.token, updated_at = EXCLUDED.updated_at
-        WHERE f.token <= EXCLUDED.token
-    RETURNING f.token INTO cur;
+    SELECT f.token INTO cur FROM %1$I.pgfence_fences f WHERE f.resource = p_resource FOR NO KEY UPDATE;
     IF NOT FOUND THEN
-        SELECT f.token INTO cur FROM %1$I.pgfence_fences f WHERE f.resource = p_resource;
+        INSERT INTO %1$I.pgfence_fences (resource, token, updated_at)
+        VALUES (p_resource, p_token, now())
+        ON CONFLICT (resource) DO NOTHING;
+        IF FOUND THEN
+            RETURN p_token;
+        END IF;
+        -- A concurrent first admission inserted it: queue behind it.
+        SELECT f.token INTO cur FROM %1$I.pgfence_fences f WHERE f.resource = p_resource FOR NO KEY UPDATE;
+    END IF;
+    IF p_token < cur THEN
         RAISE EXCEPTION 'pgfence: stale token %% for resource %% (highest admitted %%)', p_token, p_resource, cur
             USING ERRCODE = 'PF001', DETAIL = cur::text;
     END IF;
-    RETURN cur;
+    IF p_token > cur THEN
+        UPDATE %1$I.pgfence_fences f SET token = p_token, updated_at = now() WHERE f.resource = p_resource;
+    END IF;
+    RETURN p_token;
 END
 $body$
 $fn$, current_schema());

@@ -1,10 +1,11 @@
--- pgfence runner: the run ledger and the live runner instances.
+-- The runner's run ledger and its live instances.
 
 -- +goose Up
--- One row per (job, shard, slot). The token is the fencing token of the
--- attempt that last claimed the slot; success is recorded in a transaction
--- guarded by that token and conditioned on it, so a zombie's late success is
--- refused. Unsharded jobs use shard 0.
+-- One row per (job, shard, slot): the attempt that last claimed the slot,
+-- with its lease token. Success is recorded in a transaction fenced by that
+-- token and conditioned on it, so a zombie's late success is refused; a
+-- succeeded row never changes again (trigger below). Unsharded jobs use
+-- shard 0.
 CREATE TABLE pgfence_runs (
     job         text        NOT NULL,
     shard       integer     NOT NULL CHECK (shard >= 0),
@@ -30,19 +31,21 @@ END
 $$;
 -- +goose StatementEnd
 
--- Success is final: no later attempt, zombie or operator through the library
--- can turn it back into something else.
 CREATE TRIGGER pgfence_runs_protect BEFORE UPDATE ON pgfence_runs
     FOR EACH ROW WHEN (OLD.status = 'succeeded' AND NEW IS DISTINCT FROM OLD)
     EXECUTE FUNCTION pgfence_runs_protect();
 
--- Live runner instances, for spreading the shards of sharded jobs.
+-- Live runner instances, each with the sharded jobs it registered: a job's
+-- shards are spread over the instances that list it. Rows of instances dead
+-- for an hour are deleted by the living, through the expiry index.
 CREATE TABLE pgfence_instances (
     id           text        PRIMARY KEY CHECK (octet_length(id) BETWEEN 1 AND 255),
     started_at   timestamptz NOT NULL,
     heartbeat_at timestamptz NOT NULL,
-    expires_at   timestamptz NOT NULL
+    expires_at   timestamptz NOT NULL,
+    jobs         text[]      NOT NULL DEFAULT '{}'
 );
+CREATE INDEX pgfence_instances_expires ON pgfence_instances (expires_at);
 
 -- +goose Down
 DROP TABLE pgfence_instances;
