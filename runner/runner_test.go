@@ -605,3 +605,41 @@ func (v *logView) WithAttrs(as []slog.Attr) slog.Handler {
 	return &logView{v.l, append(append([]slog.Attr(nil), v.attrs...), as...)}
 }
 func (v *logView) WithGroup(string) slog.Handler { return v }
+
+// Issue 10.6: a run's statements end with its lease, whatever context the
+// job passes them. A job ignores its context and sleeps in CommitTx; when
+// the runner stops (ShutdownTimeout 300ms), it releases the lease, and the
+// statement is cancelled at the server at once (on main it ran its 30 s,
+// holding the lease row's lock and delaying the next holder).
+func TestRunStatementsEndWithTheLease(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	app := pgtest.UniqueName("sleeper")
+	pool := pgtest.NewPool(t, app)
+	started := make(chan struct{}, 1)
+	job := runner.Job{Name: "sleeper", Schedule: "@every 100ms", Run: func(_ context.Context, run *runner.Run) error {
+		return run.CommitTx(context.Background(), func(tx pgx.Tx) error {
+			select {
+			case started <- struct{}{}:
+			default:
+			}
+			_, err := tx.Exec(context.Background(), "SELECT pg_sleep(30)")
+			return err
+		})
+	}}
+	in := start(t, pool, runner.Config{Lock: lock.Config{Schema: db.Schema}, ShutdownTimeout: 300 * time.Millisecond},
+		func(r *runner.Runner) error { return r.Register(job) })
+	select {
+	case <-started:
+	case <-ctx.Done():
+		t.Fatal("the job never ran")
+	}
+	time.Sleep(200 * time.Millisecond)
+	stopped := time.Now()
+	in.stop(t)
+	waitFor(t, 5*time.Second, "the sleeping statement to end at the server", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE '%pg_sleep%' AND state = 'active'", app) == 0
+	})
+	t.Logf("statement ended %v after the runner was stopped", time.Since(stopped))
+}
