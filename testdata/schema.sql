@@ -76,15 +76,19 @@ END
 $$;
 
 CREATE FUNCTION pgfence.pgfence_leases_check_insert() RETURNS trigger
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 DECLARE
-    issued bigint := pg_sequence_last_value(
-        pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
+    fresh bigint;
 BEGIN
-    IF NEW.token < 1 OR NEW.token > coalesce(issued, 0) THEN
-        RAISE EXCEPTION 'pgfence: token % of lease % was not issued by the token sequence (last issued %)',
-            NEW.token, NEW.name, issued
+    BEGIN
+        fresh := currval(pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
+    EXCEPTION WHEN object_not_in_prerequisite_state THEN
+        fresh := NULL; -- the sequence issued nothing in this session
+    END;
+    IF NEW.token IS DISTINCT FROM fresh THEN
+        RAISE EXCEPTION 'pgfence: token % of lease % was not just issued by the token sequence', NEW.token, NEW.name
             USING ERRCODE = 'PF010';
     END IF;
     IF octet_length(NEW.name) NOT BETWEEN 1 AND 255 THEN
@@ -116,6 +120,26 @@ BEGIN
         USING ERRCODE = 'PF010';
 END
 $$;
+
+CREATE FUNCTION pgfence.pgfence_runs_protect_delete() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $_$
+DECLARE
+    latest timestamptz;
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        RAISE EXCEPTION 'pgfence: the run ledger is never truncated (finished slots would run again)'
+            USING ERRCODE = 'PF010';
+    END IF;
+    EXECUTE format('SELECT max(slot) FROM %I.%I WHERE job = $1 AND shard = $2', TG_TABLE_SCHEMA, TG_TABLE_NAME)
+        INTO latest USING OLD.job, OLD.shard;
+    IF OLD.slot >= latest THEN
+        RAISE EXCEPTION 'pgfence: the latest run of job %, shard % cannot be deleted (its slot would run again)', OLD.job, OLD.shard
+            USING ERRCODE = 'PF010';
+    END IF;
+    RETURN OLD;
+END
+$_$;
 
 CREATE FUNCTION pgfence.pgfence_wake_waiters(p_name text) RETURNS boolean
     LANGUAGE sql
@@ -226,3 +250,7 @@ CREATE TRIGGER pgfence_leases_protect_delete BEFORE DELETE ON pgfence.pgfence_le
 CREATE TRIGGER pgfence_leases_protect_truncate BEFORE TRUNCATE ON pgfence.pgfence_leases FOR EACH STATEMENT EXECUTE FUNCTION pgfence.pgfence_leases_protect();
 
 CREATE TRIGGER pgfence_runs_protect BEFORE UPDATE ON pgfence.pgfence_runs FOR EACH ROW WHEN (((old.status = 'succeeded'::text) AND (new.* IS DISTINCT FROM old.*))) EXECUTE FUNCTION pgfence.pgfence_runs_protect();
+
+CREATE TRIGGER pgfence_runs_protect_delete BEFORE DELETE ON pgfence.pgfence_runs FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_runs_protect_delete();
+
+CREATE TRIGGER pgfence_runs_protect_truncate BEFORE TRUNCATE ON pgfence.pgfence_runs FOR EACH STATEMENT EXECUTE FUNCTION pgfence.pgfence_runs_protect_delete();

@@ -43,19 +43,26 @@ CREATE TRIGGER pgfence_leases_protect_delete BEFORE DELETE ON pgfence_leases
 CREATE TRIGGER pgfence_leases_protect_truncate BEFORE TRUNCATE ON pgfence_leases
     FOR EACH STATEMENT EXECUTE FUNCTION pgfence_leases_protect();
 
--- A name's first acquisition inserts its row. An INSERT can override the
--- token (OVERRIDING SYSTEM VALUE): refuse one the sequence has not issued,
--- since later acquisitions of the name would go below it.
+-- A name's first acquisition inserts its row, with token = DEFAULT (a fresh
+-- nextval). An INSERT can override the token (OVERRIDING SYSTEM VALUE):
+-- refuse any token other than the one the sequence just issued to this
+-- session, so no INSERT can reuse a token already issued (later
+-- acquisitions would go below it, or two holders would share it). SECURITY
+-- DEFINER: currval needs a privilege on the sequence that the application
+-- role need not have; it runs only on a name's first acquisition.
 -- +goose StatementBegin
 CREATE FUNCTION pgfence_leases_check_insert() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
-    issued bigint := pg_sequence_last_value(
-        pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
+    fresh bigint;
 BEGIN
-    IF NEW.token < 1 OR NEW.token > coalesce(issued, 0) THEN
-        RAISE EXCEPTION 'pgfence: token % of lease % was not issued by the token sequence (last issued %)',
-            NEW.token, NEW.name, issued
+    BEGIN
+        fresh := currval(pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
+    EXCEPTION WHEN object_not_in_prerequisite_state THEN
+        fresh := NULL; -- the sequence issued nothing in this session
+    END;
+    IF NEW.token IS DISTINCT FROM fresh THEN
+        RAISE EXCEPTION 'pgfence: token % of lease % was not just issued by the token sequence', NEW.token, NEW.name
             USING ERRCODE = 'PF010';
     END IF;
     IF octet_length(NEW.name) NOT BETWEEN 1 AND 255 THEN
@@ -129,6 +136,9 @@ $fn$, current_schema(), current_schema());
 END
 $do$;
 -- +goose StatementEnd
+
+-- Only the roles granted them (migrations.GrantApp) run pgfence's functions.
+REVOKE EXECUTE ON FUNCTION pgfence_check(text, bigint), pgfence_wake_waiters(text) FROM PUBLIC;
 
 -- +goose Down
 -- Dropping the leases table destroys the token history: tokens would start

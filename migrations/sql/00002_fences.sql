@@ -81,6 +81,8 @@ END
 $do$;
 -- +goose StatementEnd
 
+REVOKE EXECUTE ON FUNCTION pgfence_admit(text, bigint) FROM PUBLIC;
+
 -- +goose Down
 DROP FUNCTION pgfence_admit(text, bigint);
 DROP TABLE pgfence_fences;

@@ -35,6 +35,35 @@ CREATE TRIGGER pgfence_runs_protect BEFORE UPDATE ON pgfence_runs
     FOR EACH ROW WHEN (OLD.status = 'succeeded' AND NEW IS DISTINCT FROM OLD)
     EXECUTE FUNCTION pgfence_runs_protect();
 
+-- A new leader resumes from the latest slot of its job and shard: deleting
+-- that row (or truncating the ledger) would make finished slots run again.
+-- Older rows may go (runner.Prune deletes them).
+-- +goose StatementBegin
+CREATE FUNCTION pgfence_runs_protect_delete() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    latest timestamptz;
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        RAISE EXCEPTION 'pgfence: the run ledger is never truncated (finished slots would run again)'
+            USING ERRCODE = 'PF010';
+    END IF;
+    EXECUTE format('SELECT max(slot) FROM %I.%I WHERE job = $1 AND shard = $2', TG_TABLE_SCHEMA, TG_TABLE_NAME)
+        INTO latest USING OLD.job, OLD.shard;
+    IF OLD.slot >= latest THEN
+        RAISE EXCEPTION 'pgfence: the latest run of job %, shard % cannot be deleted (its slot would run again)', OLD.job, OLD.shard
+            USING ERRCODE = 'PF010';
+    END IF;
+    RETURN OLD;
+END
+$$;
+-- +goose StatementEnd
+
+CREATE TRIGGER pgfence_runs_protect_delete BEFORE DELETE ON pgfence_runs
+    FOR EACH ROW EXECUTE FUNCTION pgfence_runs_protect_delete();
+CREATE TRIGGER pgfence_runs_protect_truncate BEFORE TRUNCATE ON pgfence_runs
+    FOR EACH STATEMENT EXECUTE FUNCTION pgfence_runs_protect_delete();
+
 -- Live runner instances, each with the sharded jobs it registered: a job's
 -- shards are spread over the instances that list it. Rows of instances dead
 -- for an hour are deleted by the living, through the expiry index.
@@ -50,4 +79,5 @@ CREATE INDEX pgfence_instances_expires ON pgfence_instances (expires_at);
 -- +goose Down
 DROP TABLE pgfence_instances;
 DROP TABLE pgfence_runs;
+DROP FUNCTION pgfence_runs_protect_delete();
 DROP FUNCTION pgfence_runs_protect();

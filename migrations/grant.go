@@ -1,0 +1,112 @@
+package migrations
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/internal/ident"
+)
+
+// Execer runs a statement: a pool, a connection and a transaction all
+// satisfy it.
+type Execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// AppGrants returns the statements that give role exactly what an
+// application needs to use pgfence in schema (after Up): acquire, renew,
+// release and force-release leases, guard transactions, admit resource
+// fences, run jobs and read and prune the ledger, and call Up and Verify when
+// the schema is current. Nothing else: no DELETE or TRUNCATE of leases or
+// fences, no DDL. See README's "Roles and what they may do".
+func AppGrants(schema, role string) ([]string, error) {
+	s, r, err := quoted(schema, role)
+	if err != nil {
+		return nil, err
+	}
+	t := func(name string) string { return ident.Table(schema, name) }
+	return []string{
+		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
+		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
+		"GRANT SELECT ON " + t(VersionTable) + " TO " + r,
+		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
+			t("pgfence_wake_waiters") + "(text) TO " + r,
+	}, nil
+}
+
+// OperatorGrants returns the statements that give role what the operator
+// CLI needs in schema: list leases and runs, force-release a lease, prune
+// the ledger, and see the migration status. (`pgfence run` acquires leases
+// like an application: give its role AppGrants too.)
+func OperatorGrants(schema, role string) ([]string, error) {
+	s, r, err := quoted(schema, role)
+	if err != nil {
+		return nil, err
+	}
+	t := func(name string) string { return ident.Table(schema, name) }
+	return []string{
+		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
+		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
+			t("pgfence_instances") + ", " + t(VersionTable) + " TO " + r,
+		"GRANT UPDATE ON " + t("pgfence_leases") + " TO " + r,
+		"GRANT DELETE ON " + t("pgfence_runs") + " TO " + r,
+		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text) TO " + r,
+	}, nil
+}
+
+// GrantApp runs AppGrants on db, in one transaction when db can begin one.
+func GrantApp(ctx context.Context, db Execer, schema, role string) error {
+	return grant(ctx, db, AppGrants, schema, role)
+}
+
+// GrantOperator runs OperatorGrants on db.
+func GrantOperator(ctx context.Context, db Execer, schema, role string) error {
+	return grant(ctx, db, OperatorGrants, schema, role)
+}
+
+func grant(ctx context.Context, db Execer, stmts func(string, string) ([]string, error), schema, role string) error {
+	list, err := stmts(schema, role)
+	if err != nil {
+		return err
+	}
+	run := func(e Execer) error {
+		for _, st := range list {
+			if _, err := e.Exec(ctx, st); err != nil {
+				return fmt.Errorf("migrations: grant to %q: %w", role, err)
+			}
+		}
+		return nil
+	}
+	if b, ok := db.(interface {
+		Begin(context.Context) (pgx.Tx, error)
+	}); ok {
+		tx, err := b.Begin(ctx)
+		if err != nil {
+			return fmt.Errorf("migrations: grant to %q: %w", role, err)
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+		if err := run(tx); err != nil {
+			return err
+		}
+		return tx.Commit(ctx)
+	}
+	return run(db)
+}
+
+// quoted validates and quotes the schema and role names.
+func quoted(schema, role string) (string, string, error) {
+	if schema == "" {
+		return "", "", fmt.Errorf("migrations: grants need the schema's name")
+	}
+	if err := ident.ValidateSchema(schema); err != nil {
+		return "", "", fmt.Errorf("migrations: %w", err)
+	}
+	if err := ident.ValidateSchema(role); err != nil || role == "" {
+		return "", "", fmt.Errorf("migrations: invalid role name %q", role)
+	}
+	return pgx.Identifier{schema}.Sanitize(), pgx.Identifier{role}.Sanitize(), nil
+}

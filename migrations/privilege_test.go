@@ -1,0 +1,159 @@
+package migrations_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
+	"github.com/pgfence/pgfence/runner"
+)
+
+// Issue 12.3: an application role with exactly the documented grants
+// (migrations.GrantApp) can do everything pgfence does, and the schema
+// refuses what it promises to refuse, naming what refused it. On main, a
+// role without SELECT on the token sequence could not acquire a new name
+// (42501 from the insert trigger), an INSERT reusing an issued token was
+// accepted, and the latest run of a job could be deleted (its slot would run
+// again).
+func TestLeastPrivilege(t *testing.T) {
+	ctx := pgtest.Context(t, 2*time.Minute)
+	owner := pgtest.NewPool(t, "privilege-owner")
+	schema := pgtest.Schema(t, "priv")
+	if _, err := migrations.Up(ctx, owner, schema); err != nil {
+		t.Fatal(err)
+	}
+	role := "pgfence_app_" + strings.ToLower(pgtest.UniqueName("r")[2:])
+	data := ident.Table(schema, "charges")
+	for _, sql := range []string{
+		"CREATE ROLE " + role + " LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE",
+		"CREATE TABLE " + data + " (customer text, token bigint)",
+		"GRANT SELECT, INSERT ON " + data + " TO " + role,
+	} {
+		if _, err := owner.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		_, _ = owner.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		_, _ = owner.Exec(context.Background(), "DROP OWNED BY "+role+"; DROP ROLE "+role)
+	})
+	if err := migrations.GrantApp(ctx, owner, schema, role); err != nil {
+		t.Fatal(err)
+	}
+	app := pgtest.NewPool(t, "privilege-app", func(c *pgxpool.Config) { c.ConnConfig.User = role })
+
+	// Everything the library does, as the application role.
+	if v, err := migrations.Up(ctx, app, schema); err != nil || v != migrations.Latest {
+		t.Fatalf("Up with nothing to do, as the application role: %d, %v", v, err)
+	}
+	lc, err := lock.New(app, lock.Config{Schema: schema, TTL: 600 * time.Millisecond, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lc.Close(ctx)
+	l, err := lc.Acquire(ctx, "billing") // a new name: the insert path
+	if err != nil {
+		t.Fatalf("Acquire as the application role: %v", err)
+	}
+	time.Sleep(500 * time.Millisecond) // renewals
+	if err := l.Check(ctx); err != nil {
+		t.Fatalf("renewed lease: %v", err)
+	}
+	err = l.RunTx(ctx, func(tx pgx.Tx) error {
+		if err := (fence.Resource{Name: "ledger", Schema: schema}).Admit(ctx, tx, l.Token()); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, "INSERT INTO "+data+" VALUES ('c1', $1)", int64(l.Token()))
+		return err
+	})
+	if err != nil {
+		t.Fatalf("guarded write with a resource fence: %v", err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := lc.ForceRelease(ctx, "billing"); err != nil {
+		t.Fatalf("ForceRelease: %v", err)
+	}
+	r, err := runner.New(app, runner.Config{Lock: lock.Config{Schema: schema, Logger: pgtest.Quiet}, RebalanceInterval: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := make(chan struct{}, 1)
+	job := runner.Job{Name: "nightly", Schedule: "@every 100ms", Run: func(ctx context.Context, run *runner.Run) error {
+		err := run.CommitTx(ctx, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "INSERT INTO "+data+" VALUES ('job', $1)", int64(run.Token))
+			return err
+		})
+		if err == nil {
+			select {
+			case ran <- struct{}{}:
+			default:
+			}
+		}
+		return err
+	}}
+	if err := r.RegisterSharded(job, 2); err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	select {
+	case <-ran:
+	case err := <-done:
+		t.Fatalf("runner as the application role: %v", err)
+	case <-ctx.Done():
+		t.Fatal("no run succeeded as the application role")
+	}
+	stop()
+	if err := <-done; err != nil {
+		t.Fatalf("runner: %v", err)
+	}
+	if runs, err := runner.Runs(ctx, app, schema, runner.RunFilter{}); err != nil || len(runs) == 0 {
+		t.Fatalf("Runs: %d, %v", len(runs), err)
+	}
+	if _, err := runner.Prune(ctx, app, schema, time.Now()); err != nil {
+		t.Fatalf("Prune: %v", err)
+	}
+
+	// What the application role must not be able to do, and what refuses it.
+	leases, runs, fences := ident.Table(schema, "pgfence_leases"), ident.Table(schema, "pgfence_runs"), ident.Table(schema, "pgfence_fences")
+	forbidden := []struct {
+		action, sql, code, refusedBy string
+	}{
+		{"delete a lease row (tokens would restart)", "DELETE FROM " + leases, "42501", "no DELETE privilege (the owner: trigger pgfence_leases_protect_delete)"},
+		{"truncate the leases", "TRUNCATE " + leases, "42501", "no TRUNCATE privilege"},
+		{"lower a token", "UPDATE " + leases + " SET token = token - 1", "428C9", "identity column (GENERATED ALWAYS)"},
+		{"insert a lease reusing an issued token", "INSERT INTO " + leases + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE VALUES ('forged', 1, now(), now(), now())", "PF010", "trigger pgfence_leases_check_insert"},
+		{"insert a lease with a future token", "INSERT INTO " + leases + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE VALUES ('forged', 1000000, now(), now(), now())", "PF010", "trigger pgfence_leases_check_insert"},
+		{"lower a resource fence's mark", "UPDATE " + fences + " SET token = token - 1", "PF010", "trigger pgfence_fences_protect_update"},
+		{"delete a resource fence", "DELETE FROM " + fences, "42501", "no DELETE privilege"},
+		{"delete the latest run of a job (its slot would run again)", "DELETE FROM " + runs, "PF010", "trigger pgfence_runs_protect_delete"},
+		{"turn a succeeded run into another state", "UPDATE " + runs + " SET status = 'failed' WHERE status = 'succeeded'", "PF010", "trigger pgfence_runs_protect"},
+		{"truncate the ledger", "TRUNCATE " + runs, "42501", "no TRUNCATE privilege"},
+		{"drop the leases table", "DROP TABLE " + leases, "42501", "not the owner"},
+		{"change the leases table", "ALTER TABLE " + leases + " SET (fillfactor = 100)", "42501", "not the owner"},
+		{"create objects in the schema", "CREATE TABLE " + ident.Table(schema, "intruder") + " (x int)", "42501", "no CREATE on the schema"},
+	}
+	for _, f := range forbidden {
+		_, err := app.Exec(ctx, f.sql)
+		var pg *pgconn.PgError
+		if !errors.As(err, &pg) || pg.Code != f.code {
+			t.Errorf("%s: %v, want SQLSTATE %s (%s)", f.action, err, f.code, f.refusedBy)
+			continue
+		}
+		t.Logf("refused: %-58s %s  %s", f.action, pg.Code, f.refusedBy)
+	}
+}
