@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -45,12 +46,27 @@ func BenchmarkGuardedTx(b *testing.B) {
 		_, err := g.Exec(ctx, tx, ins, "x")
 		return err
 	})
-	per, t := takeTurns(b, func() { analyze(b, db, tbl, table(db, "pgfence_leases")) }, unguarded, runTx, pipelined)
+	// RunTx again, with an OpenTelemetry SDK recording the guard's metrics
+	// (the forms above use the global MeterProvider: no SDK, no-op).
+	sdkMP := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+	defer sdkMP.Shutdown(ctx)
+	gs := g
+	if gs.Metrics, err = fence.NewMetrics(sdkMP); err != nil {
+		b.Fatal(err)
+	}
+	runTxSDK := func() error {
+		return gs.RunTx(ctx, db.Pool, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, ins, "x")
+			return err
+		})
+	}
+	per, t := takeTurns(b, func() { analyze(b, db, tbl, table(db, "pgfence_leases")) }, unguarded, runTx, pipelined, runTxSDK)
 	b.ReportMetric(per/t[0].Seconds(), "unguarded_tx/s")
 	b.ReportMetric(per/t[1].Seconds(), "runtx_tx/s")
 	b.ReportMetric(per/t[2].Seconds(), "exec_tx/s")
 	b.ReportMetric(t[0].Seconds()/t[1].Seconds(), "runtx_ratio")
 	b.ReportMetric(t[0].Seconds()/t[2].Seconds(), "exec_ratio")
+	b.ReportMetric(t[0].Seconds()/t[3].Seconds(), "runtx_sdk_ratio")
 }
 
 // BenchmarkResourceAdmit measures a transaction fenced by a resource fence

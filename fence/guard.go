@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -31,6 +32,9 @@ type Guard struct {
 	Token Token
 	// Schema holds the pgfence_leases table ("" = search_path).
 	Schema string
+	// Metrics records the guard's outcomes; nil uses the global
+	// MeterProvider's (see Metrics).
+	Metrics *Metrics
 }
 
 // Beginner starts transactions: *pgxpool.Pool, *pgx.Conn and pgx.Tx (for a
@@ -72,10 +76,15 @@ func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
 		return err
 	}
 	var cur int64
-	if err := tx.QueryRow(ctx, g.checkSQL(), g.Lease, int64(g.Token)).Scan(&cur); err != nil {
-		return translateCheck(err, g.Lease, g.Token)
+	start := time.Now()
+	err := tx.QueryRow(ctx, g.checkSQL(), g.Lease, int64(g.Token)).Scan(&cur)
+	m := g.metrics()
+	m.checked(ctx, start)
+	if err != nil {
+		err = translateCheck(err, g.Lease, g.Token)
+		m.outcome(ctx, err, false)
 	}
-	return nil
+	return err
 }
 
 // Exec runs sql in tx with the fence check pipelined in front of it: one round
@@ -89,7 +98,11 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 		return pgconn.CommandTag{}, err
 	}
 	// The same pipelining RunTx gives its function's first statement.
-	return (&guardedTx{Tx: tx, g: g}).Exec(ctx, sql, args...)
+	tag, err := (&guardedTx{Tx: tx, g: g}).Exec(ctx, sql, args...)
+	if errors.Is(err, ErrFenced) {
+		g.metrics().outcome(ctx, err, false)
+	}
+	return tag, err
 }
 
 // RunTx runs fn in a guarded transaction on db: begin, check, fn, commit.
@@ -123,9 +136,10 @@ func (g Guard) RunTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error)
 		var committing bool
 		committing, err = g.runOnce(ctx, db, fn)
 		if !retryable(err, committing) || ctx.Err() != nil {
-			return err
+			break
 		}
 	}
+	g.metrics().outcome(ctx, err, true)
 	return err
 }
 

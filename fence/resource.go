@@ -3,6 +3,7 @@ package fence
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -24,6 +25,8 @@ type Resource struct {
 	Name string
 	// Schema holds the pgfence_fences table ("" = search_path).
 	Schema string
+	// Metrics records refusals; nil uses the global MeterProvider's.
+	Metrics *Metrics
 }
 
 func (r Resource) validate(t Token) error {
@@ -47,7 +50,14 @@ func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
 		return err
 	}
 	var cur int64
-	return r.translate(tx.QueryRow(ctx, r.admitSQL(), r.Name, int64(t)).Scan(&cur), t)
+	start := time.Now()
+	err := r.translate(tx.QueryRow(ctx, r.admitSQL(), r.Name, int64(t)).Scan(&cur), t)
+	m := Guard{Metrics: r.Metrics}.metrics()
+	m.checked(ctx, start)
+	if errors.Is(err, ErrFenced) {
+		m.outcome(ctx, err, false)
+	}
+	return err
 }
 
 // Exec runs sql in tx with Admit pipelined in front of it: one round trip
@@ -67,7 +77,11 @@ func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args
 	br := tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
 		_ = br.Close()
-		return pgconn.CommandTag{}, r.translate(err, t)
+		err = r.translate(err, t)
+		if errors.Is(err, ErrFenced) {
+			Guard{Metrics: r.Metrics}.metrics().outcome(ctx, err, false)
+		}
+		return pgconn.CommandTag{}, err
 	}
 	tag, err := br.Exec()
 	if cerr := br.Close(); err == nil {

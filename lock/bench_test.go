@@ -10,6 +10,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
@@ -39,15 +41,21 @@ func BenchmarkAcquireRelease(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
-			newClient := func(durable bool) *lock.Client {
-				c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: time.Minute, DurableRelease: durable, Logger: quiet})
+			newClient := func(durable bool, mp metric.MeterProvider) *lock.Client {
+				c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: time.Minute, DurableRelease: durable, Logger: quiet,
+					MeterProvider: mp})
 				if err != nil {
 					b.Fatal(err)
 				}
 				b.Cleanup(func() { _ = c.Close(ctx) })
 				return c
 			}
-			async, durable := newClient(false), newClient(true)
+			// The default clients use the global MeterProvider (no SDK
+			// installed: no-op); sdk is the default client with an
+			// OpenTelemetry SDK recording every instrument.
+			sdkMP := sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader()))
+			b.Cleanup(func() { _ = sdkMP.Shutdown(ctx) })
+			async, durable, sdk := newClient(false, nil), newClient(true, nil), newClient(false, sdkMP)
 			upd := "UPDATE " + tbl + " SET v = v + 1 WHERE id = $1"
 			floor := func(id, n int) {
 				for range n {
@@ -79,6 +87,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 			parallel(clients, 20, floor)
 			parallel(clients, 20, pairs(async))
 			parallel(clients, 20, pairs(durable))
+			parallel(clients, 20, pairs(sdk))
 			// Give both tables statistics, as autovacuum soon would in
 			// production: plans then change (a sequential scan of a small
 			// table instead of its index), and a fresh table would flatter.
@@ -90,11 +99,12 @@ func BenchmarkAcquireRelease(b *testing.B) {
 			b.ResetTimer()
 			const rounds = 16
 			per := max(b.N/clients/rounds, 1)
-			var tFloor, tLib, tDurable time.Duration
+			var tFloor, tLib, tDurable, tSDK time.Duration
 			for range rounds {
 				tFloor += parallel(clients, per, floor)
 				tLib += parallel(clients, per, pairs(async))
 				tDurable += parallel(clients, per, pairs(durable))
+				tSDK += parallel(clients, per, pairs(sdk))
 			}
 			b.StopTimer()
 			total := float64(rounds * per * clients)
@@ -103,6 +113,7 @@ func BenchmarkAcquireRelease(b *testing.B) {
 			b.ReportMetric(floorRate, "floor_pairs/s")
 			b.ReportMetric(libRate/floorRate, "ratio")
 			b.ReportMetric(tFloor.Seconds()/tDurable.Seconds(), "ratio_durable")
+			b.ReportMetric(tLib.Seconds()/tSDK.Seconds(), "sdk_vs_noop")
 			// How the leases table fared: its size in pages (8 rows; it
 			// grows only when an update cannot stay on its row's page).
 			var pages int64

@@ -41,6 +41,8 @@ type Client struct {
 
 	verified atomic.Bool   // the schema version was checked
 	backoff  retry.Backoff // after transient errors
+	m        *metrics
+	failing  atomic.Bool // renewals are failing (for the cause of a loss)
 }
 
 // New returns a client that keeps leases in pool's database. It validates cfg
@@ -63,6 +65,11 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 	}
 	c.lis = newListener(c)
+	m, err := newMetrics(c)
+	if err != nil {
+		return nil, err
+	}
+	c.m = m
 	return c, nil
 }
 
@@ -210,7 +217,13 @@ func (c *Client) verify(ctx context.Context) error {
 // RenewInterval: an acquisition that took longer than that to come back
 // (it waited behind a guarded transaction, or the process was paused) is
 // renewed at once, and tried again if the renewal finds it gone.
-func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time) (*Lease, error) {
+func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time) (l *Lease, err error) {
+	defer func() {
+		c.m.attempted(ctx, err)
+		if l != nil {
+			c.emit(Event{Kind: Acquired, Lease: name, Token: l.token})
+		}
+	}()
 	if c.isClosed() {
 		return nil, ErrClosed
 	}
@@ -263,7 +276,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		}
 		// Expired at the database before the renewal: try again.
 	}
-	l := newLease(c, name, fence.Token(g.token), secret, g.expiresAt, g.sent)
+	l = newLease(c, name, fence.Token(g.token), secret, g.expiresAt, g.sent)
 	if !c.track(l) {
 		// Closed while acquiring: give it straight back.
 		_ = l.Release(context.WithoutCancel(ctx))
@@ -378,7 +391,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		return nil, err
 	}
 	var sub *subscription
-	secret, since := newSecret(), time.Time{}
+	secret, since, began := newSecret(), time.Time{}, time.Now()
 	var (
 		doubt bool   // some attempt's outcome is unknown
 		pid   uint32 // the backend of the last such attempt
@@ -408,6 +421,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 				if failures > 0 {
 					c.cfg.Logger.Info("pgfence: acquire recovered", "lease", name, "failures", failures)
 				}
+				c.m.waitTime.Record(ctx, seconds(time.Since(began)))
 				return l, nil
 			case ctx.Err() != nil:
 				return nil, ctx.Err()
@@ -491,6 +505,7 @@ func (c *Client) Close(ctx context.Context) error {
 	c.poke()
 	c.lis.stop()
 	c.wg.Wait()
+	_ = c.m.observed.Unregister()
 	return first
 }
 

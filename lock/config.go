@@ -11,6 +11,9 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+
 	"github.com/pgfence/pgfence/internal/ident"
 )
 
@@ -70,6 +73,25 @@ type Config struct {
 	// over after a crash. Acquisitions and renewals are always durable,
 	// since tokens and expiry times must survive a crash.
 	DurableRelease bool
+
+	// MeterProvider receives the client's metrics (README's "Metrics"
+	// lists them), and those of the guards of its leases. Default
+	// otel.GetMeterProvider(): a no-op until the application installs an
+	// OpenTelemetry SDK.
+	MeterProvider metric.MeterProvider
+
+	// OnEvent, if set, is called when a lease is acquired, renewed late,
+	// lost (with its cause) or released, so applications can log or page
+	// without polling. It must not block: it runs on the client's
+	// goroutines (the renewer, a lease's timer, the caller's).
+	OnEvent func(Event)
+
+	// SkewWarning is how far the database's clock may seem to be from this
+	// machine's before the client logs a warning (once per crossing, and
+	// once when it is back under). pgfence never uses the skew for
+	// decisions, but a skew near SafetyMargin eats the safety the trust
+	// window gives. Default SafetyMargin/2; negative: never warn.
+	SkewWarning time.Duration
 }
 
 // MinPollInterval is the smallest PollInterval accepted: below it, blocked
@@ -112,6 +134,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
+	}
+	if c.MeterProvider == nil {
+		c.MeterProvider = otel.GetMeterProvider()
+	}
+	if c.SkewWarning == 0 {
+		c.SkewWarning = c.SafetyMargin / 2
 	}
 	return c
 }

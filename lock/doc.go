@@ -88,4 +88,15 @@
 //
 // "No longer the holder" has one errors.Is target, fence.ErrFenced: it
 // matches ErrLeaseLost as well as the fence package's refusals.
+//
+// # Observing
+//
+// Config.MeterProvider receives OpenTelemetry metrics (leases held,
+// acquisitions by result, losses by cause, renewal latency, time left at
+// renewal, clock skew, wait time; README's "Metrics" lists them):
+// no-ops until an SDK is installed. Config.OnEvent receives Acquired,
+// RenewedLate, Lost (with a LossCause) and Released events. The logger gets
+// every loss, a warning when renewals or acquisitions start failing and a
+// note when they recover (once per change), and a warning when the clock
+// skew crosses Config.SkewWarning.
 package lock

@@ -110,3 +110,8 @@ func (e *BlockedError) Error() string {
 
 // Unwrap returns the context's error.
 func (e *BlockedError) Unwrap() error { return e.Err }
+
+func isHeld(err error) bool {
+	var h *HeldError
+	return errors.As(err, &h)
+}

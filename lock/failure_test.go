@@ -326,3 +326,38 @@ func TestRenewalsDoNotStarve(t *testing.T) {
 		t.Fatalf("%d renewals in 3 TTLs with the pool busy, want about 9", got)
 	}
 }
+
+// Issue 13.4: a clock skew past SkewWarning is logged once per crossing, not
+// at every renewal.
+func TestSkewWarningOncePerCrossing(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	rec := &records{}
+	// A 1ns threshold: the measured skew (client and server share this
+	// machine's clock, but a round trip's asymmetry is microseconds) is
+	// over it at every renewal.
+	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, TTL: 300 * time.Millisecond, SkewWarning: time.Nanosecond, Logger: slog.New(rec)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(ctx)
+	if _, err := c.TryAcquire(ctx, "skewed"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(700 * time.Millisecond) // several renewals
+	if st := c.Stats(); st.Renewals < 3 {
+		t.Fatalf("%d renewals", st.Renewals)
+	}
+	n := 0
+	rec.mu.Lock()
+	for _, r := range rec.recs {
+		if r.Level == slog.LevelWarn && strings.Contains(r.Message, "SkewWarning") {
+			n++
+		}
+	}
+	rec.mu.Unlock()
+	if n != 1 {
+		t.Fatalf("%d skew warnings over several renewals past the threshold, want 1", n)
+	}
+}

@@ -97,7 +97,7 @@ func (l *Lease) Err() error {
 
 // Guard returns the fence guard for this lease's token.
 func (l *Lease) Guard() fence.Guard {
-	return fence.Guard{Lease: l.name, Token: l.token, Schema: l.c.cfg.Schema}
+	return fence.Guard{Lease: l.name, Token: l.token, Schema: l.c.cfg.Schema, Metrics: l.c.m.fence}
 }
 
 // RunTx runs fn in a transaction fenced by this lease (see fence.Guard.RunTx)
@@ -137,15 +137,25 @@ func (l *Lease) Check(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("lock: check %q: %w", l.name, err)
 	}
-	switch {
-	case fence.Token(token) != l.token:
-		l.lose(fmt.Errorf("%w: %q was taken over (token %d, ours %d)", ErrLeaseLost, l.name, token, l.token))
-	case !ours:
-		l.lose(fmt.Errorf("%w: %q was freed by someone else", ErrLeaseLost, l.name))
-	case !live:
-		l.lose(fmt.Errorf("%w: %q expired at the database at %s", ErrLeaseLost, l.name, expiresAt.UTC().Format(time.RFC3339Nano)))
+	if cause, err := l.judge(token, ours, live, expiresAt); err != nil {
+		l.lose(cause, err)
 	}
 	return l.Err()
+}
+
+// judge says whether the lease row as read (its token, whether it holds
+// this lease's secret, whether it is unexpired) means the lease is lost,
+// and why.
+func (l *Lease) judge(token int64, ours, live bool, expiresAt time.Time) (LossCause, error) {
+	switch {
+	case fence.Token(token) != l.token:
+		return CauseTakenOver, fmt.Errorf("%w: %q was taken over (token %d, ours %d)", ErrLeaseLost, l.name, token, l.token)
+	case !ours:
+		return CauseReleasedByOperator, fmt.Errorf("%w: %q was freed by someone else", ErrLeaseLost, l.name)
+	case !live:
+		return CauseExpired, fmt.Errorf("%w: %q expired at the database at %s", ErrLeaseLost, l.name, expiresAt.UTC().Format(time.RFC3339Nano))
+	}
+	return "", nil
 }
 
 // Release frees the lease at once for the next holder (a blocked Acquire
@@ -168,6 +178,7 @@ func (l *Lease) Release(ctx context.Context) error {
 	l.mu.Unlock()
 	l.cancel(ErrReleased)
 	l.c.untrack(l)
+	l.c.emit(Event{Kind: Released, Lease: l.name, Token: l.token})
 	sql := l.c.q.release
 	if l.c.cfg.DurableRelease {
 		sql = l.c.q.releaseDurable
@@ -180,8 +191,8 @@ func (l *Lease) Release(ctx context.Context) error {
 	return nil
 }
 
-// lose ends the lease with cause (which wraps ErrLeaseLost).
-func (l *Lease) lose(cause error) {
+// lose ends the lease with err (which wraps ErrLeaseLost), lost for cause.
+func (l *Lease) lose(cause LossCause, err error) {
 	l.mu.Lock()
 	if l.ended {
 		l.mu.Unlock()
@@ -190,22 +201,31 @@ func (l *Lease) lose(cause error) {
 	l.ended = true
 	l.timer.Stop()
 	l.mu.Unlock()
-	l.cancel(cause)
+	l.cancel(err)
 	l.c.untrack(l)
-	l.c.cfg.Logger.Warn("pgfence: lease lost", "lease", l.name, "token", l.token, "holder", l.c.cfg.Holder, "cause", cause)
+	l.c.m.lost(cause)
+	l.c.cfg.Logger.Warn("pgfence: lease lost", "lease", l.name, "token", l.token, "holder", l.c.cfg.Holder,
+		"cause", string(cause), "err", err)
+	l.c.emit(Event{Kind: Lost, Lease: l.name, Token: l.token, Cause: cause, Err: err})
 }
 
 // renewed extends the trust window after a successful renewal sent at sent.
 func (l *Lease) renewed(sent, expiresAt time.Time) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	if l.ended {
+		l.mu.Unlock()
 		return
 	}
+	left := time.Until(l.trustUntil)
 	l.expiresAt = expiresAt
 	if until := sent.Add(l.c.cfg.TTL - l.c.cfg.SafetyMargin); until.After(l.trustUntil) {
 		l.trustUntil = until
 		l.timer.Reset(time.Until(until))
+	}
+	l.mu.Unlock()
+	l.c.m.timeLeft.Record(context.Background(), seconds(max(left, 0)))
+	if left < l.c.cfg.RenewInterval {
+		l.c.emit(Event{Kind: RenewedLate, Lease: l.name, Token: l.token, TimeLeft: left})
 	}
 }
 
@@ -219,7 +239,11 @@ func (l *Lease) trustElapsed() {
 	}
 	until := l.trustUntil
 	l.mu.Unlock()
-	l.lose(fmt.Errorf("%w: %q not renewed within its trust window (until %s)", ErrLeaseLost, l.name, until.Format(time.RFC3339Nano)))
+	cause := CauseExpired
+	if l.c.failing.Load() {
+		cause = CauseUnreachable
+	}
+	l.lose(cause, fmt.Errorf("%w: %q not renewed within its trust window (until %s)", ErrLeaseLost, l.name, until.Format(time.RFC3339Nano)))
 }
 
 var errNotRenewed = errors.New("renewal matched no row")

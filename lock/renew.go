@@ -59,12 +59,14 @@ func (c *Client) renewLoop() {
 				c.cfg.Logger.Debug("pgfence: renewal failed again", "leases", len(batch), "err", err)
 			}
 			failing = true
+			c.failing.Store(true)
 			wait = c.jitter(c.cfg.RenewInterval / 4)
 		} else {
 			if failing {
 				c.cfg.Logger.Info("pgfence: renewals healthy again", "leases", len(batch))
 			}
 			failing = false
+			c.failing.Store(false)
 			wait = c.cfg.RenewInterval
 		}
 		t.Reset(wait)
@@ -97,10 +99,31 @@ func (c *Client) renew(q querier, batch []*Lease) error {
 		if exp, ok := got[renewKey{l.name, l.token}]; ok {
 			l.renewed(sent, exp)
 		} else {
-			l.lose(fmt.Errorf("%w: %q (token %d): %w", ErrLeaseLost, l.name, l.token, errNotRenewed))
+			l.lose(c.whyNotRenewed(ctx, q, l))
 		}
 	}
 	return nil
+}
+
+// whyNotRenewed reads the row of a lease the database did not renew, to
+// tell why it is lost: taken over, freed, or expired.
+func (c *Client) whyNotRenewed(ctx context.Context, q querier, l *Lease) (LossCause, error) {
+	var (
+		token     int64
+		ours      bool
+		live      bool
+		expiresAt time.Time
+	)
+	rows, err := q.Query(ctx, c.q.check, l.name, l.secret)
+	if err == nil {
+		_, err = pgx.ForEachRow(rows, []any{&token, &ours, &live, &expiresAt}, func() error { return nil })
+	}
+	if err == nil && token != 0 {
+		if cause, err := l.judge(token, ours, live, expiresAt); err != nil {
+			return cause, err
+		}
+	}
+	return CauseRenewFailed, fmt.Errorf("%w: %q (token %d): %w", ErrLeaseLost, l.name, l.token, errNotRenewed)
 }
 
 // querier runs a query: the pool, or the renewer's own connection.
@@ -138,7 +161,9 @@ func (c *Client) renewRows(ctx context.Context, q querier, names []string, token
 	}
 	if len(got) > 0 {
 		// expires_at = the statement's now() + TTL, the same for every row.
-		c.stats.observe(sent, time.Now(), lastExp.Add(-c.cfg.TTL))
+		rtt := c.stats.observe(sent, time.Now(), lastExp.Add(-c.cfg.TTL))
+		c.m.renewTime.Record(ctx, rtt.Seconds())
+		c.watchSkew()
 	}
 	return got, nil
 }

@@ -24,6 +24,7 @@ type Stats struct {
 type stats struct {
 	renewals, failures atomic.Uint64
 	latency, skew      atomic.Int64
+	skewed             atomic.Bool // the skew is past Config.SkewWarning
 }
 
 // Stats returns the client's current lease health.
@@ -41,12 +42,33 @@ func (c *Client) Stats() Stats {
 }
 
 // observe records a successful renewal sent at sent whose reply arrived at
-// got, with the database's statement time dbNow.
-func (s *stats) observe(sent, got, dbNow time.Time) {
+// got, with the database's statement time dbNow, and returns its round trip.
+func (s *stats) observe(sent, got, dbNow time.Time) time.Duration {
 	rtt := got.Sub(sent)
 	s.renewals.Add(1)
 	s.latency.Store(int64(rtt))
 	s.skew.Store(int64(dbNow.Sub(sent.Add(rtt / 2))))
+	return rtt
+}
+
+// watchSkew logs once when the estimated clock skew crosses
+// Config.SkewWarning, and once when it is back under.
+func (c *Client) watchSkew() {
+	if c.cfg.SkewWarning < 0 {
+		return
+	}
+	skew := time.Duration(c.stats.skew.Load())
+	over := skew > c.cfg.SkewWarning || -skew > c.cfg.SkewWarning
+	if c.stats.skewed.Swap(over) == over {
+		return
+	}
+	if over {
+		c.cfg.Logger.Warn("pgfence: the database's clock and this machine's differ by more than SkewWarning; "+
+			"expiry is judged by the database, but the skew eats into SafetyMargin", "skew", skew,
+			"warning", c.cfg.SkewWarning, "safety_margin", c.cfg.SafetyMargin, "holder", c.cfg.Holder)
+	} else {
+		c.cfg.Logger.Info("pgfence: clock skew back under SkewWarning", "skew", skew, "holder", c.cfg.Holder)
+	}
 }
 
 // TimeLeft returns how long the lease can still be trusted without another

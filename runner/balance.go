@@ -148,6 +148,13 @@ func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers m
 		ids := view[j.Name]
 		me := slices.Index(ids, r.cfg.Lock.Holder)
 		owner := assign(j.Name, j.shards, ids)
+		owned := 0
+		for _, o := range owner {
+			if me >= 0 && o == me {
+				owned++
+			}
+		}
+		r.m.setShards(j.Name, int64(owned))
 		for s := range j.shards {
 			k := shardKey{j, s}
 			mine := me >= 0 && owner[s] == me

@@ -27,6 +27,7 @@ type Runner struct {
 	q    queries
 	lc   *lock.Client
 	log  *slog.Logger
+	m    *metrics
 
 	mu      sync.Mutex
 	jobs    []*job
@@ -63,7 +64,11 @@ func New(pool *pgxpool.Pool, cfg Config) (*Runner, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	return &Runner{pool: pool, cfg: cfg, q: newQueries(cfg.Lock.Schema), lc: lc, log: cfg.Lock.Logger,
+	m, err := newMetrics(cfg.Lock.MeterProvider)
+	if err != nil {
+		return nil, err
+	}
+	return &Runner{pool: pool, cfg: cfg, q: newQueries(cfg.Lock.Schema), lc: lc, log: cfg.Lock.Logger, m: m,
 		names: make(map[string]bool)}, nil
 }
 
@@ -130,6 +135,9 @@ func (r *Runner) Run(ctx context.Context) error {
 
 	if err := r.verify(ctx); err != nil {
 		return err
+	}
+	if reg, err := r.m.observe(); err == nil {
+		defer func() { _ = reg.Unregister() }()
 	}
 	work, stopWork := context.WithCancelCause(context.Background())
 	var (

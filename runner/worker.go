@@ -23,6 +23,8 @@ type worker struct {
 	r     *Runner
 	j     *job
 	shard int
+
+	runStart time.Time // of the attempt under way, for its duration
 }
 
 // term is one leadership term of a worker: the lease and the ledger
@@ -67,6 +69,7 @@ func (w *worker) event(k EventKind, slot time.Time, l *lock.Lease, attempt int, 
 	if l != nil {
 		e.Token = l.Token()
 	}
+	w.r.m.event(e, w.runStart)
 	w.r.emit(e)
 }
 
@@ -115,9 +118,14 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 	now := time.Now()
 	if last != nil {
 		w.runSlot(ctx, t, *last)
-		if due := latestDue(w.j.sched, *last, now); !due.IsZero() &&
-			(w.j.Missed == RunLatest || now.Sub(due) < time.Second) {
-			w.runSlot(ctx, t, due)
+		if due := latestDue(w.j.sched, *last, now); !due.IsZero() {
+			missed := slotsBetween(w.j.sched, *last, due)
+			if w.j.Missed == RunLatest || now.Sub(due) < time.Second {
+				w.runSlot(ctx, t, due)
+			} else {
+				missed++
+			}
+			w.r.m.missedSlots(w.j.Name, missed)
 		}
 	}
 	cursor := now
@@ -131,6 +139,7 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 		slot := next
 		if due := latestDue(w.j.sched, next, time.Now()); !due.IsZero() {
 			slot = due
+			w.r.m.missedSlots(w.j.Name, 1+slotsBetween(w.j.sched, next, due))
 		}
 		w.runSlot(ctx, t, slot)
 		cursor = slot
@@ -158,9 +167,11 @@ func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
 			continue
 		}
 		if !claimed {
+			w.r.m.skipped(w.j.Name)
 			return // already succeeded, or out of attempts
 		}
 		run := &Run{Job: w.j.Name, Shard: w.shard, Shards: w.j.shards, Slot: slot, Attempt: attempt, Token: l.Token(), w: w, lease: l}
+		w.runStart = time.Now()
 		w.event(RunStarted, slot, l, attempt, nil)
 		err = w.call(ctx, run)
 		if !w.finish(ctx, t, run, err) {

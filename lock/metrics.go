@@ -1,0 +1,105 @@
+package lock
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// scope is the instrumentation scope of the lock package's metrics.
+const scope = "github.com/pgfence/pgfence/lock"
+
+// metrics are a client's instruments (README's "Metrics"). Lease names are
+// not an attribute: they are unbounded (a sharded job has one per shard).
+type metrics struct {
+	acquisitions metric.Int64Counter
+	losses       metric.Int64Counter
+	renewTime    metric.Float64Histogram
+	timeLeft     metric.Float64Histogram
+	waitTime     metric.Float64Histogram
+	observed     metric.Registration
+	fence        *fence.Metrics
+}
+
+// Attribute sets, built once.
+var (
+	resultAcquired = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.result", "acquired")))
+	resultHeld     = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.result", "held")))
+	resultError    = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.result", "error")))
+)
+
+func newMetrics(c *Client) (*metrics, error) {
+	m := c.cfg.MeterProvider.Meter(scope)
+	var (
+		ms  metrics
+		err error
+		e   error
+	)
+	keep := func(x error) {
+		if err == nil {
+			err = x
+		}
+	}
+	ms.acquisitions, e = m.Int64Counter("pgfence.lease.acquisitions", metric.WithUnit("{attempt}"),
+		metric.WithDescription("Acquisition attempts, by pgfence.result: acquired, held (by another holder), error."))
+	keep(e)
+	ms.losses, e = m.Int64Counter("pgfence.lease.losses", metric.WithUnit("{lease}"),
+		metric.WithDescription("Leases lost, by pgfence.cause: expired, taken_over, released_by_operator, renew_failed, database_unreachable."))
+	keep(e)
+	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renew.duration", metric.WithUnit("s"),
+		metric.WithDescription("Round trip of the renewal statement (all of a client's leases at once)."))
+	keep(e)
+	ms.timeLeft, e = m.Float64Histogram("pgfence.lease.time_left", metric.WithUnit("s"),
+		metric.WithDescription("What was left of a lease's trust window when its renewal succeeded."))
+	keep(e)
+	ms.waitTime, e = m.Float64Histogram("pgfence.lease.wait.duration", metric.WithUnit("s"),
+		metric.WithDescription("Time a blocking Acquire waited until it acquired."))
+	keep(e)
+	held, e := m.Int64ObservableUpDownCounter("pgfence.lease.held", metric.WithUnit("{lease}"),
+		metric.WithDescription("Leases the client holds."))
+	keep(e)
+	skew, e := m.Float64ObservableGauge("pgfence.lease.clock_skew", metric.WithUnit("s"),
+		metric.WithDescription("The database's clock minus this machine's, estimated at the last renewal."))
+	keep(e)
+	if err != nil {
+		return nil, fmt.Errorf("lock: metrics: %w", err)
+	}
+	ms.observed, err = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		st := c.Stats()
+		o.ObserveInt64(held, int64(st.Held))
+		if st.Renewals > 0 {
+			o.ObserveFloat64(skew, st.ClockSkew.Seconds())
+		}
+		return nil
+	}, held, skew)
+	if err != nil {
+		return nil, fmt.Errorf("lock: metrics: %w", err)
+	}
+	if ms.fence, err = fence.NewMetrics(c.cfg.MeterProvider); err != nil {
+		return nil, fmt.Errorf("lock: %w", err)
+	}
+	return &ms, nil
+}
+
+// attempted counts one acquisition attempt's result.
+func (m *metrics) attempted(ctx context.Context, err error) {
+	switch {
+	case err == nil:
+		m.acquisitions.Add(ctx, 1, resultAcquired)
+	case isHeld(err):
+		m.acquisitions.Add(ctx, 1, resultHeld)
+	default:
+		m.acquisitions.Add(ctx, 1, resultError)
+	}
+}
+
+func (m *metrics) lost(cause LossCause) {
+	m.losses.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.cause", string(cause))))
+}
+
+func seconds(d time.Duration) float64 { return d.Seconds() }

@@ -1,0 +1,125 @@
+package runner
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+)
+
+// metrics are a runner's instruments (README's "Metrics"). Attributes:
+// pgfence.job (bounded: the jobs an application registers) and, per
+// instrument, pgfence.status or pgfence.change; never shards or slots.
+type metrics struct {
+	runs, retries, leadership, missed metric.Int64Counter
+	duration                          metric.Float64Histogram
+	owned                             metric.Int64ObservableGauge
+	meter                             metric.Meter
+
+	mu     sync.Mutex
+	shards map[string]int64 // job -> shards this instance owns
+}
+
+func newMetrics(mp metric.MeterProvider) (*metrics, error) {
+	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}}
+	var err error
+	keep := func(e error) {
+		if err == nil {
+			err = e
+		}
+	}
+	var e error
+	m.runs, e = m.meter.Int64Counter("pgfence.runner.runs", metric.WithUnit("{run}"),
+		metric.WithDescription("Finished attempts, by pgfence.job and pgfence.status: succeeded, failed, fenced, skipped (already done)."))
+	keep(e)
+	m.duration, e = m.meter.Float64Histogram("pgfence.runner.run.duration", metric.WithUnit("s"),
+		metric.WithDescription("Duration of an attempt, by pgfence.job and pgfence.status."))
+	keep(e)
+	m.retries, e = m.meter.Int64Counter("pgfence.runner.retries", metric.WithUnit("{attempt}"),
+		metric.WithDescription("Attempts after the first at a slot, by pgfence.job."))
+	keep(e)
+	m.leadership, e = m.meter.Int64Counter("pgfence.runner.leadership.changes", metric.WithUnit("{change}"),
+		metric.WithDescription("Job and shard leases taken and ended on this instance, by pgfence.job and pgfence.change: gained, lost."))
+	keep(e)
+	m.missed, e = m.meter.Int64Counter("pgfence.runner.missed_slots", metric.WithUnit("{slot}"),
+		metric.WithDescription("Slots that passed without running (downtime, by Missed policy, or while a run overran), by pgfence.job."))
+	keep(e)
+	m.owned, e = m.meter.Int64ObservableGauge("pgfence.runner.shards.owned", metric.WithUnit("{shard}"),
+		metric.WithDescription("Shards of a sharded job this instance is assigned, by pgfence.job."))
+	keep(e)
+	if err != nil {
+		return nil, fmt.Errorf("runner: metrics: %w", err)
+	}
+	return m, nil
+}
+
+// observe registers the shards gauge's callback for the time of Run.
+func (m *metrics) observe() (metric.Registration, error) {
+	return m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		for job, n := range m.shards {
+			o.ObserveInt64(m.owned, n, metric.WithAttributes(attribute.String("pgfence.job", job)))
+		}
+		return nil
+	}, m.owned)
+}
+
+func (m *metrics) setShards(job string, n int64) {
+	m.mu.Lock()
+	m.shards[job] = n
+	m.mu.Unlock()
+}
+
+// event records what a runner event says.
+func (m *metrics) event(e Event, runStart time.Time) {
+	ctx := context.Background()
+	job := attribute.String("pgfence.job", e.Job)
+	switch e.Kind {
+	case LeadershipGained, LeadershipLost:
+		change := "gained"
+		if e.Kind == LeadershipLost {
+			change = "lost"
+		}
+		m.leadership.Add(ctx, 1, metric.WithAttributes(job, attribute.String("pgfence.change", change)))
+	case RunStarted:
+		if e.Attempt > 1 {
+			m.retries.Add(ctx, 1, metric.WithAttributes(job))
+		}
+	case RunSucceeded, RunFailed, RunFenced:
+		status := map[EventKind]string{RunSucceeded: "succeeded", RunFailed: "failed", RunFenced: "fenced"}[e.Kind]
+		attrs := metric.WithAttributes(job, attribute.String("pgfence.status", status))
+		m.runs.Add(ctx, 1, attrs)
+		m.duration.Record(ctx, time.Since(runStart).Seconds(), attrs)
+	}
+}
+
+func (m *metrics) skipped(job string) {
+	m.runs.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.job", job), attribute.String("pgfence.status", "skipped")))
+}
+
+func (m *metrics) missedSlots(job string, n int) {
+	if n > 0 {
+		m.missed.Add(context.Background(), int64(n), metric.WithAttributes(attribute.String("pgfence.job", job)))
+	}
+}
+
+// slotsBetween counts the slots of s strictly after a and strictly before
+// b (at most 100,000).
+func slotsBetween(s Schedule, a, b time.Time) int {
+	if e, ok := s.(every); ok {
+		if !b.After(a) {
+			return 0
+		}
+		n := int(e.floor(b.Add(-1)).Sub(e.floor(a)) / time.Duration(e))
+		return max(n, 0)
+	}
+	n := 0
+	for t := s.Next(a); !t.IsZero() && t.Before(b) && n < 100_000; t = s.Next(t) {
+		n++
+	}
+	return n
+}

@@ -1,0 +1,226 @@
+package runner_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/runner"
+)
+
+// collected reads every instrument of a ManualReader.
+type collected struct{ rm metricdata.ResourceMetrics }
+
+func collect(t *testing.T, r *sdkmetric.ManualReader) collected {
+	t.Helper()
+	var c collected
+	if err := r.Collect(context.Background(), &c.rm); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// value sums the data points of the named instrument whose attributes
+// include every one given (a sum's value, a gauge's, or a histogram's count).
+func (c collected) value(name string, attrs ...attribute.KeyValue) (float64, bool) {
+	match := func(set attribute.Set) bool {
+		for _, a := range attrs {
+			if v, ok := set.Value(a.Key); !ok || v != a.Value {
+				return false
+			}
+		}
+		return true
+	}
+	var (
+		total float64
+		found bool
+	)
+	for _, sm := range c.rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != name {
+				continue
+			}
+			found = true
+			switch d := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, p := range d.DataPoints {
+					if match(p.Attributes) {
+						total += float64(p.Value)
+					}
+				}
+			case metricdata.Gauge[int64]:
+				for _, p := range d.DataPoints {
+					if match(p.Attributes) {
+						total += float64(p.Value)
+					}
+				}
+			case metricdata.Gauge[float64]:
+				for _, p := range d.DataPoints {
+					if match(p.Attributes) {
+						total += p.Value
+					}
+				}
+			case metricdata.Histogram[float64]:
+				for _, p := range d.DataPoints {
+					if match(p.Attributes) {
+						total += float64(p.Count)
+					}
+				}
+			}
+		}
+	}
+	return total, found
+}
+
+// Issue 13: the instruments, read through the SDK after a scripted
+// sequence: acquire, renew, a takeover, a stale refusal, a commit, release;
+// then runner runs that succeed, fail, and are fenced.
+func TestMetrics(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	lockReader := sdkmetric.NewManualReader()
+	lockMP := sdkmetric.NewMeterProvider(sdkmetric.WithReader(lockReader))
+	defer lockMP.Shutdown(context.Background())
+	var events []lock.Event
+	cfg := lock.Config{Schema: db.Schema, TTL: 3 * time.Second, RenewInterval: time.Second, MeterProvider: lockMP, Logger: quiet,
+		OnEvent: func(e lock.Event) { events = append(events, e) }}
+	a, err := lock.New(db.Pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close(ctx)
+	cfg.OnEvent = nil
+	b, err := lock.New(db.Pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close(ctx)
+
+	la, err := a.TryAcquire(ctx, "metered")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if held, _ := collect(t, lockReader).value("pgfence.lease.held"); held != 1 {
+		t.Fatalf("pgfence.lease.held = %v with one lease held, want 1", held)
+	}
+	time.Sleep(1200 * time.Millisecond) // one renewal
+	if _, err := b.TryAcquire(ctx, "metered"); !errors.Is(err, lock.ErrHeld) {
+		t.Fatalf("TryAcquire of a held lease: %v", err)
+	}
+	mustExec(t, db, "UPDATE "+tbl(db, "pgfence_leases")+" SET expires_at = now() - interval '1 second' WHERE name = 'metered'")
+	lb, err := b.TryAcquire(ctx, "metered") // the takeover
+	if err != nil {
+		t.Fatal(err)
+	}
+	select { // a's next renewal finds it taken over
+	case <-la.Done():
+	case <-ctx.Done():
+		t.Fatal("the taken-over lease was never lost")
+	}
+	stale := la.Guard().RunTx(ctx, db.Pool, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1"); return err })
+	if !errors.Is(stale, fence.ErrFenced) {
+		t.Fatalf("stale guard: %v", stale)
+	}
+	if err := lb.RunTx(ctx, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1"); return err }); err != nil {
+		t.Fatal(err)
+	}
+	if err := lb.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	got := collect(t, lockReader)
+	for _, c := range []struct {
+		name  string
+		attrs []attribute.KeyValue
+		want  float64 // exact, or a minimum when atLeast
+		least bool
+	}{
+		{"pgfence.lease.acquisitions", []attribute.KeyValue{attribute.String("pgfence.result", "acquired")}, 2, false},
+		{"pgfence.lease.acquisitions", []attribute.KeyValue{attribute.String("pgfence.result", "held")}, 1, false},
+		{"pgfence.lease.losses", []attribute.KeyValue{attribute.String("pgfence.cause", "taken_over")}, 1, false},
+		{"pgfence.lease.renew.duration", nil, 1, true},
+		{"pgfence.lease.time_left", nil, 1, true},
+		{"pgfence.lease.held", nil, 0, false},
+		{"pgfence.guard.transactions", []attribute.KeyValue{attribute.String("pgfence.outcome", "stale")}, 1, false},
+		{"pgfence.guard.transactions", []attribute.KeyValue{attribute.String("pgfence.outcome", "committed")}, 1, false},
+	} {
+		v, ok := got.value(c.name, c.attrs...)
+		if !ok || (c.least && v < c.want) || (!c.least && v != c.want) {
+			t.Errorf("%s%v = %v (recorded: %v), want %v", c.name, c.attrs, v, ok, c.want)
+		}
+	}
+	if _, ok := got.value("pgfence.lease.clock_skew"); !ok {
+		t.Error("pgfence.lease.clock_skew was not observed")
+	}
+	kinds := map[lock.EventKind]int{}
+	for _, e := range events {
+		kinds[e.Kind]++
+		if e.Kind == lock.Lost && (e.Cause != lock.CauseTakenOver || !errors.Is(e.Err, lock.ErrLeaseLost)) {
+			t.Errorf("lost event: %+v, want cause taken_over", e)
+		}
+	}
+	if kinds[lock.Acquired] != 1 || kinds[lock.Lost] != 1 {
+		t.Errorf("events of the first client: %v, want one acquired and one lost", kinds)
+	}
+
+	// The runner: one job succeeds, one fails, one is fenced (its lease is
+	// taken over in the middle of its run).
+	runReader := sdkmetric.NewManualReader()
+	runMP := sdkmetric.NewMeterProvider(sdkmetric.WithReader(runReader))
+	defer runMP.Shutdown(context.Background())
+	thief, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer thief.Close(ctx)
+	jobs := []runner.Job{
+		{Name: "ok", Schedule: "@every 200ms", Run: func(ctx context.Context, run *runner.Run) error {
+			return run.CommitTx(ctx, func(pgx.Tx) error { return nil })
+		}},
+		{Name: "bad", Schedule: "@every 200ms", Run: func(context.Context, *runner.Run) error { return errors.New("boom") }},
+		{Name: "zombie", Schedule: "@every 200ms", Run: func(ctx context.Context, run *runner.Run) error {
+			name := run.Lease().Name()
+			if _, _, err := thief.ForceRelease(ctx, name); err != nil {
+				return err
+			}
+			stolen, err := thief.TryAcquire(ctx, name)
+			if err != nil {
+				return err
+			}
+			defer stolen.Release(context.Background())
+			return run.CommitTx(ctx, func(pgx.Tx) error { return nil })
+		}},
+	}
+	in := start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, MeterProvider: runMP}}, func(r *runner.Runner) error {
+		for _, j := range jobs {
+			if err := r.Register(j); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	statusOf := func(job, status string) float64 {
+		v, _ := collect(t, runReader).value("pgfence.runner.runs", attribute.String("pgfence.job", job), attribute.String("pgfence.status", status))
+		return v
+	}
+	waitFor(t, 20*time.Second, "a run to succeed, one to fail and one to be fenced", func() bool {
+		return statusOf("ok", "succeeded") >= 1 && statusOf("bad", "failed") >= 1 && statusOf("zombie", "fenced") >= 1
+	})
+	in.stop(t)
+	got = collect(t, runReader)
+	if v, _ := got.value("pgfence.runner.run.duration", attribute.String("pgfence.job", "ok")); v < 1 {
+		t.Error("no run duration recorded for job ok")
+	}
+	if v, _ := got.value("pgfence.runner.leadership.changes", attribute.String("pgfence.change", "gained")); v < 3 {
+		t.Errorf("leadership gained %v times, want at least once per job", v)
+	}
+}
