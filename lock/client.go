@@ -145,19 +145,22 @@ func inDoubt(err error) (pid uint32, ok bool) {
 
 // abandon frees the lease name if it is held with secret: an acquisition
 // whose outcome is unknown, by a caller that has given up on it. Closing the
-// client side of a connection does not stop the server, which may still be
-// running (and then commit) the acquisition, so abandon first waits until
-// backend pid is no longer running a statement, then frees the lease by its
-// secret (known only to that acquisition). It runs in the background, owned
-// by the client (Close waits for it), bounded by wait.CleanupTimeout.
+// client side of a connection does not stop the server: it still runs (and
+// commits) what it had received, and may not even have started when the
+// client gave up. So abandon first waits until backend pid has exited (pgx
+// closed the connection; the backend ends once it has processed its input),
+// then frees the lease by its secret (known only to that acquisition). If the
+// backend lingers (a partition: its socket is not closed yet), it frees the
+// lease at the end of wait.CleanupTimeout anyway, and the lease's TTL covers
+// the rest. It runs in the background, owned by the client (Close waits).
 func (c *Client) abandon(name string, secret []byte, pid uint32) {
 	run := func() {
 		ctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
 		defer cancel()
-		err := c.afterBackend(ctx, pid)
-		if err == nil {
-			_, err = c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
-		}
+		wctx, wcancel := context.WithTimeout(ctx, wait.CleanupTimeout*4/5)
+		_ = c.afterBackend(wctx, pid)
+		wcancel()
+		_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
 		if err != nil {
 			c.cfg.Logger.Warn("pgfence: could not free an acquisition whose outcome was unknown; it expires by TTL",
 				"lease", name, "err", err)
@@ -177,14 +180,14 @@ func (c *Client) abandon(name string, secret []byte, pid uint32) {
 	}()
 }
 
-// afterBackend waits until backend pid is not running a statement.
+// afterBackend waits until backend pid has exited.
 func (c *Client) afterBackend(ctx context.Context, pid uint32) error {
 	for {
-		var busy bool
-		if err := c.pool.QueryRow(ctx, c.q.backendBusy, int64(pid)).Scan(&busy); err != nil {
+		var alive bool
+		if err := c.pool.QueryRow(ctx, c.q.backendAlive, int64(pid)).Scan(&alive); err != nil {
 			return err
 		}
-		if !busy {
+		if !alive {
 			return nil
 		}
 		if !wait.Sleep(ctx, 5*time.Millisecond) {

@@ -7,7 +7,6 @@ import (
 	"math"
 	"math/rand/v2"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -92,7 +91,7 @@ func TestTransientErrorsLoggedOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	rec := &records{}
+	rec := pgtest.NewLogs()
 	c, err := lock.New(pool, lock.Config{PollInterval: 10 * time.Millisecond, Logger: slog.New(rec)})
 	if err != nil {
 		t.Fatal(err)
@@ -103,37 +102,10 @@ func TestTransientErrorsLoggedOnce(t *testing.T) {
 	if _, err := c.Acquire(ctx, "down"); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Acquire against an unreachable server: %v, want the context's error", err)
 	}
-	warns, debugs := rec.count(slog.LevelWarn), rec.count(slog.LevelDebug)
+	warns, debugs := len(rec.Find(slog.LevelWarn, "")), len(rec.Find(slog.LevelDebug, ""))
 	if warns != 1 || debugs < 3 {
 		t.Fatalf("%d warnings and %d debug records for one failing state; want 1 warning and several retries", warns, debugs)
 	}
-}
-
-// records is a slog handler that keeps what it is given.
-type records struct {
-	mu   sync.Mutex
-	recs []slog.Record
-}
-
-func (r *records) Enabled(context.Context, slog.Level) bool { return true }
-func (r *records) Handle(_ context.Context, rec slog.Record) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.recs = append(r.recs, rec)
-	return nil
-}
-func (r *records) WithAttrs([]slog.Attr) slog.Handler { return r }
-func (r *records) WithGroup(string) slog.Handler      { return r }
-func (r *records) count(l slog.Level) int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	n := 0
-	for _, rec := range r.recs {
-		if rec.Level == l {
-			n++
-		}
-	}
-	return n
 }
 
 // Issue 10.4: configuration is checked before it reaches SQL.
@@ -333,7 +305,7 @@ func TestSkewWarningOncePerCrossing(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	rec := &records{}
+	rec := pgtest.NewLogs()
 	// A 1ns threshold: the measured skew (client and server share this
 	// machine's clock, but a round trip's asymmetry is microseconds) is
 	// over it at every renewal.
@@ -349,15 +321,7 @@ func TestSkewWarningOncePerCrossing(t *testing.T) {
 	if st := c.Stats(); st.Renewals < 3 {
 		t.Fatalf("%d renewals", st.Renewals)
 	}
-	n := 0
-	rec.mu.Lock()
-	for _, r := range rec.recs {
-		if r.Level == slog.LevelWarn && strings.Contains(r.Message, "SkewWarning") {
-			n++
-		}
-	}
-	rec.mu.Unlock()
-	if n != 1 {
+	if n := len(rec.Find(slog.LevelWarn, "SkewWarning")); n != 1 {
 		t.Fatalf("%d skew warnings over several renewals past the threshold, want 1", n)
 	}
 }

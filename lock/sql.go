@@ -20,7 +20,7 @@ import (
 
 // queries holds the package's SQL, built once per client for its schema.
 type queries struct {
-	acquire, heldBy, acquireNew, markWaiting, renew, release, releaseDurable, releaseSecret, backendBusy, check, inspect, forceRelease, blockers string
+	acquire, heldBy, acquireNew, markWaiting, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspect, forceRelease, blockers string
 }
 
 // wakeWaiters is a RETURNING expression for statements that free a lease
@@ -117,8 +117,8 @@ RETURNING %[2]s`, t, wake),
  WHERE l.name = $1 AND l.secret = $2
 RETURNING %[2]s`, t, wake),
 
-		// Whether backend $1 is still running a statement.
-		backendBusy: `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active')`,
+		// Whether backend $1 still exists.
+		backendAlive: `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`,
 
 		// The sessions that block backend $1, for an operator whose
 		// ForceRelease waits behind them.

@@ -59,5 +59,7 @@
 // runner prunes runs older than Config.Retention hourly. A permanent
 // database error stops Run (see package lock for which errors are
 // permanent); failed runs are logged at ERROR and fenced ones at WARN, with
-// job, shard, slot, attempt and token.
+// job, shard, slot, attempt and token. Metrics (runs by status, durations,
+// retries, leadership changes, shards owned, missed slots) go to
+// Config.Lock.MeterProvider, with the job as the only attribute.
 package runner

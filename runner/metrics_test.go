@@ -3,6 +3,7 @@ package runner_test
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -90,9 +91,12 @@ func TestMetrics(t *testing.T) {
 	lockReader := sdkmetric.NewManualReader()
 	lockMP := sdkmetric.NewMeterProvider(sdkmetric.WithReader(lockReader))
 	defer lockMP.Shutdown(context.Background())
-	var events []lock.Event
+	var (
+		mu     sync.Mutex
+		events []lock.Event
+	)
 	cfg := lock.Config{Schema: db.Schema, TTL: 3 * time.Second, RenewInterval: time.Second, MeterProvider: lockMP, Logger: quiet,
-		OnEvent: func(e lock.Event) { events = append(events, e) }}
+		OnEvent: func(e lock.Event) { mu.Lock(); events = append(events, e); mu.Unlock() }}
 	a, err := lock.New(db.Pool, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -162,6 +166,8 @@ func TestMetrics(t *testing.T) {
 		t.Error("pgfence.lease.clock_skew was not observed")
 	}
 	kinds := map[lock.EventKind]int{}
+	mu.Lock()
+	defer mu.Unlock()
 	for _, e := range events {
 		kinds[e.Kind]++
 		if e.Kind == lock.Lost && (e.Cause != lock.CauseTakenOver || !errors.Is(e.Err, lock.ErrLeaseLost)) {

@@ -2,6 +2,7 @@ package runner
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -67,6 +68,10 @@ func (r *Run) CommitTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	})
 	if err == nil {
 		r.committed = true
+	} else if lost := r.lease.Err(); lost != nil && ctx.Err() != nil {
+		// Cancelled because the lease ended: say so (it matches
+		// fence.ErrFenced), as Lease.RunTx does.
+		err = fmt.Errorf("%w (%w)", lost, err)
 	}
 	return err
 }

@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -236,4 +237,49 @@ func (db *DB) Client(tb testing.TB, cfg lock.Config) *lock.Client {
 		_ = c.Close(ctx)
 	})
 	return c
+}
+
+// Logs is a slog.Handler that keeps every record (with the attributes of
+// loggers derived through With), for tests that check what was logged.
+type Logs struct {
+	mu    *sync.Mutex
+	recs  *[]slog.Record
+	attrs []slog.Attr
+}
+
+// NewLogs returns an empty recorder; use it as slog.New(logs).
+func NewLogs() *Logs { return &Logs{mu: &sync.Mutex{}, recs: &[]slog.Record{}} }
+
+// Enabled implements slog.Handler: every level is kept.
+func (l *Logs) Enabled(context.Context, slog.Level) bool { return true }
+
+// Handle implements slog.Handler.
+func (l *Logs) Handle(_ context.Context, r slog.Record) error {
+	r = r.Clone()
+	r.AddAttrs(l.attrs...)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	*l.recs = append(*l.recs, r)
+	return nil
+}
+
+// WithAttrs implements slog.Handler.
+func (l *Logs) WithAttrs(as []slog.Attr) slog.Handler {
+	return &Logs{mu: l.mu, recs: l.recs, attrs: append(append([]slog.Attr(nil), l.attrs...), as...)}
+}
+
+// WithGroup implements slog.Handler (groups are not kept apart).
+func (l *Logs) WithGroup(string) slog.Handler { return l }
+
+// Find returns the records at level whose message contains msg.
+func (l *Logs) Find(level slog.Level, msg string) []slog.Record {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []slog.Record
+	for _, r := range *l.recs {
+		if r.Level == level && strings.Contains(r.Message, msg) {
+			out = append(out, r)
+		}
+	}
+	return out
 }
