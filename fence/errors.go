@@ -139,11 +139,16 @@ func translate(err error, lease string, presented Token) error {
 }
 
 // translateCheck is translate for the lease check's own statement, which
-// also turns its serialization failure into a *SnapshotError.
+// also turns its serialization failure into a *SnapshotError, and says what
+// pgfence was doing when anything else failed (a missing schema, a lost
+// connection) instead of handing the driver's words to the caller.
 func translateCheck(err error, lease string, presented Token) error {
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) && pg.Code == "40001" {
 		return &SnapshotError{Lease: lease, Presented: presented, Err: err}
 	}
-	return translate(err, lease, presented)
+	if t := translate(err, lease, presented); t != err {
+		return t
+	}
+	return fmt.Errorf("fence: check the token of lease %q: %w", lease, err)
 }

@@ -3,6 +3,7 @@ package fence_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -160,5 +161,28 @@ func TestFencedTargetCoversSnapshotFailure(t *testing.T) {
 	}
 	if !errors.Is(lock.ErrLeaseLost, fence.ErrFenced) {
 		t.Fatal("lock.ErrLeaseLost does not match fence.ErrFenced")
+	}
+}
+
+// Issue 14.6: errors read like pgfence, not like the driver's internals
+// ("error preprocessing batch (prepare): ..."): a guard pointed at a schema
+// without pgfence's objects says what it was doing.
+func TestErrorsSayWhatPgfenceWasDoing(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	g := fence.Guard{Lease: "x", Token: 1, Schema: db.Schema + "_nowhere"}
+	err := g.RunTx(ctx, db.Pool, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1"); return err })
+	if err == nil || !strings.HasPrefix(err.Error(), `fence: check the token of lease "x": `) {
+		t.Fatalf("RunTx on a schema without pgfence: %v", err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	err = fence.Resource{Name: "r", Schema: db.Schema + "_nowhere"}.Admit(ctx, tx, 1)
+	if err == nil || !strings.HasPrefix(err.Error(), `fence: admit token 1 to resource "r": `) {
+		t.Fatalf("Admit on a schema without pgfence: %v", err)
 	}
 }

@@ -3,6 +3,7 @@ package fence
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -94,13 +95,18 @@ func (r Resource) admitSQL() string {
 	return "SELECT " + ident.Table(r.Schema, "pgfence_admit") + "($1, $2)"
 }
 
-// translate maps pgfence_admit's errors, naming the resource in a refusal.
+// translate maps pgfence_admit's errors, naming the resource in a refusal,
+// and says what pgfence was doing when anything else failed.
 func (r Resource) translate(err error, t Token) error {
-	var stale *StaleTokenError
-	if err = translate(err, "", t); errors.As(err, &stale) {
-		stale.Resource = r.Name
+	if err == nil {
+		return nil
 	}
-	return err
+	var stale *StaleTokenError
+	if tr := translate(err, "", t); errors.As(tr, &stale) {
+		stale.Resource = r.Name
+		return tr
+	}
+	return fmt.Errorf("fence: admit token %d to resource %q: %w", t, r.Name, err)
 }
 
 // Querier runs a query returning one row: a pool, a connection and a

@@ -267,3 +267,23 @@ func TestOperatorSafety(t *testing.T) {
 		t.Fatalf("migrate status created schema %q (%v)", typo, err)
 	}
 }
+
+// Issue 14.5: the CLI and the library agree on the schema: PGFENCE_SCHEMA
+// chooses it, and a missing table says which schema was searched and how
+// to choose another.
+func TestSchemaFromEnvironment(t *testing.T) {
+	c := newCLI(t)
+	run := func(schema string, args ...string) (string, int) {
+		cmd := exec.Command(c.bin, args...)
+		cmd.Env = append(os.Environ(), "DATABASE_URL="+pgtest.URL(t), "PGFENCE_SCHEMA="+schema)
+		out, _ := cmd.CombinedOutput()
+		return string(out), cmd.ProcessState.ExitCode()
+	}
+	if out, code := run(c.schema, "leases"); code != 0 || !strings.Contains(out, "NAME") {
+		t.Fatalf("leases with PGFENCE_SCHEMA=%s: %d\n%s", c.schema, code, out)
+	}
+	out, code := run(c.schema+"_missing", "leases")
+	if code != 1 || !strings.Contains(out, `looked in schema "`+c.schema+`_missing"`) || !strings.Contains(out, "PGFENCE_SCHEMA") {
+		t.Fatalf("leases on a schema without pgfence's tables: %d\n%s", code, out)
+	}
+}
