@@ -34,9 +34,9 @@ type Lease struct {
 }
 
 func newLease(c *Client, name string, token fence.Token, secret []byte, expiresAt, sent time.Time) *Lease {
-	ctx, cancel := context.WithCancelCause(context.Background())
-	l := &Lease{c: c, name: name, token: token, secret: secret, ctx: ctx, cancel: cancel,
+	l := &Lease{c: c, name: name, token: token, secret: secret,
 		expiresAt: expiresAt, trustUntil: sent.Add(c.cfg.TTL - c.cfg.SafetyMargin)}
+	l.ctx, l.cancel = context.WithCancelCause(context.WithValue(context.Background(), leaseKey{}, l))
 	// The window may already be over (the process was paused while the
 	// acquisition was in flight): then the timer fires at once, and must
 	// find l.timer set. Holding mu makes it wait for the assignment.
@@ -72,8 +72,20 @@ func (l *Lease) TrustedUntil() time.Time {
 }
 
 // Context returns a context that is cancelled when the lease ends; its cause
-// (context.Cause) wraps ErrLeaseLost or is ErrReleased.
+// (context.Cause) wraps ErrLeaseLost or is ErrReleased. It carries the lease:
+// FromContext finds it in every context derived from it (an Election's Lead
+// context, a runner job's).
 func (l *Lease) Context() context.Context { return l.ctx }
+
+type leaseKey struct{}
+
+// FromContext returns the lease whose Context ctx derives from, if any, so
+// that code can check that it runs under a lease (and which one); the lease
+// may have ended since (see Lease.Err).
+func FromContext(ctx context.Context) (*Lease, bool) {
+	l, ok := ctx.Value(leaseKey{}).(*Lease)
+	return l, ok
+}
 
 // Done is closed when the lease ends (lost or released).
 func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
