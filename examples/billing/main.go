@@ -10,8 +10,8 @@
 //	go run ./examples/billing            # fenced: duplicates: 0
 //	go run ./examples/billing -unfenced  # the double charge
 //
-// The database: DATABASE_URL, else a throwaway container where Docker is
-// available, else the libpq defaults (PGHOST, ... then localhost:5432).
+// The database: DATABASE_URL, else the libpq defaults (PGHOST, ... then
+// localhost:5432).
 package main
 
 import (
@@ -33,8 +33,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
-	"github.com/pgfence/pgfence/internal/devdb"
 	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
 )
 
 // urlEnv passes the resolved database to the worker processes.
@@ -64,11 +64,11 @@ func main() {
 
 func orchestrate(schema string, ttl time.Duration, unfenced bool) error {
 	ctx := context.Background()
-	pool, where, cleanup, err := devdb.Connect(ctx)
+	pool, where, err := connect(ctx)
 	if err != nil {
 		return err
 	}
-	defer cleanup()
+	defer pool.Close()
 	mode := "fenced"
 	if unfenced {
 		mode = "UNFENCED"
@@ -168,7 +168,7 @@ func relay(r io.Reader, fn func(string)) {
 
 func setup(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 	q := pgx.Identifier{schema}.Sanitize()
-	if err := devdb.FreshSchema(ctx, pool, schema); err != nil {
+	if err := freshSchema(ctx, pool, schema); err != nil {
 		return err
 	}
 	for _, stmt := range []string{
@@ -283,4 +283,37 @@ func runWorker(id int, schema string, ttl time.Duration, unfenced bool) error {
 	_ = l.Release(ctx)
 	say("done")
 	return nil
+}
+
+// connect opens a pool on DATABASE_URL or, when it is not set, on the libpq
+// variables (PGHOST, PGPORT, PGUSER, ..., then a local socket or
+// localhost:5432), and says which.
+func connect(ctx context.Context) (*pgxpool.Pool, string, error) {
+	where := "DATABASE_URL"
+	if os.Getenv("DATABASE_URL") == "" {
+		where = "libpq defaults"
+	}
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err == nil {
+		err = pool.Ping(ctx)
+	}
+	if err != nil {
+		if pool != nil {
+			pool.Close()
+		}
+		return nil, "", fmt.Errorf("no PostgreSQL server found (%s): set DATABASE_URL, e.g.\n"+
+			"  DATABASE_URL='postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable'\nor the libpq variables PGHOST, PGPORT, ...: %w", where, err)
+	}
+	cfg := pool.Config().ConnConfig
+	return pool, fmt.Sprintf("%s (%s:%d)", where, cfg.Host, cfg.Port), nil
+}
+
+// freshSchema drops schema (with everything in it) and applies pgfence's
+// migrations there, so the demo starts from a clean slate on every run.
+func freshSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
+	if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
+		return err
+	}
+	_, err := migrations.Up(ctx, pool, schema)
+	return err
 }

@@ -16,7 +16,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/pgfence/pgfence/internal/devdb"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 )
@@ -39,11 +40,11 @@ func main() {
 }
 
 func run(ctx context.Context, schema string) error {
-	pool, where, cleanup, err := devdb.Connect(ctx)
+	pool, where, err := connect(ctx)
 	if err != nil {
 		return err
 	}
-	defer cleanup()
+	defer pool.Close()
 	if _, err := migrations.Up(ctx, pool, schema); err != nil {
 		return err
 	}
@@ -79,4 +80,27 @@ func run(ctx context.Context, schema string) error {
 		},
 	}
 	return e.Run(ctx)
+}
+
+// connect opens a pool on DATABASE_URL or, when it is not set, on the libpq
+// variables (PGHOST, PGPORT, PGUSER, ..., then a local socket or
+// localhost:5432), and says which.
+func connect(ctx context.Context) (*pgxpool.Pool, string, error) {
+	where := "DATABASE_URL"
+	if os.Getenv("DATABASE_URL") == "" {
+		where = "libpq defaults"
+	}
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err == nil {
+		err = pool.Ping(ctx)
+	}
+	if err != nil {
+		if pool != nil {
+			pool.Close()
+		}
+		return nil, "", fmt.Errorf("no PostgreSQL server found (%s): set DATABASE_URL, e.g.\n"+
+			"  DATABASE_URL='postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable'\nor the libpq variables PGHOST, PGPORT, ...: %w", where, err)
+	}
+	cfg := pool.Config().ConnConfig
+	return pool, fmt.Sprintf("%s (%s:%d)", where, cfg.Host, cfg.Port), nil
 }

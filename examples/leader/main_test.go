@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -90,7 +91,7 @@ func TestLeaderFindsItsDatabase(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	base := []string{"PGFENCE_NO_DOCKER=1", "PGUSER=" + cfg.User, "PGDATABASE=" + cfg.Database, "PGHOST=" + cfg.Host, "PGSSLMODE=disable"}
+	base := []string{"PGUSER=" + cfg.User, "PGDATABASE=" + cfg.Database, "PGHOST=" + cfg.Host, "PGSSLMODE=disable"}
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "DATABASE_URL=") && !strings.HasPrefix(kv, "PG") {
 			base = append(base, kv)
@@ -107,5 +108,39 @@ func TestLeaderFindsItsDatabase(t *testing.T) {
 	out, _ = cmd.CombinedOutput()
 	if cmd.ProcessState.ExitCode() != 1 || !strings.Contains(string(out), "no PostgreSQL server found") || !strings.Contains(string(out), "DATABASE_URL=") {
 		t.Fatalf("with nothing to connect to: exit %d\n%s", cmd.ProcessState.ExitCode(), out)
+	}
+}
+
+// Issue 14.3: the example is copyable: main.go alone, in a module of its own
+// that requires pgfence (replaced by this checkout), builds. (On main it
+// imported pgfence/internal/devdb: "use of internal package not allowed".)
+func TestCopiesIntoItsOwnModule(t *testing.T) {
+	root, err := filepath.Abs(filepath.Join("..", ".."))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	src, err := os.ReadFile("main.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum, err := os.ReadFile(filepath.Join(root, "go.sum"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	goMod := "module example.com/myservice\n\ngo 1.26.0\n\nrequire github.com/pgfence/pgfence v0.0.0\n\n" +
+		"replace github.com/pgfence/pgfence => " + root + "\n"
+	for name, data := range map[string][]byte{"main.go": src, "go.mod": []byte(goMod), "go.sum": sum} {
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, args := range [][]string{{"mod", "tidy"}, {"build", "-o", filepath.Join(dir, "leader"), "."}} {
+		cmd := exec.Command("go", args...)
+		cmd.Dir = dir
+		cmd.Env = append(os.Environ(), "GOFLAGS=-mod=mod")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("go %s in a module of its own: %v\n%s", strings.Join(args, " "), err, out)
+		}
 	}
 }

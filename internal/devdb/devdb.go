@@ -1,7 +1,7 @@
-// Package devdb finds a PostgreSQL server for tests and examples: an explicit
-// URL from the environment, a throwaway container where Docker is available,
-// or (for examples) the libpq defaults. It is internal: importers of pgfence
-// never build it, so testcontainers stays out of their binaries.
+// Package devdb starts a throwaway PostgreSQL container for pgfence's own
+// tests where Docker is available (internal/pgtest uses it when
+// TEST_DATABASE_URL is not set). It is internal: importers of pgfence never
+// build it, so testcontainers stays out of their binaries.
 package devdb
 
 import (
@@ -11,12 +11,8 @@ import (
 	"os"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/testcontainers/testcontainers-go"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
-
-	"github.com/pgfence/pgfence/migrations"
 )
 
 // ErrNoDocker is returned by Container when no Docker engine is reachable.
@@ -69,69 +65,4 @@ func Container(ctx context.Context) (url string, stop func(), err error) {
 		return "", nil, err
 	}
 	return url, func() { _ = testcontainers.TerminateContainer(c) }, nil
-}
-
-// ErrNoDatabase is returned by Connect when no server could be found.
-var ErrNoDatabase = errors.New(`no PostgreSQL server found. Provide one with
-  DATABASE_URL='postgres://user:pass@host:5432/db?sslmode=disable'
-or the libpq variables (PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD),
-or make a Docker engine available so a throwaway server can be started`)
-
-// Connect finds a database the way the examples document: DATABASE_URL if
-// set; otherwise a throwaway container where Docker is available; otherwise
-// the libpq defaults (PGHOST, PGPORT, ... then a local socket or
-// localhost:5432). It returns the pool, where it connected, and a cleanup.
-func Connect(ctx context.Context) (*pgxpool.Pool, string, func(), error) {
-	try := func(url, where string, stop func()) (*pgxpool.Pool, string, func(), error) {
-		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		defer cancel()
-		pool, err := pgxpool.New(cctx, url)
-		if err == nil {
-			err = pool.Ping(cctx)
-		}
-		if err != nil {
-			if pool != nil {
-				pool.Close()
-			}
-			if stop != nil {
-				stop()
-			}
-			return nil, "", nil, err
-		}
-		cleanup := pool.Close
-		if stop != nil {
-			cleanup = func() { pool.Close(); stop() }
-		}
-		return pool, where, cleanup, nil
-	}
-	if u := os.Getenv("DATABASE_URL"); u != "" {
-		pool, where, cleanup, err := try(u, "DATABASE_URL", nil)
-		if err != nil {
-			return nil, "", nil, fmt.Errorf("DATABASE_URL is set but does not answer: %w", err)
-		}
-		return pool, where, cleanup, nil
-	}
-	if DockerAvailable() {
-		if u, stop, err := Container(ctx); err == nil {
-			if pool, where, cleanup, err := try(u, "a throwaway container ("+Image+")", stop); err == nil {
-				return pool, where, cleanup, nil
-			}
-		}
-	}
-	pool, _, cleanup, err := try("", "", nil)
-	if err != nil {
-		return nil, "", nil, fmt.Errorf("%w\n(libpq defaults: %v)", ErrNoDatabase, err)
-	}
-	cfg := pool.Config().ConnConfig
-	return pool, fmt.Sprintf("libpq defaults (%s:%d)", cfg.Host, cfg.Port), cleanup, nil
-}
-
-// FreshSchema drops schema (with everything in it) and applies pgfence's
-// migrations there, so an example starts from a clean slate on every run.
-func FreshSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
-	if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
-		return err
-	}
-	_, err := migrations.Up(ctx, pool, schema)
-	return err
 }
