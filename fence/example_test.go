@@ -4,22 +4,31 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
-	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/pgfencetest"
 )
 
 // A leader paused past its lease wakes up and tries to write with its old
 // token: the guard refuses it in the same transaction.
 func ExampleGuard_RunTx() {
-	db, cleanup := pgtest.ForExample()
-	defer cleanup()
 	ctx := context.Background()
-	_, _ = db.Pool.Exec(ctx, "CREATE TABLE "+db.Schema+".charges (customer text, token bigint)")
-	c, _ := lock.New(db.Pool, lock.Config{Schema: db.Schema})
+	db, cleanup, err := pgfencetest.Open(ctx) // a fresh schema on $PGFENCE_TEST_DATABASE_URL (or TEST_DATABASE_URL, DATABASE_URL)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer cleanup()
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+db.Schema+".charges (customer text, token bigint)"); err != nil {
+		log.Fatal(err)
+	}
+	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema})
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer c.Close(ctx)
 
 	charge := func(g fence.Guard) error {
@@ -29,13 +38,21 @@ func ExampleGuard_RunTx() {
 		})
 	}
 
-	old, _ := c.TryAcquire(ctx, "billing")
+	old, err := c.TryAcquire(ctx, "billing")
+	if err != nil {
+		log.Fatal(err)
+	}
 	stale := old.Guard()
-	_ = old.Release(ctx) // stands in for "paused past its TTL, lease taken over"
-	current, _ := c.TryAcquire(ctx, "billing")
+	if err := old.Release(ctx); err != nil { // stands in for "paused past its TTL, lease taken over"
+		log.Fatal(err)
+	}
+	current, err := c.TryAcquire(ctx, "billing")
+	if err != nil {
+		log.Fatal(err)
+	}
 
 	fmt.Println("current leader:", charge(current.Guard()))
-	err := charge(stale)
+	err = charge(stale)
 	var se *fence.StaleTokenError
 	if errors.As(err, &se) {
 		fmt.Printf("stale leader refused: presented %d, current %d\n", se.Presented, se.Current)

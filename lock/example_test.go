@@ -4,25 +4,38 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log"
 	"time"
 
-	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/pgfencetest"
 )
 
 func ExampleClient_TryAcquire() {
-	db, cleanup := pgtest.ForExample()
-	defer cleanup()
 	ctx := context.Background()
+	// A fresh schema on $PGFENCE_TEST_DATABASE_URL (or TEST_DATABASE_URL,
+	// DATABASE_URL), dropped at the end. In a program: your pool, and
+	// migrations.Up(ctx, pool, "pgfence").
+	db, cleanup, err := pgfencetest.Open(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer cleanup()
 
-	a, _ := lock.New(db.Pool, lock.Config{Schema: db.Schema, Holder: "node-a"})
-	b, _ := lock.New(db.Pool, lock.Config{Schema: db.Schema, Holder: "node-b"})
+	a, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, Holder: "node-a"})
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer a.Close(ctx)
+	b, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, Holder: "node-b"})
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer b.Close(ctx)
 
 	l, err := a.TryAcquire(ctx, "nightly-billing")
 	if err != nil {
-		panic(err)
+		log.Fatal(err)
 	}
 	fmt.Println("node-a holds it with token", l.Token())
 
@@ -32,8 +45,13 @@ func ExampleClient_TryAcquire() {
 		fmt.Println("node-b is refused: held by", held.Holder)
 	}
 
-	_ = l.Release(ctx)
-	l2, _ := b.TryAcquire(ctx, "nightly-billing")
+	if err := l.Release(ctx); err != nil {
+		log.Fatal(err)
+	}
+	l2, err := b.TryAcquire(ctx, "nightly-billing")
+	if err != nil {
+		log.Fatal(err)
+	}
 	fmt.Println("after release node-b gets token", l2.Token())
 	// Output:
 	// node-a holds it with token 1
@@ -42,9 +60,15 @@ func ExampleClient_TryAcquire() {
 }
 
 func ExampleElection() {
-	db, cleanup := pgtest.ForExample()
+	db, cleanup, err := pgfencetest.Open(context.Background()) // see ExampleClient_TryAcquire
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer cleanup()
-	c, _ := lock.New(db.Pool, lock.Config{Schema: db.Schema})
+	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema})
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer c.Close(context.Background())
 
 	ctx, stop := context.WithTimeout(context.Background(), 10*time.Second)
@@ -61,7 +85,7 @@ func ExampleElection() {
 		OnStop: func(l *lock.Lease, err error) { fmt.Println("stopped leading") },
 	}
 	if err := e.Run(ctx); err != nil {
-		panic(err)
+		log.Fatal(err)
 	}
 	// Output:
 	// leading with token 1

@@ -13,6 +13,8 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -51,6 +53,22 @@ type DB struct {
 // and the pool go away when the test ends.
 func New(tb TB) *DB {
 	tb.Helper()
+	db, cleanup, err := Open(context.Background())
+	if err != nil {
+		tb.Fatalf("pgfencetest: %v", err)
+		return nil
+	}
+	tb.Cleanup(cleanup)
+	return db
+}
+
+// ErrNoDatabase is returned by Open when the environment names no database.
+var ErrNoDatabase = errors.New("no database: set PGFENCE_TEST_DATABASE_URL (or TEST_DATABASE_URL, DATABASE_URL), e.g.\n" +
+	"  PGFENCE_TEST_DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable'")
+
+// Open is New for code without a testing.TB (an Example, a tool): it
+// returns the fresh schema and a function that drops it and closes the pool.
+func Open(ctx context.Context) (*DB, func(), error) {
 	var url string
 	for _, v := range EnvURL {
 		if url = os.Getenv(v); url != "" {
@@ -58,29 +76,26 @@ func New(tb TB) *DB {
 		}
 	}
 	if url == "" {
-		tb.Fatalf("pgfencetest: no database: set PGFENCE_TEST_DATABASE_URL (or TEST_DATABASE_URL, DATABASE_URL), e.g.\n" +
-			"  PGFENCE_TEST_DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable'")
-		return nil
+		return nil, nil, ErrNoDatabase
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
-		tb.Fatalf("pgfencetest: connect: %v", err)
-		return nil
+		return nil, nil, fmt.Errorf("connect: %w", err)
 	}
 	b := make([]byte, 6)
 	_, _ = rand.Read(b)
 	schema := "pgfencetest_" + hex.EncodeToString(b)
-	tb.Cleanup(func() {
+	cleanup := func() {
 		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
 		pool.Close()
-	})
-	if _, err := migrations.Up(ctx, pool, schema); err != nil {
-		tb.Fatalf("pgfencetest: migrate: %v", err)
-		return nil
 	}
-	return &DB{Pool: pool, Schema: schema}
+	if _, err := migrations.Up(ctx, pool, schema); err != nil {
+		cleanup()
+		return nil, nil, fmt.Errorf("migrate: %w", err)
+	}
+	return &DB{Pool: pool, Schema: schema}, cleanup, nil
 }
 
 // Client returns a lock client on the test's schema (cfg.Schema is set; a

@@ -3,24 +3,34 @@ package runner_test
 import (
 	"context"
 	"fmt"
+	"log"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/pgfencetest"
 	"github.com/pgfence/pgfence/runner"
 )
 
 func ExampleRunner() {
-	db, cleanup := pgtest.ForExample()
+	db, cleanup, err := pgfencetest.Open(context.Background()) // a fresh schema on $PGFENCE_TEST_DATABASE_URL (or TEST_DATABASE_URL, DATABASE_URL)
+	if err != nil {
+		log.Fatal(err)
+	}
 	defer cleanup()
 	ctx, stop := context.WithTimeout(context.Background(), 30*time.Second)
 	defer stop()
-	_, _ = db.Pool.Exec(ctx, "CREATE TABLE "+db.Schema+".summary (slot timestamptz PRIMARY KEY)")
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+db.Schema+".summary (slot timestamptz PRIMARY KEY)"); err != nil {
+		log.Fatal(err)
+	}
 
-	r, _ := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: quiet}})
-	err := r.Register(runner.Job{
+	r, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: slog.New(slog.DiscardHandler)}})
+	if err != nil {
+		log.Fatal(err)
+	}
+	err = r.Register(runner.Job{
 		Name:     "compact-events",
 		Schedule: "@every 100ms", // or "CRON_TZ=Europe/Paris 0 2 * * *"
 		Run: func(ctx context.Context, run *runner.Run) error {
@@ -36,10 +46,10 @@ func ExampleRunner() {
 		},
 	})
 	if err != nil {
-		panic(err)
+		log.Fatal(err)
 	}
 	if err := r.Run(ctx); err != nil {
-		panic(err)
+		log.Fatal(err)
 	}
 	// Output:
 	// compacted one slot with token 1

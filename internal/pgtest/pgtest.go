@@ -111,29 +111,6 @@ func New(tb testing.TB) *DB {
 	return &DB{Pool: pool, Schema: schema, URL: url}
 }
 
-// ForExample prepares a fresh schema for an Example function, which has no
-// testing.TB: it panics on failure and returns a cleanup to defer.
-func ForExample() (*DB, func()) {
-	if baseURL == "" {
-		panic("pgtest: no database: call pgtest.Main from TestMain")
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	pool, err := pgxpool.New(ctx, baseURL)
-	if err != nil {
-		panic(err)
-	}
-	schema := "ex_" + randHex(6)
-	if _, err := migrations.Up(ctx, pool, schema); err != nil {
-		pool.Close()
-		panic(err)
-	}
-	return &DB{Pool: pool, Schema: schema, URL: baseURL}, func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-		pool.Close()
-	}
-}
-
 // NewPool opens a pool to the test server whose connections carry
 // application_name, so a test can find (and kill) exactly its own backends.
 // It is closed when the test ends.
