@@ -4,15 +4,18 @@
 package pgtest
 
 import (
+	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -22,7 +25,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
 
-	"github.com/pgfence/pgfence/internal/devdb"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 )
@@ -43,7 +45,7 @@ func run(m *testing.M) int {
 	if u := os.Getenv(EnvURL); u != "" {
 		baseURL = u
 	} else {
-		u, stop, err := devdb.Container(context.Background())
+		u, stop, err := container()
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "pgfence tests need PostgreSQL: set %s (for example\n"+
 				"  %s='postgres://postgres@127.0.0.1:5432/test?sslmode=disable')\n"+
@@ -63,12 +65,64 @@ func run(m *testing.M) int {
 	return code
 }
 
-// IgnoreLeaks lists goroutines that belong to the test infrastructure.
-func IgnoreLeaks() []goleak.Option {
-	return []goleak.Option{
-		goleak.IgnoreTopFunction("github.com/testcontainers/testcontainers-go.(*Reaper).connect.func1"),
-		goleak.IgnoreAnyFunction("github.com/testcontainers/testcontainers-go/internal/core.(*Reaper)"),
+// IgnoreLeaks lists goroutines that belong to the test infrastructure
+// (none: the container, when there is one, lives in another process).
+func IgnoreLeaks() []goleak.Option { return nil }
+
+// errNoDocker is returned by container when no Docker engine is reachable.
+var errNoDocker = errors.New("no Docker engine found (no DOCKER_HOST and no /var/run/docker.sock)")
+
+// dockerAvailable reports whether a Docker engine looks reachable (the usual
+// endpoints; starting a container can still fail). PGFENCE_NO_DOCKER=1 makes
+// it false.
+func dockerAvailable() bool {
+	if os.Getenv("PGFENCE_NO_DOCKER") == "1" {
+		return false
 	}
+	if os.Getenv("DOCKER_HOST") != "" {
+		return true
+	}
+	for _, p := range []string{"/var/run/docker.sock", os.ExpandEnv("$HOME/.docker/run/docker.sock")} {
+		if fi, err := os.Stat(p); err == nil && fi.Mode()&os.ModeSocket != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// container starts a throwaway PostgreSQL for the package's tests: it runs
+// internal/containerdb (a module of its own, so that testcontainers is
+// compiled only on this path) with `go run`, and returns the URL it prints
+// and a function that makes it remove the container.
+func container() (string, func(), error) {
+	if !dockerAvailable() {
+		return "", nil, errNoDocker
+	}
+	_, self, _, _ := runtime.Caller(0)
+	cmd := exec.Command("go", "run", ".")
+	cmd.Dir = filepath.Join(filepath.Dir(self), "..", "containerdb")
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return "", nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return "", nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return "", nil, fmt.Errorf("go run %s: %w", cmd.Dir, err)
+	}
+	stop := func() { _ = stdin.Close(); _ = cmd.Wait() }
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() {
+		if url, ok := strings.CutPrefix(sc.Text(), "URL "); ok {
+			go func() { _, _ = io.Copy(io.Discard, stdout) }()
+			return url, stop, nil
+		}
+	}
+	stop()
+	return "", nil, fmt.Errorf("%s printed no URL (its errors are above)", cmd.Dir)
 }
 
 // URL returns the server URL the package's tests use.
