@@ -325,3 +325,49 @@ func TestSkewWarningOncePerCrossing(t *testing.T) {
 		t.Fatalf("%d skew warnings over several renewals past the threshold, want 1", n)
 	}
 }
+
+// Issue 15 (connection churn): blocked acquirers share the client's one
+// listening connection, and it is kept for a while after the last waiter, so
+// a stream of handovers does not open a server connection each (on main,
+// 250 handovers opened 251).
+func TestHandoversDoNotChurnConnections(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	holder := newClient(t, db, lock.Config{})
+	pool := pgtest.NewPool(t, "churn")
+	waiter, err := lock.New(pool, lock.Config{Schema: db.Schema, PollInterval: 10 * time.Second, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer waiter.Close(ctx)
+	handover := func() {
+		l, err := holder.TryAcquire(ctx, "busy")
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make(chan error, 1)
+		go func() {
+			wl, err := waiter.Acquire(ctx, "busy") // blocks until the release
+			if err == nil {
+				err = wl.Release(ctx)
+			}
+			got <- err
+		}()
+		time.Sleep(20 * time.Millisecond) // the waiter is blocked
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-got; err != nil {
+			t.Fatal(err)
+		}
+	}
+	handover() // warm: the pool and the listening connection exist
+	before := pool.Stat().NewConnsCount()
+	for range 30 {
+		handover()
+	}
+	if opened := pool.Stat().NewConnsCount() - before; opened > 3 {
+		t.Fatalf("30 handovers opened %d new connections, want the listening connection kept", opened)
+	}
+}

@@ -12,8 +12,14 @@ import (
 // releaseChannel is the NOTIFY channel the leases table's trigger uses.
 const releaseChannel = "pgfence_released"
 
-// listener holds one LISTEN connection per client while any Acquire waits,
-// and wakes the waiters of a lease when it is released.
+// listenerLinger is how long the listening connection stays open after
+// the last waiter or watcher has gone: a client that hands leases back and
+// forth does not open a server connection for every wait.
+const listenerLinger = 30 * time.Second
+
+// listener holds one LISTEN connection per client while any Acquire waits
+// (and for listenerLinger after), and wakes the waiters of a lease when it is
+// released.
 type listener struct {
 	c *Client
 
@@ -21,6 +27,7 @@ type listener struct {
 	subs    map[string]map[*subscription]struct{}
 	cancel  context.CancelFunc // stops the running goroutine; nil when idle
 	ready   chan struct{}      // closed once LISTEN is in place
+	idle    *time.Timer        // stops the goroutine once it has lingered unused
 	stopped bool
 }
 
@@ -40,6 +47,10 @@ func (li *listener) subscribe(name string) *subscription {
 	li.mu.Lock()
 	defer li.mu.Unlock()
 	s := &subscription{C: make(chan struct{}, 1), name: name, l: li}
+	if li.idle != nil {
+		li.idle.Stop()
+		li.idle = nil
+	}
 	if li.subs[name] == nil {
 		li.subs[name] = make(map[*subscription]struct{})
 	}
@@ -66,6 +77,16 @@ func (s *subscription) cancel() {
 	if len(li.subs[s.name]) == 0 {
 		delete(li.subs, s.name)
 	}
+	if len(li.subs) == 0 && li.cancel != nil && li.idle == nil {
+		li.idle = time.AfterFunc(listenerLinger, li.stopIfIdle)
+	}
+}
+
+// stopIfIdle stops the goroutine if nothing has subscribed since it lingered.
+func (li *listener) stopIfIdle() {
+	li.mu.Lock()
+	defer li.mu.Unlock()
+	li.idle = nil
 	if len(li.subs) == 0 && li.cancel != nil {
 		li.cancel()
 		li.cancel = nil
@@ -75,6 +96,10 @@ func (s *subscription) cancel() {
 func (li *listener) stop() {
 	li.mu.Lock()
 	li.stopped = true
+	if li.idle != nil {
+		li.idle.Stop()
+		li.idle = nil
+	}
 	if li.cancel != nil {
 		li.cancel()
 		li.cancel = nil
