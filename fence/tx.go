@@ -111,7 +111,7 @@ func (t *guardedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 			done()
 			return nil, err
 		}
-		return &boundRows{Rows: rows, done: done}, nil
+		return &closingRows{Rows: rows, finish: func() error { done(); return nil }}, nil
 	}
 	br, err := t.pipeline(ctx, sql, args)
 	if err != nil {
@@ -124,7 +124,7 @@ func (t *guardedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 		done()
 		return nil, err
 	}
-	return &batchRows{Rows: rows, br: br, done: done}, nil
+	return &closingRows{Rows: rows, finish: func() error { defer done(); return br.Close() }}, nil
 }
 
 func (t *guardedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
@@ -163,25 +163,6 @@ func (t *guardedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	return &guardedTx{Tx: inner, g: t.g, checked: true, bound: t.bound}, nil
 }
 
-// boundRows releases its statement's bound context when closed.
-type boundRows struct {
-	pgx.Rows
-	done func()
-}
-
-func (r *boundRows) Next() bool {
-	if r.Rows.Next() {
-		return true
-	}
-	r.Close()
-	return false
-}
-
-func (r *boundRows) Close() {
-	r.Rows.Close()
-	r.done()
-}
-
 // boundBatch releases its batch's bound context when closed.
 type boundBatch struct {
 	pgx.BatchResults
@@ -193,17 +174,17 @@ func (b *boundBatch) Close() error {
 	return b.BatchResults.Close()
 }
 
-// batchRows closes the batch that carried its query once the rows are done,
-// then releases the bound context.
-type batchRows struct {
+// closingRows runs finish once the rows are done (read to the end or
+// closed): closing the batch that carried the query, if any, and releasing
+// the statement's bound context. finish's error is reported by Err.
+type closingRows struct {
 	pgx.Rows
-	br       pgx.BatchResults
-	done     func()
-	closed   bool
-	closeErr error
+	finish    func() error
+	finished  bool
+	finishErr error
 }
 
-func (r *batchRows) Next() bool {
+func (r *closingRows) Next() bool {
 	if r.Rows.Next() {
 		return true
 	}
@@ -211,20 +192,19 @@ func (r *batchRows) Next() bool {
 	return false
 }
 
-func (r *batchRows) Close() {
+func (r *closingRows) Close() {
 	r.Rows.Close()
-	if !r.closed {
-		r.closed = true
-		r.closeErr = r.br.Close()
-		r.done()
+	if !r.finished {
+		r.finished = true
+		r.finishErr = r.finish()
 	}
 }
 
-func (r *batchRows) Err() error {
+func (r *closingRows) Err() error {
 	if err := r.Rows.Err(); err != nil {
 		return err
 	}
-	return r.closeErr
+	return r.finishErr
 }
 
 // row implements pgx.Row over rows, as pgx's own QueryRow does.

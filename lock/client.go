@@ -196,6 +196,14 @@ func (c *Client) afterBackend(ctx context.Context, pid uint32) error {
 	}
 }
 
+// trustUntil is the end of the local trust window of an acquisition or
+// renewal sent at sent (monotonic clock): the database keeps the lease for
+// at least TTL after it received the request, so the holder trusts it for
+// TTL - SafetyMargin after sending it.
+func (c *Client) trustUntil(sent time.Time) time.Time {
+	return sent.Add(c.cfg.TTL - c.cfg.SafetyMargin)
+}
+
 // verify checks the schema version once per client, on first use.
 func (c *Client) verify(ctx context.Context) error {
 	if c.verified.Load() {
@@ -259,7 +267,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			}
 			continue // freed between the two statements, or an insert race
 		}
-		if time.Until(g.sent.Add(c.cfg.TTL-c.cfg.SafetyMargin)) >= c.cfg.RenewInterval {
+		if time.Until(c.trustUntil(g.sent)) >= c.cfg.RenewInterval {
 			break
 		}
 		renewSent := time.Now()
@@ -308,7 +316,7 @@ func (c *Client) attempt(ctx context.Context, args []any, since time.Time) (g gr
 	case err != nil || r.won:
 		return g, r, err
 	case r.held != nil && r.mine && r.live && !since.IsZero() &&
-		time.Until(since.Add(c.cfg.TTL-c.cfg.SafetyMargin)) > c.cfg.RenewInterval/2:
+		time.Until(c.trustUntil(since)) > c.cfg.RenewInterval/2:
 		// An earlier attempt of this Acquire won; its reply was lost.
 		c.cfg.Logger.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
 		return grant{token: int64(r.held.Token), expiresAt: r.held.ExpiresAt, sent: since}, casResult{won: true}, nil
@@ -424,7 +432,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 				if failures > 0 {
 					c.cfg.Logger.Info("pgfence: acquire recovered", "lease", name, "failures", failures)
 				}
-				c.m.waitTime.Record(ctx, seconds(time.Since(began)))
+				c.m.waitTime.Record(ctx, time.Since(began).Seconds())
 				return l, nil
 			case ctx.Err() != nil:
 				return nil, ctx.Err()

@@ -35,7 +35,7 @@ type Lease struct {
 
 func newLease(c *Client, name string, token fence.Token, secret []byte, expiresAt, sent time.Time) *Lease {
 	l := &Lease{c: c, name: name, token: token, secret: secret,
-		expiresAt: expiresAt, trustUntil: sent.Add(c.cfg.TTL - c.cfg.SafetyMargin)}
+		expiresAt: expiresAt, trustUntil: c.trustUntil(sent)}
 	l.ctx, l.cancel = context.WithCancelCause(context.WithValue(context.Background(), leaseKey{}, l))
 	// The window may already be over (the process was paused while the
 	// acquisition was in flight): then the timer fires at once, and must
@@ -230,12 +230,12 @@ func (l *Lease) renewed(sent, expiresAt time.Time) {
 	}
 	left := time.Until(l.trustUntil)
 	l.expiresAt = expiresAt
-	if until := sent.Add(l.c.cfg.TTL - l.c.cfg.SafetyMargin); until.After(l.trustUntil) {
+	if until := l.c.trustUntil(sent); until.After(l.trustUntil) {
 		l.trustUntil = until
 		l.timer.Reset(time.Until(until))
 	}
 	l.mu.Unlock()
-	l.c.m.timeLeft.Record(context.Background(), seconds(max(left, 0)))
+	l.c.m.timeLeft.Record(context.Background(), max(left, 0).Seconds())
 	if left < l.c.cfg.RenewInterval {
 		l.c.emit(Event{Kind: RenewedLate, Lease: l.name, Token: l.token, TimeLeft: left})
 	}

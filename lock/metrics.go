@@ -3,7 +3,6 @@ package lock
 import (
 	"context"
 	"fmt"
-	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -101,5 +100,3 @@ func (m *metrics) attempted(ctx context.Context, err error) {
 func (m *metrics) lost(cause LossCause) {
 	m.losses.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.cause", string(cause))))
 }
-
-func seconds(d time.Duration) float64 { return d.Seconds() }

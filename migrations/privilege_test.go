@@ -156,4 +156,41 @@ func TestLeastPrivilege(t *testing.T) {
 		}
 		t.Logf("refused: %-58s %s  %s", f.action, pg.Code, f.refusedBy)
 	}
+
+	// The operator role (the CLI) with exactly GrantOperator: it lists,
+	// force-releases, reads and prunes the ledger, sees the migration
+	// status; it cannot acquire.
+	opRole := role + "_op"
+	if _, err := owner.Exec(ctx, "CREATE ROLE "+opRole+" LOGIN NOSUPERUSER"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = owner.Exec(context.Background(), "DROP OWNED BY "+opRole+"; DROP ROLE "+opRole) })
+	if err := migrations.GrantOperator(ctx, owner, schema, opRole); err != nil {
+		t.Fatal(err)
+	}
+	op := pgtest.NewPool(t, "privilege-operator", func(c *pgxpool.Config) { c.ConnConfig.User = opRole })
+	oc, err := lock.New(op, lock.Config{Schema: schema, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer oc.Close(ctx)
+	if infos, err := oc.Leases(ctx); err != nil || len(infos) == 0 {
+		t.Fatalf("Leases as the operator: %d, %v", len(infos), err)
+	}
+	if _, _, err := oc.ForceRelease(ctx, "billing"); err != nil {
+		t.Fatalf("ForceRelease as the operator: %v", err)
+	}
+	if _, err := runner.Runs(ctx, op, schema, runner.RunFilter{}); err != nil {
+		t.Fatalf("Runs as the operator: %v", err)
+	}
+	if _, err := runner.Prune(ctx, op, schema, time.Now()); err != nil {
+		t.Fatalf("Prune as the operator: %v", err)
+	}
+	if st, err := migrations.Status(ctx, op, schema); err != nil || st.Current != migrations.Latest {
+		t.Fatalf("Status as the operator: %+v, %v", st, err)
+	}
+	var pg *pgconn.PgError
+	if _, err := oc.TryAcquire(ctx, "operator-acquires"); !errors.As(err, &pg) || pg.Code != "42501" {
+		t.Fatalf("TryAcquire as the operator: %v, want 42501", err)
+	}
 }

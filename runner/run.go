@@ -2,7 +2,6 @@ package runner
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -49,18 +48,13 @@ func (r *Run) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 // transaction: the run's final writes and its success commit together or not
 // at all, so the job's effects and the ledger stay one to one even if the
 // process dies right after. Call it at most once, as the run's last step;
-// after it succeeds, the runner records nothing more for this run. If the
-// slot was claimed by a newer attempt it returns ErrFenced. Like RunTx, its
-// statements are cancelled when the lease ends.
+// after it succeeds, the runner records nothing more for this run. A zombie
+// is refused by the database (fence.ErrStaleToken, or ErrFenced if a newer
+// attempt claimed the slot) or, when it already knows its lease ended, before
+// anything is sent (lock.ErrLeaseLost); all of them match fence.ErrFenced.
+// Like RunTx, its statements are cancelled when the lease ends.
 func (r *Run) CommitTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
-	// The database decides, not the local view of the lease: this is the
-	// write that must be refused for a zombie, whatever it believes. Only
-	// the statements follow the lease's context.
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	stop := context.AfterFunc(r.lease.Context(), func() { cancel(context.Cause(r.lease.Context())) })
-	defer stop()
-	err := r.Guard().RunTx(ctx, r.w.r.pool, func(tx pgx.Tx) error {
+	err := r.lease.RunTx(ctx, func(tx pgx.Tx) error {
 		if err := fn(tx); err != nil {
 			return err
 		}
@@ -68,10 +62,6 @@ func (r *Run) CommitTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	})
 	if err == nil {
 		r.committed = true
-	} else if lost := r.lease.Err(); lost != nil && ctx.Err() != nil {
-		// Cancelled because the lease ended: say so (it matches
-		// fence.ErrFenced), as Lease.RunTx does.
-		err = fmt.Errorf("%w (%w)", lost, err)
 	}
 	return err
 }
