@@ -190,7 +190,7 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 		w.event(RunSucceeded, slot, l, attempt, nil)
 		return false
 	}
-	if l.Err() != nil || errors.Is(runErr, fence.ErrStaleToken) || errors.Is(runErr, ErrFenced) {
+	if l.Err() != nil || errors.Is(runErr, fence.ErrFenced) {
 		w.fenced(l, run, firstErr(runErr, l.Err()))
 		return false
 	}
@@ -225,7 +225,7 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 			return retry
 		}
 	}
-	if errors.Is(err, fence.ErrStaleToken) || errors.Is(err, ErrFenced) || l.Err() != nil {
+	if errors.Is(err, fence.ErrFenced) || l.Err() != nil {
 		w.fenced(l, run, err)
 		return false
 	}
