@@ -46,3 +46,14 @@ func ParseToken(s string) (Token, error) {
 	}
 	return t, nil
 }
+
+// epochShift is the number of low bits that count acquisitions within an
+// epoch (migrations/sql/00001_leases.sql).
+const epochShift = 44
+
+// Epoch returns the token's epoch: 0 on a database that never failed over,
+// and one more for each promotion (a new timeline) since the schema was
+// created. Every token of an epoch is greater than every token of the
+// epochs before it, so a standby promoted after asynchronous replication
+// lost the newest acquisitions still issues tokens above them.
+func (t Token) Epoch() int64 { return int64(t) >> epochShift }

@@ -212,6 +212,13 @@ func (c *Client) verify(ctx context.Context) error {
 	if err := migrations.Verify(ctx, c.pool, c.cfg.Schema); err != nil {
 		return fmt.Errorf("lock: %w", err)
 	}
+	var synced bool
+	if err := c.pool.QueryRow(ctx, c.q.syncEpoch).Scan(&synced); err != nil {
+		return fmt.Errorf("lock: token epoch: %w", err)
+	}
+	if !synced {
+		return nil // a standby: the acquisition will say so, and this runs again
+	}
 	c.verified.Store(true)
 	return nil
 }

@@ -20,7 +20,7 @@ import (
 
 // queries holds the package's SQL, built once per client for its schema.
 type queries struct {
-	acquire, heldBy, acquireNew, markWaiting, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspect, forceRelease, blockers string
+	acquire, heldBy, acquireNew, syncEpoch, markWaiting, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspect, forceRelease, blockers string
 }
 
 // wakeWaiters is a RETURNING expression for statements that free a lease
@@ -35,6 +35,7 @@ func wakeWaiters(fn string) string {
 func newQueries(schema string) queries {
 	t := ident.Table(schema, "pgfence_leases")
 	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
+	ready := ident.Table(schema, "pgfence_epoch_ready")
 	return queries{
 		// The compare-and-set: lock the row FOR UPDATE if it is free,
 		// released or expired, and give it a new token from the column's
@@ -43,6 +44,10 @@ func newQueries(schema string) queries {
 		// the condition on the newest version: exactly one wins, and if the
 		// UPDATE meets a newer version it re-evaluates it, with a fresh
 		// nextval(), so its token is above the one it replaces.
+		// pgfence_epoch_ready (inlined: a read of the one-row epoch table
+		// and of the timeline) runs before the sequence issues the token:
+		// on the first acquisition after a promotion it moves the sequence
+		// into the new timeline's range (00001_leases.sql).
 		//
 		// The explicit FOR UPDATE is the fence's other half. pgfence_check
 		// holds FOR KEY SHARE on the row for the rest of a guarded
@@ -64,7 +69,8 @@ func newQueries(schema string) queries {
        expires_at = clock_timestamp() + $4 * interval '1 microsecond'
  WHERE l.name = (SELECT f.name FROM %[1]s f WHERE f.name = $1 AND (f.holder IS NULL OR f.expires_at <= now()) FOR UPDATE)
    AND (l.holder IS NULL OR l.expires_at <= now())
-RETURNING l.token, l.expires_at`, t),
+   AND %[2]s()
+RETURNING l.token, l.expires_at`, t, ready),
 
 		// The row after the acquire statement (no row: the name's first
 		// acquisition), and whether it holds the caller's secret $2: after
@@ -77,9 +83,15 @@ RETURNING l.token, l.expires_at`, t),
 		// First acquisition of a name; a concurrent first acquirer makes
 		// this return no row, and the caller runs acquire again.
 		acquireNew: fmt.Sprintf(`INSERT INTO %[1]s (name, holder, secret, acquired_at, renewed_at, expires_at)
-VALUES ($1, $2, $3, now(), now(), now() + $4 * interval '1 microsecond')
+SELECT $1, $2, $3, now(), now(), now() + $4 * interval '1 microsecond' WHERE %[2]s()
 ON CONFLICT DO NOTHING
-RETURNING token, expires_at`, t),
+RETURNING token, expires_at`, t, ready),
+
+		// Once per client: move the token sequence into the current epoch
+		// if the cluster changed under the schema (a logical restore into
+		// another cluster), which the acquisitions' cheap check cannot see.
+		// Not on a standby (false): acquisitions fail there anyway.
+		syncEpoch: fmt.Sprintf(`SELECT NOT pg_is_in_recovery() AND %s()`, ident.Table(schema, "pgfence_sync_epoch")),
 
 		// A blocked acquirer asks to be notified of the release. The
 		// column is not a key, so this neither waits for nor blocks a

@@ -96,6 +96,12 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("migrations: version: %w", err)
 	}
+	// A schema restored from a logical dump into another cluster moves its
+	// tokens past the dump's before any application acquires (see
+	// pgfence_sync_epoch in 00001_leases.sql).
+	if _, err := pool.Exec(ctx, `SELECT NOT pg_is_in_recovery() AND `+ident.Table(schema, "pgfence_sync_epoch")+`()`); err != nil {
+		return 0, fmt.Errorf("migrations: token epoch: %w", err)
+	}
 	return v, nil
 }
 
@@ -151,6 +157,10 @@ type Report struct {
 	Latest int64
 	// Migrations lists every embedded migration with its state.
 	Migrations []MigrationStatus
+	// Epoch is the token epoch the schema issues in (fence.Token's Epoch):
+	// 0 until the first promotion, one more per new timeline since. -1
+	// when the schema is not migrated.
+	Epoch int64
 }
 
 // Status reports, for each embedded migration, whether it is applied in
@@ -167,10 +177,15 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 	if err != nil {
 		return nil, err
 	}
-	rep := &Report{Schema: schema, SchemaExists: st.schemaExists, Current: st.current, Latest: Latest}
+	rep := &Report{Schema: schema, SchemaExists: st.schemaExists, Current: st.current, Latest: Latest, Epoch: -1}
 	for _, m := range sources {
 		m.AppliedAt = st.applied[m.Version]
 		rep.Migrations = append(rep.Migrations, m)
+	}
+	if st.current >= 1 {
+		if err := pool.QueryRow(ctx, `SELECT epoch FROM `+ident.Table(schema, "pgfence_epoch")).Scan(&rep.Epoch); err != nil {
+			return nil, fmt.Errorf("migrations: read the token epoch of schema %q: %w", schema, err)
+		}
 	}
 	return rep, nil
 }

@@ -55,7 +55,7 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 	case st.Current == 0:
 		fmt.Fprintf(e.stdout, "%s: not migrated\n", where)
 	default:
-		fmt.Fprintf(e.stdout, "%s: version %d of %d\n", where, st.Current, st.Latest)
+		fmt.Fprintf(e.stdout, "%s: version %d of %d, token epoch %d\n", where, st.Current, st.Latest, st.Epoch)
 	}
 	for _, m := range st.Migrations {
 		applied := "pending"

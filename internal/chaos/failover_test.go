@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
@@ -18,120 +20,334 @@ import (
 	"github.com/pgfence/pgfence/migrations"
 )
 
-// The documented non-guarantee, shown with a real primary and standby: with
-// asynchronous replication, a standby promoted after the primary dies can lack
-// the newest acquisitions and issue a token again. Tokens come from a
-// sequence, which WAL-logs 32 values ahead, so a standby that has the log
-// record covering a token will not reissue it; the primary must cross such a
-// boundary while replication is cut, so the test acquires 40 times. With
-// synchronous replication the acquisition does not return until the standby
-// has it, so no client ever holds a token that the promoted standby could
-// issue again.
+// Tokens across a failover, with a real primary and standby. Tokens are
+// epoch << 44 | n and the epoch follows the server's timeline, which every
+// promotion and point-in-time recovery moves on, so a promoted standby issues
+// tokens above every token the old primary issued, even the ones
+// asynchronous replication never delivered. The token sequence WAL-logs 32
+// values ahead, so a standby that has the record covering a token would not
+// reissue it anyway: the old primary must cross such a boundary while
+// replication is cut, hence 40 acquisitions.
+//
+// async: the old primary stays up after the promotion (split brain at the
+// database level) and keeps issuing tokens on its old timeline; a resource
+// fence in a third database, written by the new leader, refuses the old
+// one. Then the old primary is rewound, rejoins as the new primary's
+// standby and is itself promoted: its tokens are above everyone's.
 func TestFailoverTokens(t *testing.T) {
-	for _, tc := range []struct {
-		name string
-		sync bool
-	}{
-		{"async", false},
-		{"sync", true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			ctx := pgtest.Context(t, 2*time.Minute)
-			primary, err := pgcluster.New()
-			if errors.Is(err, pgcluster.ErrNoServer) && os.Getenv("CHAOS_SKIP") == "1" {
-				t.Skipf("CHAOS_SKIP=1 and %v", err)
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer primary.Close()
-			link, err := faultproxy.New(primary.Addr()) // replication goes through it
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer link.Close()
-			pp := connect(t, primary.URL())
-			if _, err := migrations.Up(ctx, pp, "pgfence"); err != nil {
-				t.Fatal(err)
-			}
-			standby, err := pgcluster.NewStandby(link.Addr())
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer standby.Close()
-			sp := connect(t, standby.URL())
+	t.Run("async", func(t *testing.T) {
+		ctx := pgtest.Context(t, 3*time.Minute)
+		// pg_rewind needs hint bits WAL-logged and the WAL since the divergence.
+		primary, link, pp, standby, sp := replicated(t, ctx, "wal_log_hints = on", "wal_keep_size = 128MB")
+		onPrimary := client(t, pp)
+		// The resource: a fence in a third database, on a server of its own.
+		third, err := pgcluster.New()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = third.Close() })
+		ledger := connect(t, third.URL())
+		if _, err := migrations.Up(ctx, ledger, "ledger"); err != nil {
+			t.Fatal(err)
+		}
+		fenceRes := fence.Resource{Name: "ledger", Schema: "ledger"}
+		write := func(tok fence.Token) error {
+			return pgx.BeginFunc(ctx, ledger, func(tx pgx.Tx) error { return fenceRes.Admit(ctx, tx, tok) })
+		}
 
-			onPrimary := client(t, pp)
-			l1, err := onPrimary.TryAcquire(ctx, "failover")
+		link.Set(faultproxy.Blackhole) // replication is cut
+		var (
+			oldLeader *lock.Lease
+			issued    []fence.Token
+		)
+		for i := range 40 {
+			l, err := onPrimary.TryAcquire(ctx, "failover")
 			if err != nil {
+				t.Fatalf("acquisition %d on the primary: %v", i, err)
+			}
+			issued = append(issued, l.Token())
+			if i == 39 {
+				oldLeader = l // keeps it, and renews it on the old primary
+				break
+			}
+			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
-			_ = l1.Release(ctx)
-			// The standby has caught up with the first token, released.
-			waitStandby(t, sp, fmt.Sprintf("SELECT count(*) FROM pgfence.pgfence_leases WHERE name = 'failover' AND token = %d AND holder IS NULL", l1.Token()))
+		}
+		if err := write(oldLeader.Token()); err != nil {
+			t.Fatalf("the old leader's write before the failover: %v", err)
+		}
 
-			if tc.sync {
-				// Only now: with no standby connected, every commit would wait.
-				if _, err := pp.Exec(ctx, "ALTER SYSTEM SET synchronous_standby_names = '*'"); err != nil {
-					t.Fatal(err)
-				}
-				if _, err := pp.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
-					t.Fatal(err)
-				}
-				waitStandby(t, pp, "SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'")
+		// The standby is promoted while the old primary goes on.
+		if err := standby.Promote(); err != nil {
+			t.Fatal(err)
+		}
+		onStandby := client(t, sp)
+		newLeader := acquireSoon(t, ctx, onStandby, "failover")
+		if tl := timeline(t, sp); tl != 2 || newLeader.Token().Epoch() != 1 {
+			t.Fatalf("promoted standby: timeline %d, token %d in epoch %d; want timeline 2, epoch 1", tl, newLeader.Token(), newLeader.Token().Epoch())
+		}
+		for _, tok := range issued {
+			if newLeader.Token() <= tok {
+				t.Fatalf("promoted standby issued %d, not above %d issued by the old primary", newLeader.Token(), tok)
 			}
-			link.Set(faultproxy.Blackhole) // replication is cut
-			var (
-				l2     *lock.Lease
-				acqErr error
-				issued = map[fence.Token]bool{}
-			)
-			for range 40 {
-				actx, cancel := context.WithTimeout(ctx, 2*time.Second)
-				l2, acqErr = onPrimary.TryAcquire(actx, "failover")
-				cancel()
-				if acqErr != nil {
-					break
-				}
-				issued[l2.Token()] = true
-				if err := l2.Release(ctx); err != nil {
-					t.Fatal(err)
-				}
+		}
+		if err := write(newLeader.Token()); err != nil {
+			t.Fatalf("the new leader's write: %v", err)
+		}
+		// The old primary still accepts writes and its leader still renews.
+		if err := oldLeader.Check(ctx); err != nil {
+			t.Fatalf("the old leader still holds its lease on the old primary: %v", err)
+		}
+		if err := write(oldLeader.Token()); !errors.Is(err, fence.ErrFenced) {
+			t.Fatalf("resource fence admitted the old leader (token %d) after the new one (%d) wrote: %v", oldLeader.Token(), newLeader.Token(), err)
+		}
+		// And the old side keeps issuing, on its old timeline: below.
+		if err := oldLeader.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+		again, err := onPrimary.TryAcquire(ctx, "failover")
+		if err != nil {
+			t.Fatalf("acquire on the old primary after the promotion: %v", err)
+		}
+		issued = append(issued, again.Token())
+		if again.Token() <= oldLeader.Token() || again.Token() >= newLeader.Token() || again.Token().Epoch() != 0 {
+			t.Fatalf("old primary after the promotion issued %d (epoch %d); want above %d and below the new side's %d", again.Token(), again.Token().Epoch(), oldLeader.Token(), newLeader.Token())
+		}
+		if err := write(again.Token()); !errors.Is(err, fence.ErrFenced) {
+			t.Fatalf("resource fence admitted token %d of the old primary: %v", again.Token(), err)
+		}
+		t.Logf("split brain: old primary issued up to %d (epoch 0), promoted standby %d (epoch 1); the fence refused the old side", again.Token(), newLeader.Token())
+
+		// The old primary is rewound and rejoins as the new primary's standby.
+		_ = again.Release(ctx)
+		// A clean shutdown waits for its walsenders to send everything:
+		// drop the cut replication link first.
+		link.Set(faultproxy.Reset)
+		if err := primary.Stop(); err != nil {
+			t.Fatal(err)
+		}
+		// pg_rewind reads the source's timeline from its control file,
+		// which shows the new timeline only after the promotion's first
+		// checkpoint (why pgfence reads the timeline elsewhere).
+		if _, err := sp.Exec(ctx, "CHECKPOINT"); err != nil {
+			t.Fatal(err)
+		}
+		if err := primary.Rewind(standby.URL()); err != nil {
+			t.Fatal(err)
+		}
+		if err := primary.Follow(standby.Addr()); err != nil {
+			t.Fatal(err)
+		}
+		pp.Reset()
+		defer func() {
+			if t.Failed() {
+				t.Logf("rejoined server's log:\n%s", primary.Log())
 			}
-			if err := primary.Crash(); err != nil {
-				t.Fatal(err)
-			}
-			link.Set(faultproxy.Reset)
-			if err := standby.Promote(); err != nil {
-				t.Fatal(err)
-			}
-			onStandby := client(t, sp)
-			var l3 *lock.Lease
-			for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-				if l3, err = onStandby.TryAcquire(ctx, "failover"); err == nil || time.Now().After(deadline) {
-					break
-				}
-			}
-			if err != nil {
-				t.Fatalf("acquire on the promoted standby: %v", err)
-			}
-			switch tc.name {
-			case "async":
-				if acqErr != nil {
-					t.Fatalf("async acquisition on the primary failed: %v", acqErr)
-				}
-				if !issued[l3.Token()] {
-					t.Fatalf("promoted standby issued token %d, which the old primary never issued (it issued up to %d): expected a token issued twice", l3.Token(), l2.Token())
-				}
-				t.Logf("async replication: token %d was issued by the old primary and again by the promoted standby", l3.Token())
-			case "sync":
-				if acqErr == nil || len(issued) > 0 {
-					t.Fatalf("sync acquisition returned %d tokens without the standby's acknowledgement", len(issued))
-				}
-				t.Logf("sync replication: the acquisition never returned (%v); the promoted standby issued token %d to the only client that ever received it", acqErr, l3.Token())
-			}
-		})
+		}()
+		waitStandby(t, pp, fmt.Sprintf("SELECT count(*) FROM pgfence.pgfence_leases WHERE name = 'failover' AND token = %d", newLeader.Token()))
+		// Then the new primary dies and the rejoined one is promoted.
+		if err := standby.Crash(); err != nil {
+			t.Fatal(err)
+		}
+		if err := primary.Promote(); err != nil {
+			t.Fatal(err)
+		}
+		rejoined := acquireSoon(t, ctx, client(t, pp), "failover")
+		if rejoined.Token() <= newLeader.Token() || rejoined.Token().Epoch() != 2 {
+			t.Fatalf("rejoined and promoted: token %d (epoch %d); want above %d, epoch 2", rejoined.Token(), rejoined.Token().Epoch(), newLeader.Token())
+		}
+		if err := write(rejoined.Token()); err != nil {
+			t.Fatalf("the third leader's write: %v", err)
+		}
+		t.Logf("rewound, rejoined and promoted: token %d (timeline %d)", rejoined.Token(), timeline(t, pp))
+	})
+
+	// With synchronous replication the acquisition does not return until
+	// the standby has it: no client ever holds a token the promoted standby
+	// lacks. Its tokens are in the next epoch all the same.
+	t.Run("sync", func(t *testing.T) {
+		ctx := pgtest.Context(t, 2*time.Minute)
+		// Configured from the start: after a reload, pg_stat_replication
+		// can say 'sync' before commits wait for the standby.
+		primary, link, pp, standby, sp := replicated(t, ctx, "synchronous_standby_names = '*'")
+		onPrimary := client(t, pp)
+		link.Set(faultproxy.Blackhole)
+		actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		l2, acqErr := onPrimary.TryAcquire(actx, "failover")
+		cancel()
+		if acqErr == nil {
+			t.Fatalf("sync acquisition returned token %d without the standby's acknowledgement", l2.Token())
+		}
+		if err := primary.Crash(); err != nil {
+			t.Fatal(err)
+		}
+		link.Set(faultproxy.Reset)
+		if err := standby.Promote(); err != nil {
+			t.Fatal(err)
+		}
+		l3 := acquireSoon(t, ctx, client(t, sp), "failover")
+		if l3.Token().Epoch() != 1 {
+			t.Fatalf("promoted standby issued %d in epoch %d, want epoch 1", l3.Token(), l3.Token().Epoch())
+		}
+		t.Logf("sync replication: the acquisition never returned (%v); the promoted standby issued %d", acqErr, l3.Token())
+	})
+
+	// A point-in-time recovery of a base backup ends on a new timeline:
+	// the restored server's tokens are above everything the original
+	// issued after the backup, though it never saw those.
+	t.Run("point-in-time-recovery", func(t *testing.T) {
+		ctx := pgtest.Context(t, 2*time.Minute)
+		primary, onPrimary := migrated(t, ctx)
+		acquireRelease(t, ctx, onPrimary, 3)
+		restored, err := pgcluster.NewRestored(primary.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer restored.Close()
+		after := acquireRelease(t, ctx, onPrimary, 40) // never in the backup
+		rp := connect(t, restored.URL())
+		l := acquireSoon(t, ctx, client(t, rp), "failover")
+		if l.Token() <= after || l.Token().Epoch() != 1 {
+			t.Fatalf("restored server (timeline %d) issued %d (epoch %d); the original issued up to %d", timeline(t, rp), l.Token(), l.Token().Epoch(), after)
+		}
+		t.Logf("point-in-time recovery on timeline %d: token %d above the original's %d", timeline(t, rp), l.Token(), after)
+	})
+
+	// A logical dump restored into another cluster starts again at
+	// timeline 1. The first client (or migrations.Up) sees the cluster
+	// changed and moves the tokens to the epoch after the dump's.
+	t.Run("logical-dump", func(t *testing.T) {
+		ctx := pgtest.Context(t, 2*time.Minute)
+		source, onSource := migrated(t, ctx)
+		acquireRelease(t, ctx, onSource, 3)
+		dump, err := source.Output(nil, "pg_dump", "-h", "127.0.0.1", "-p", port(source), "-U", "postgres", "--schema", "pgfence", "postgres")
+		if err != nil {
+			t.Fatal(err)
+		}
+		after := acquireRelease(t, ctx, onSource, 5) // not in the dump
+		target, err := pgcluster.New()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer target.Close()
+		if _, err := target.Output(dump, "psql", "-h", "127.0.0.1", "-p", port(target), "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-q", "postgres"); err != nil {
+			t.Fatal(err)
+		}
+		tp := connect(t, target.URL())
+		// No migrations.Up: the client's first acquisition must see it.
+		l := acquireSoon(t, ctx, client(t, tp), "failover")
+		if l.Token() <= after || l.Token().Epoch() != 1 {
+			t.Fatalf("restored dump issued %d (epoch %d); the source issued up to %d after the dump", l.Token(), l.Token().Epoch(), after)
+		}
+		if _, err := migrations.Up(ctx, tp, "pgfence"); err != nil {
+			t.Fatal(err)
+		}
+		l2 := acquireSoon(t, ctx, client(t, tp), "failover-2")
+		if l2.Token() <= l.Token() || l2.Token().Epoch() != 1 {
+			t.Fatalf("after Up: token %d (epoch %d), want above %d in epoch 1 (Up must not move the epoch again)", l2.Token(), l2.Token().Epoch(), l.Token())
+		}
+		t.Logf("logical dump into a new cluster: token %d above the source's %d", l.Token(), after)
+	})
+}
+
+// migrated starts a server, migrates it and returns a client of it.
+func migrated(t *testing.T, ctx context.Context) (*pgcluster.Cluster, *lock.Client) {
+	t.Helper()
+	c, err := pgcluster.New()
+	if err != nil {
+		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = c.Close() })
+	pool := connect(t, c.URL())
+	if _, err := migrations.Up(ctx, pool, "pgfence"); err != nil {
+		t.Fatal(err)
+	}
+	return c, client(t, pool)
+}
+
+// replicated starts a primary (extraConf appended to its configuration) and
+// a streaming standby whose replication goes through a fault proxy, then
+// migrates the primary and waits until the standby has one released
+// acquisition.
+func replicated(t *testing.T, ctx context.Context, extraConf ...string) (*pgcluster.Cluster, *faultproxy.Proxy, *pgxpool.Pool, *pgcluster.Cluster, *pgxpool.Pool) {
+	t.Helper()
+	primary, err := pgcluster.New(extraConf...)
+	if errors.Is(err, pgcluster.ErrNoServer) && os.Getenv("CHAOS_SKIP") == "1" {
+		t.Skipf("CHAOS_SKIP=1 and %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = primary.Close() })
+	link, err := faultproxy.New(primary.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = link.Close() })
+	// The base backup copies the primary's configuration: a promoted
+	// standby with synchronous_standby_names set would wait for a standby
+	// of its own on every commit.
+	standby, err := pgcluster.NewStandby(link.Addr(), "synchronous_standby_names = ''")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = standby.Close() })
+	pp := connect(t, primary.URL())
+	if _, err := migrations.Up(ctx, pp, "pgfence"); err != nil {
+		t.Fatal(err)
+	}
+	sp := connect(t, standby.URL())
+	l1 := acquireRelease(t, ctx, client(t, pp), 1)
+	waitStandby(t, sp, fmt.Sprintf("SELECT count(*) FROM pgfence.pgfence_leases WHERE name = 'failover' AND token = %d AND holder IS NULL", l1))
+	return primary, link, pp, standby, sp
+}
+
+// acquireRelease acquires and releases lease "failover" n times and returns
+// the last token.
+func acquireRelease(t *testing.T, ctx context.Context, c *lock.Client, n int) fence.Token {
+	t.Helper()
+	var last fence.Token
+	for range n {
+		l, err := c.TryAcquire(ctx, "failover")
+		if err != nil {
+			t.Fatal(err)
+		}
+		last = l.Token()
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return last
+}
+
+// acquireSoon acquires name, retrying while a server finishes its promotion.
+func acquireSoon(t *testing.T, ctx context.Context, c *lock.Client, name string) *lock.Lease {
+	t.Helper()
+	var err error
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		var l *lock.Lease
+		if l, err = c.TryAcquire(ctx, name); err == nil {
+			return l
+		}
+	}
+	t.Fatalf("acquire %s: %v", name, err)
+	return nil
+}
+
+// timeline is the server's current timeline.
+func timeline(t *testing.T, pool *pgxpool.Pool) int64 {
+	t.Helper()
+	var tl int64
+	if err := pool.QueryRow(context.Background(), `SELECT pgfence.pgfence_timeline()`).Scan(&tl); err != nil {
+		t.Fatal(err)
+	}
+	return tl
+}
+
+func port(c *pgcluster.Cluster) string {
+	_, p, _ := net.SplitHostPort(c.Addr())
+	return p
 }
 
 func connect(t *testing.T, url string) *pgxpool.Pool {

@@ -6,6 +6,7 @@
 package pgcluster
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"net"
@@ -71,6 +72,32 @@ func New(extraConf ...string) (*Cluster, error) {
 // primaryAddr (host:port; a proxy in front of the primary lets a test cut
 // replication) with pg_basebackup, and starts it.
 func NewStandby(primaryAddr string, extraConf ...string) (*Cluster, error) {
+	c, err := fromBackup(primaryAddr, "-R")
+	if err != nil {
+		return nil, err
+	}
+	return c.configureAndStart(extraConf)
+}
+
+// NewRestored restores a base backup of the primary at primaryAddr the way
+// a point-in-time recovery does (recovery.signal: archive recovery, here
+// from the WAL the backup carries), and starts it. Archive recovery ends
+// on a new timeline, as every point-in-time recovery does.
+func NewRestored(primaryAddr string, extraConf ...string) (*Cluster, error) {
+	c, err := fromBackup(primaryAddr)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.writeFile("recovery.signal", ""); err != nil {
+		_ = os.RemoveAll(c.dir)
+		return nil, err
+	}
+	return c.configureAndStart(append([]string{"restore_command = 'false'"}, extraConf...))
+}
+
+// fromBackup prepares a cluster whose data directory is a base backup of
+// the primary at primaryAddr (flags added to pg_basebackup's).
+func fromBackup(primaryAddr string, flags ...string) (*Cluster, error) {
 	c, err := prepare()
 	if err != nil {
 		return nil, err
@@ -79,11 +106,64 @@ func NewStandby(primaryAddr string, extraConf ...string) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := c.pg("pg_basebackup", "-D", c.data(), "-h", host, "-p", port, "-U", "postgres", "-R", "-X", "stream", "--no-sync"); err != nil {
+	args := append([]string{"-D", c.data(), "-h", host, "-p", port, "-U", "postgres", "-X", "stream", "--no-sync"}, flags...)
+	if err := c.pg("pg_basebackup", args...); err != nil {
 		_ = os.RemoveAll(c.dir)
 		return nil, err
 	}
-	return c.configureAndStart(extraConf)
+	return c, nil
+}
+
+// Stop shuts the server down cleanly.
+func (c *Cluster) Stop() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.running = false
+	return c.pg("pg_ctl", "-D", c.data(), "-m", "fast", "-w", "stop")
+}
+
+// Rewind makes this stopped cluster, a primary that went on alone after
+// another was promoted, a copy of the server at sourceURL with pg_rewind
+// (the cluster needs wal_log_hints = on), then Follow makes it its standby.
+func (c *Cluster) Rewind(sourceURL string) error {
+	if err := c.pg("pg_rewind", "--target-pgdata", c.data(), "--source-server", sourceURL, "--no-sync"); err != nil {
+		return err
+	}
+	return c.configure(nil) // pg_rewind copied the source's configuration
+}
+
+// Follow configures this stopped cluster as a streaming standby of the
+// primary at primaryAddr and starts it.
+func (c *Cluster) Follow(primaryAddr string) error {
+	host, port, err := net.SplitHostPort(primaryAddr)
+	if err != nil {
+		return err
+	}
+	if err := c.writeFile("standby.signal", ""); err != nil {
+		return err
+	}
+	conf := fmt.Sprintf("primary_conninfo = 'host=%s port=%s user=postgres'\n", host, port)
+	f, err := os.OpenFile(filepath.Join(c.data(), "postgresql.auto.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString(conf)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return err
+	}
+	return c.Start()
+}
+
+// writeFile writes a file into the data directory, owned by the server's user.
+func (c *Cluster) writeFile(name, content string) error {
+	p := filepath.Join(c.data(), name)
+	if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+		return err
+	}
+	return unpriv.Own(p)
 }
 
 func prepare() (*Cluster, error) {
@@ -108,18 +188,7 @@ func prepare() (*Cluster, error) {
 }
 
 func (c *Cluster) configureAndStart(extraConf []string) (*Cluster, error) {
-	conf := fmt.Sprintf("port = %d\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\n"+
-		// A process crash keeps the OS page cache, so WAL needs no fsync to
-		// survive pg_ctl stop -m immediate; this only speeds the suite up.
-		"fsync = off\nmax_connections = 200\nlog_min_messages = fatal\n", c.port, c.dir)
-	for _, l := range extraConf {
-		conf += l + "\n"
-	}
-	f, err := os.OpenFile(filepath.Join(c.data(), "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
-	if err == nil {
-		_, err = f.WriteString(conf)
-		_ = f.Close()
-	}
+	err := c.configure(extraConf)
 	if err == nil {
 		err = c.Start()
 	}
@@ -128,6 +197,27 @@ func (c *Cluster) configureAndStart(extraConf []string) (*Cluster, error) {
 		return nil, err
 	}
 	return c, nil
+}
+
+// configure appends this cluster's settings (port, socket directory) and
+// extraConf to postgresql.conf; later lines win.
+func (c *Cluster) configure(extraConf []string) error {
+	conf := fmt.Sprintf("port = %d\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '%s'\n"+
+		// A process crash keeps the OS page cache, so WAL needs no fsync to
+		// survive pg_ctl stop -m immediate; this only speeds the suite up.
+		"fsync = off\nmax_connections = 200\nlog_min_messages = fatal\n", c.port, c.dir)
+	for _, l := range extraConf {
+		conf += l + "\n"
+	}
+	f, err := os.OpenFile(filepath.Join(c.data(), "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString(conf)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 // Promote turns a standby into a primary and waits until it accepts writes.
@@ -187,4 +277,26 @@ func (c *Cluster) pg(name string, args ...string) error {
 		return fmt.Errorf("pgcluster: %s %s: %v\n%s", name, strings.Join(args, " "), err, out)
 	}
 	return nil
+}
+
+// Output runs one of the server's client programs (pg_dump, psql) as the
+// server's user, with stdin, and returns what it printed on stdout.
+func (c *Cluster) Output(stdin []byte, name string, args ...string) ([]byte, error) {
+	cmd := unpriv.Command(filepath.Join(c.bin, name), args...)
+	cmd.Dir = c.dir
+	cmd.Env = append(os.Environ(), "LC_ALL=C")
+	cmd.Stdin = bytes.NewReader(stdin)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("pgcluster: %s %s: %v\n%s", name, strings.Join(args, " "), err, stderr.String())
+	}
+	return out, nil
+}
+
+// Log returns the server's log (for a failing test to show).
+func (c *Cluster) Log() string {
+	b, _ := os.ReadFile(filepath.Join(c.dir, "log"))
+	return string(b)
 }

@@ -15,6 +15,10 @@
 --     trigger: PostgreSQL re-prepares a table's CHECKs on every UPDATE.
 --   * waiters_until: set by blocked acquirers, so that a release sends NOTIFY
 --     only when someone waits (pgfence_wake_waiters).
+--   * Tokens survive a failover: token = epoch << 44 | n, where the epoch
+--     rises with the server's timeline (pgfence_epoch, below), so every token
+--     issued after a promotion is above every token the old primary could
+--     have issued, replicated or not.
 
 -- +goose Up
 CREATE TABLE pgfence_leases (
@@ -81,6 +85,121 @@ $$;
 CREATE TRIGGER pgfence_leases_check_insert BEFORE INSERT ON pgfence_leases
     FOR EACH ROW EXECUTE FUNCTION pgfence_leases_check_insert();
 
+-- The token epoch. A promotion (or a point-in-time recovery) starts a new
+-- timeline, and a standby promoted after asynchronous replication lost the
+-- newest WAL may lack tokens the old primary issued. So the token sequence
+-- issues epoch << 44 | n, and the epoch follows the timeline: epoch =
+-- timeline + shift. On the first acquisition on a new timeline the sequence
+-- jumps to the new epoch's range, above every token of the old one. One row:
+--   epoch   the epoch the token sequence is issuing in;
+--   shift   epoch - timeline (the first migration makes epoch 0, so a
+--           cluster that never failed over issues tokens 1, 2, 3...);
+--   system_identifier  the cluster (pg_control_system) the row was last
+--           synced on. A logical dump restored into another cluster (or
+--           pg_upgrade) starts again at timeline 1: that is detected by
+--           this changing, or by timeline + shift falling below epoch, and
+--           the epoch moves past the dump's.
+-- 44 bits of n: 17.6e12 acquisitions per epoch; 19 bits of epoch.
+CREATE TABLE pgfence_epoch (
+    one               boolean PRIMARY KEY DEFAULT true CHECK (one),
+    epoch             integer NOT NULL CHECK (epoch BETWEEN 0 AND 524287),
+    shift             bigint  NOT NULL,
+    system_identifier bigint  NOT NULL
+);
+
+-- The server's current timeline, from memory: the name of the WAL segment
+-- being written starts with it (8 hex digits; PostgreSQL 15 names it after
+-- the insertion timeline, so it is the new one at once after a promotion,
+-- while pg_control_checkpoint() shows the old one until the next
+-- checkpoint). On a standby it raises 55000: acquisitions need a primary.
+-- +goose StatementBegin
+CREATE FUNCTION pgfence_timeline() RETURNS bigint
+LANGUAGE sql VOLATILE AS $$
+    SELECT ('x' || left(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 8))::bit(32)::bigint
+$$;
+-- +goose StatementEnd
+
+INSERT INTO pgfence_epoch (epoch, shift, system_identifier)
+SELECT 0, -pgfence_timeline(), s.system_identifier FROM pg_control_system() s;
+
+-- pgfence_sync_epoch() moves the token sequence into the current epoch, if
+-- it is not there yet, and returns true. Acquisitions call it when their
+-- fast check (pgfence_epoch_ready) fails, which is once per new timeline;
+-- clients call it once when they start (the cluster check is a file read,
+-- too slow for every acquisition), and so does migrations.Up. Advances are
+-- serialised by the row lock; the sequence is raised (setval, which is not
+-- transactional) before the row says so, and never lowered, so an
+-- acquisition that sees the new epoch committed draws from the new range.
+-- SECURITY DEFINER: setval needs a privilege the application need not have.
+-- +goose StatementBegin
+DO $do$
+BEGIN
+EXECUTE format($fn$
+CREATE FUNCTION %1$I.pgfence_sync_epoch() RETURNS boolean
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+AS $body$
+DECLARE
+    e      record;
+    tl     bigint := %1$I.pgfence_timeline();
+    sysid  bigint;
+    want   bigint;
+    seq    regclass := pg_get_serial_sequence(%2$L, 'token')::regclass;
+BEGIN
+    SELECT s.system_identifier INTO sysid FROM pg_control_system() s;
+    SELECT * INTO e FROM %1$I.pgfence_epoch;
+    IF e.system_identifier = sysid AND e.epoch = tl + e.shift THEN
+        RETURN true;
+    END IF;
+    SELECT * INTO e FROM %1$I.pgfence_epoch FOR UPDATE;
+    want := tl + e.shift;
+    IF e.system_identifier <> sysid OR want < e.epoch THEN
+        -- Another cluster, or a timeline below the one this schema has seen:
+        -- the tokens here were copied from elsewhere, where more may have
+        -- been issued since. Move to the next epoch.
+        want := e.epoch + 1;
+    END IF;
+    IF want = e.epoch AND e.system_identifier = sysid THEN
+        RETURN true; -- a concurrent caller advanced it
+    END IF;
+    IF want > 524287 THEN
+        RAISE EXCEPTION 'pgfence: token epoch %% is beyond the last (524287)', want
+            USING ERRCODE = 'PF012';
+    END IF;
+    IF coalesce(pg_sequence_last_value(seq), 0) < want << 44 THEN
+        PERFORM setval(seq, want << 44, true);
+    END IF;
+    UPDATE %1$I.pgfence_epoch SET epoch = want, shift = want - tl, system_identifier = sysid;
+    RETURN true;
+END
+$body$
+$fn$, current_schema(), format('%I.%I', current_schema(), 'pgfence_leases'));
+END
+$do$;
+-- +goose StatementEnd
+
+-- pgfence_epoch_ready() is the acquisitions' check, before the token
+-- sequence issues a value: true when the sequence issues in the current
+-- epoch (one read of the epoch row and of the timeline); otherwise it syncs
+-- it first. PL/pgSQL, whose plans are cached per session: a plain SQL
+-- function with a subquery is not inlined and is planned again on every
+-- call, which cost a third of an acquisition's server time (pgbench).
+-- +goose StatementBegin
+DO $do$
+BEGIN
+EXECUTE format($fn$
+CREATE FUNCTION %1$I.pgfence_epoch_ready() RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+AS $body$
+BEGIN
+    RETURN coalesce((SELECT e.epoch = e.shift + %1$I.pgfence_timeline() FROM %1$I.pgfence_epoch e), false)
+        OR %1$I.pgfence_sync_epoch();
+END
+$body$
+$fn$, current_schema());
+END
+$do$;
+-- +goose StatementEnd
+
 -- pgfence_check(name, token) is the fence, called inside the protected
 -- transaction: it locks the lease row FOR KEY SHARE until the transaction
 -- ends (a takeover waits for it) and raises unless token is the newest one
@@ -138,7 +257,8 @@ $do$;
 -- +goose StatementEnd
 
 -- Only the roles granted them (migrations.GrantApp) run pgfence's functions.
-REVOKE EXECUTE ON FUNCTION pgfence_check(text, bigint), pgfence_wake_waiters(text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION pgfence_check(text, bigint), pgfence_wake_waiters(text),
+    pgfence_sync_epoch(), pgfence_epoch_ready(), pgfence_timeline() FROM PUBLIC;
 
 -- +goose Down
 -- Dropping the leases table destroys the token history: tokens would start
@@ -158,6 +278,10 @@ $do$;
 -- +goose StatementEnd
 DROP FUNCTION pgfence_wake_waiters(text);
 DROP FUNCTION pgfence_check(text, bigint);
+DROP FUNCTION pgfence_epoch_ready();
+DROP FUNCTION pgfence_sync_epoch();
+DROP TABLE pgfence_epoch;
+DROP FUNCTION pgfence_timeline();
 DROP TABLE pgfence_leases;
 DROP FUNCTION pgfence_leases_check_insert();
 DROP FUNCTION pgfence_leases_protect();
