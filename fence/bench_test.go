@@ -2,10 +2,12 @@ package fence_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/pgfence/pgfence/fence"
@@ -155,4 +157,67 @@ func analyze(b *testing.B, db *pgtest.DB, tables ...string) {
 	for _, t := range tables {
 		mustExec(b, db, "ANALYZE "+t)
 	}
+}
+
+// BenchmarkResourceAdmitShared: 8 writers admit the same token on one shared
+// resource fence, each in its own transaction with an INSERT, against the
+// same 8 writers unfenced. The forms take turns in phases of 200
+// transactions per writer; admit_ratio is fenced tx/s over unfenced tx/s.
+//
+//	go test -run '^$' -bench ResourceAdmitShared -benchtime 6x ./fence
+func BenchmarkResourceAdmitShared(b *testing.B) {
+	const writers, perPhase = 8, 200
+	db := pgtest.New(b)
+	wide := *db // one connection per writer
+	wide.Pool = pgtest.NewPool(b, "bench-shared", func(c *pgxpool.Config) { c.MaxConns = writers })
+	ctx := context.Background()
+	tbl := table(db, "bench_shared")
+	mustExec(b, db, "CREATE TABLE "+tbl+" (id bigserial PRIMARY KEY, payload text)")
+	ins := "INSERT INTO " + tbl + " (payload) VALUES ($1)"
+	res := fence.Resource{Name: "bench-shared", Schema: db.Schema}
+	unfenced := inTx(ctx, &wide, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, ins, "x")
+		return err
+	})
+	admit := inTx(ctx, &wide, func(tx pgx.Tx) error {
+		_, err := res.Exec(ctx, tx, 7, ins, "x")
+		return err
+	})
+	phase := func(fn func() error) time.Duration {
+		start := time.Now()
+		var wg sync.WaitGroup
+		errs := make(chan error, writers)
+		for range writers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range perPhase {
+					if err := fn(); err != nil {
+						errs <- err
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		if err := <-errs; err != nil {
+			b.Fatal(err)
+		}
+		return time.Since(start)
+	}
+	phase(unfenced)
+	phase(admit)
+	analyze(b, db, tbl, table(db, "pgfence_fences"))
+	var tu, ta time.Duration
+	b.ResetTimer()
+	for range b.N {
+		tu += phase(unfenced)
+		ta += phase(admit)
+	}
+	b.StopTimer()
+	n := float64(b.N * writers * perPhase)
+	b.ReportMetric(n/tu.Seconds(), "unfenced_tx/s")
+	b.ReportMetric(n/ta.Seconds(), "admit_tx/s")
+	b.ReportMetric(tu.Seconds()/ta.Seconds(), "admit_ratio")
 }

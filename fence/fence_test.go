@@ -660,3 +660,95 @@ func newTaker(t *testing.T, db *pgtest.DB) (*lock.Client, *pgxpool.Pool, string)
 	t.Cleanup(func() { _ = c.Close(context.Background()) })
 	return c, pool, app
 }
+
+// Issue 15: writers of one term do not queue on a shared resource fence
+// (the mark does not move, so a shared lock is enough), while raising the
+// mark still waits for every open transaction that admitted the old one,
+// and the old token is refused after it.
+func TestResourceAdmissionsOfOneTermShareTheFence(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	res := fence.Resource{Name: "shared", Schema: db.Schema}
+	admit := func(pool *pgxpool.Pool, tok fence.Token) (pgx.Tx, error) {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tx, res.Admit(ctx, tx, tok)
+	}
+	first, err := admit(db.Pool, 5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	a, err := admit(db.Pool, 5) // stays open
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Rollback(ctx)
+	// A second writer of the same term is admitted while a is open.
+	bctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	b, err := db.Pool.Begin(bctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Rollback(ctx)
+	if err := res.Admit(bctx, b, 5); err != nil {
+		t.Fatalf("a writer of the same term waited for another one's open transaction: %v", err)
+	}
+	// The next term's first writer waits for both.
+	raiserPool := pgtest.NewPool(t, pgtest.UniqueName("raiser"))
+	raised := make(chan error, 1)
+	go func() {
+		tx, err := admit(raiserPool, 6)
+		if err == nil {
+			err = tx.Commit(ctx)
+		} else {
+			_ = tx.Rollback(ctx)
+		}
+		raised <- err
+	}()
+	waitLockWait(t, db, raiserPool)
+	if err := a.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitLockWait(t, db, raiserPool) // still waiting, for b
+	select {
+	case err := <-raised:
+		t.Fatalf("the mark was raised while a transaction that admitted the old one was open (%v)", err)
+	default:
+	}
+	if err := b.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-raised; err != nil {
+		t.Fatalf("raise: %v", err)
+	}
+	late, err := admit(db.Pool, 5)
+	defer late.Rollback(ctx)
+	var stale *fence.StaleTokenError
+	if !errors.As(err, &stale) || stale.Current != 6 {
+		t.Fatalf("token 5 after the mark rose to 6: %v", err)
+	}
+}
+
+// waitLockWait waits until the one backend of pool is waiting for a lock.
+func waitLockWait(t *testing.T, db *pgtest.DB, pool *pgxpool.Pool) {
+	t.Helper()
+	app := pool.Config().ConnConfig.RuntimeParams["application_name"]
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		var n int
+		if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
+			WHERE application_name = $1 AND wait_event_type = 'Lock'`, app).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n > 0 {
+			return
+		}
+	}
+	t.Fatal("the raising transaction never waited for a lock")
+}

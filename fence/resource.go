@@ -18,9 +18,11 @@ import (
 // leases table, or when several leases write the same data.
 //
 // Admit in the transaction that writes the data: the token is admitted only if
-// it is >= the highest token admitted so far, and the fence row stays locked
-// until the transaction ends, so two writers with different tokens are
-// ordered and the lower one is refused.
+// it is >= the highest token admitted so far, and the mark cannot move until
+// the transaction ends, so two writers with different tokens are ordered and
+// the lower one is refused. Writers of the same token (one leadership term)
+// share the fence row's lock and do not wait for one another; the first
+// writer of a greater token waits for them, then raises the mark.
 type Resource struct {
 	// Name identifies the protected resource (1-255 bytes of UTF-8).
 	Name string

@@ -40,11 +40,17 @@ CREATE TRIGGER pgfence_fences_protect_delete BEFORE DELETE ON pgfence_fences
 CREATE TRIGGER pgfence_fences_protect_truncate BEFORE TRUNCATE ON pgfence_fences
     FOR EACH STATEMENT EXECUTE FUNCTION pgfence_fences_protect();
 
--- pgfence_admit(resource, token) locks the fence row until the transaction
--- ends (concurrent admissions of the resource queue on it), raises PF001
--- (DETAIL: the current mark) for a token below the mark, and writes the row
--- only when the mark rises, which is once per leadership term. Raising aborts
--- the whole transaction. The schema is baked in, as for pgfence_check.
+-- pgfence_admit(resource, token) admits token if it is >= the mark, and
+-- keeps the mark from moving until the transaction ends: PF001 (DETAIL: the
+-- current mark) for a token below it, which aborts the whole transaction.
+-- The common case is a token equal to the mark (a leader writes many times
+-- per term): it takes a shared row lock (FOR SHARE), so writers of the same
+-- term do not queue on one another. Raising the mark locks the row
+-- exclusively (FOR NO KEY UPDATE, which waits for the shared holders) and
+-- writes it, once per leadership term. The first read takes no lock: only
+-- the locked re-read decides, and a writer never upgrades a shared lock it
+-- holds (two upgraders would deadlock). The schema is baked in, as for
+-- pgfence_check.
 -- +goose StatementBegin
 DO $do$
 BEGIN
@@ -55,6 +61,15 @@ AS $body$
 DECLARE
     cur bigint;
 BEGIN
+    SELECT f.token INTO cur FROM %1$I.pgfence_fences f WHERE f.resource = p_resource;
+    IF cur = p_token THEN
+        SELECT f.token INTO cur FROM %1$I.pgfence_fences f WHERE f.resource = p_resource FOR SHARE;
+        IF p_token < cur THEN
+            RAISE EXCEPTION 'pgfence: stale token %% for resource %% (highest admitted %%)', p_token, p_resource, cur
+                USING ERRCODE = 'PF001', DETAIL = cur::text;
+        END IF;
+        RETURN p_token; -- the mark only rises: here it is still p_token
+    END IF;
     SELECT f.token INTO cur FROM %1$I.pgfence_fences f WHERE f.resource = p_resource FOR NO KEY UPDATE;
     IF NOT FOUND THEN
         INSERT INTO %1$I.pgfence_fences (resource, token, updated_at)
