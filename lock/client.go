@@ -30,6 +30,7 @@ type Client struct {
 	cfg  Config
 	q    queries
 	lis  *listener
+	poll *poller
 
 	mu       sync.Mutex
 	held     map[*Lease]struct{}
@@ -65,6 +66,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 	}
 	c.lis = newListener(c)
+	c.poll = newPoller(c)
 	m, err := newMetrics(c)
 	if err != nil {
 		return nil, err
@@ -408,7 +410,10 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}
-	var sub *subscription
+	var (
+		sub *subscription
+		w   *waiter
+	)
 	secret, since, began := newSecret(), time.Time{}, time.Now()
 	var (
 		doubt bool   // some attempt's outcome is unknown
@@ -417,6 +422,9 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 	defer func() {
 		if sub != nil {
 			sub.cancel()
+		}
+		if w != nil {
+			c.poll.remove(w)
 		}
 		if err != nil && doubt {
 			c.abandon(name, secret, pid)
@@ -461,13 +469,13 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 			c.cfg.Logger.Info("pgfence: acquire recovered", "lease", name, "failures", failures)
 			failures = 0
 		}
-		// Waiting: subscribe to releases (once), and ask the holder's
-		// release to send a NOTIFY, for a little longer than the next wait.
-		// After the first request, try again at once: a release that came
-		// before the request is caught by that attempt, one after it by the
-		// NOTIFY.
-		first := sub == nil
-		if first {
+		// Waiting: subscribe to releases (once), then register with the
+		// poller, which asks the holder's release to send a NOTIFY and
+		// wakes w once that is done: the next attempt catches a release
+		// that came before the request, the NOTIFY one after it. From then
+		// on w wakes when the poller finds the lease free or expired, and
+		// sub when it is released.
+		if sub == nil {
 			sub = c.lis.subscribe(name)
 			select {
 			case <-sub.ready:
@@ -475,32 +483,15 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 			case <-ctx.Done():
 				return nil, ctx.Err()
 			}
+			w = c.poll.add(name)
 		}
-		if err := c.markWaiting(ctx, name); err != nil && ctx.Err() != nil {
-			return nil, ctx.Err()
-		}
-		if first {
-			continue
-		}
-		wait := c.jitter(c.cfg.PollInterval)
-		if held.ExpiresIn >= 0 && held.ExpiresIn+time.Millisecond < wait {
-			wait = held.ExpiresIn + time.Millisecond
-		}
-		t := time.NewTimer(wait)
 		select {
 		case <-sub.C:
-		case <-t.C:
+		case <-w.C:
 		case <-ctx.Done():
-			t.Stop()
 			return nil, ctx.Err()
 		}
-		t.Stop()
 	}
-}
-
-func (c *Client) markWaiting(ctx context.Context, name string) error {
-	_, err := c.pool.Exec(ctx, c.q.markWaiting, name, (2 * c.cfg.PollInterval).Microseconds())
-	return err
 }
 
 // Close releases every lease the client holds (their contexts are cancelled
@@ -522,6 +513,7 @@ func (c *Client) Close(ctx context.Context) error {
 	}
 	c.poke()
 	c.lis.stop()
+	c.poll.close()
 	c.wg.Wait()
 	_ = c.m.observed.Unregister()
 	return first

@@ -38,9 +38,11 @@ type Config struct {
 	// at least one renewal can land inside the window.
 	SafetyMargin time.Duration
 
-	// PollInterval is how often a blocked Acquire retries when no release
-	// notification arrives (a lease that expires without being released
-	// sends none). Each wait is jittered by ±25%. It is also the first
+	// PollInterval is how often the client looks at the leases its blocked
+	// Acquires wait for, in case no release notification arrives (a lease
+	// that expires without being released sends none): one statement per
+	// interval for all of them, jittered by ±25%, and sooner when one of
+	// them is about to expire. It is also the first
 	// step of the capped exponential backoff after transient errors (up
 	// to 10 x PollInterval). Default 1s; at least MinPollInterval.
 	PollInterval time.Duration

@@ -44,8 +44,9 @@
 // Client.ForceRelease) are announced with NOTIFY on the channel
 // pgfence_released when someone waits, so a waiter wakes within
 // milliseconds; leases that expire without release, or that an operator
-// frees with a hand-written UPDATE, are noticed by polling (PollInterval,
-// jittered) or at the holder's expiry.
+// frees with a hand-written UPDATE, are noticed by polling: one statement
+// per PollInterval (jittered) for every lease the client's Acquires wait
+// for, however many, and one just after the soonest of their expiries.
 //
 // Election is the loop most programs want: campaign, lead with a context that
 // is cancelled on loss, release, campaign again.

@@ -3,6 +3,7 @@ package lock_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -506,6 +507,25 @@ func (s *stmtCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Tr
 
 func (s *stmtCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
+// Statements sent in a batch (pipelined) count one each.
+func (s *stmtCounter) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+
+func (s *stmtCounter) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	s.mu.Lock()
+	s.stmts = append(s.stmts, d.SQL)
+	s.mu.Unlock()
+}
+
+func (s *stmtCounter) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
+
+func (s *stmtCounter) total() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.stmts)
+}
+
 func (s *stmtCounter) reset() {
 	s.mu.Lock()
 	s.stmts = nil
@@ -740,5 +760,68 @@ func TestAcquireAdoptsItsLostAcquisition(t *testing.T) {
 	}
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// Issue 15: a client whose Acquires wait for many leases spends one
+// statement per poll interval on all of them (before: an UPDATE and an
+// acquisition attempt per lease per interval), and its waiters still wake
+// at once on release.
+func TestWaitersPollOncePerInterval(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	holder := newClient(t, db, lock.Config{TTL: 30 * time.Second})
+	const n = 40
+	held := make([]*lock.Lease, n)
+	for i := range held {
+		var err error
+		if held[i], err = holder.TryAcquire(ctx, fmt.Sprintf("job-%02d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	counter := &stmtCounter{}
+	pool := pgtest.NewPool(t, "poll-count", func(c *pgxpool.Config) { c.ConnConfig.Tracer = counter })
+	waiter, err := lock.New(pool, lock.Config{PollInterval: 100 * time.Millisecond, Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer waiter.Close(context.Background())
+	got := make(chan *lock.Lease, n)
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for i := range n {
+		go func() {
+			l, err := waiter.Acquire(wctx, fmt.Sprintf("job-%02d", i))
+			if err != nil {
+				if wctx.Err() == nil {
+					t.Error(err)
+				}
+				return
+			}
+			got <- l
+		}()
+	}
+	time.Sleep(500 * time.Millisecond) // every waiter has tried once and waits
+	counter.reset()
+	time.Sleep(time.Second)
+	stmts := counter.total()
+	// About 10 intervals passed: one statement each (jitter ±25%), not 2n.
+	if stmts > 16 {
+		t.Fatalf("%d statements in ~10 poll intervals while waiting for %d leases; want about one per interval", stmts, n)
+	}
+	t.Logf("%d waiters sent %d statements in 10 poll intervals", n, stmts)
+	for _, l := range held {
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range n {
+		select {
+		case l := <-got:
+			_ = l.Release(ctx)
+		case <-time.After(5 * time.Second):
+			t.Fatal("a waiter did not get its lease after the release")
+		}
 	}
 }

@@ -34,7 +34,7 @@ func AppGrants(schema, role string) ([]string, error) {
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
 		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
-			t("pgfence_wake_waiters") + "(text), " + t("pgfence_epoch_ready") + "(), " + t("pgfence_sync_epoch") + "(), " +
+			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
 			t("pgfence_timeline") + "() TO " + r,
 	}, nil
 }

@@ -11,6 +11,15 @@ CREATE FUNCTION pgfence.pgfence_admit(p_resource text, p_token bigint) RETURNS b
 DECLARE
     cur bigint;
 BEGIN
+    SELECT f.token INTO cur FROM pgfence.pgfence_fences f WHERE f.resource = p_resource;
+    IF cur = p_token THEN
+        SELECT f.token INTO cur FROM pgfence.pgfence_fences f WHERE f.resource = p_resource FOR SHARE;
+        IF p_token < cur THEN
+            RAISE EXCEPTION 'pgfence: stale token % for resource % (highest admitted %)', p_token, p_resource, cur
+                USING ERRCODE = 'PF001', DETAIL = cur::text;
+        END IF;
+        RETURN p_token; -- the mark only rises: here it is still p_token
+    END IF;
     SELECT f.token INTO cur FROM pgfence.pgfence_fences f WHERE f.resource = p_resource FOR NO KEY UPDATE;
     IF NOT FOUND THEN
         INSERT INTO pgfence.pgfence_fences (resource, token, updated_at)
@@ -53,15 +62,6 @@ BEGIN
             USING ERRCODE = 'PF003', DETAIL = cur::text;
     END IF;
     RETURN cur;
-END
-$$;
-
-CREATE FUNCTION pgfence.pgfence_epoch_ready() RETURNS boolean
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-    RETURN coalesce((SELECT e.epoch = e.shift + pgfence.pgfence_timeline() FROM pgfence.pgfence_epoch e), false)
-        OR pgfence.pgfence_sync_epoch();
 END
 $$;
 

@@ -124,7 +124,11 @@ SELECT 0, -pgfence_timeline(), s.system_identifier FROM pg_control_system() s;
 
 -- pgfence_sync_epoch() moves the token sequence into the current epoch, if
 -- it is not there yet, and returns true. Acquisitions call it when their
--- fast check (pgfence_epoch_ready) fails, which is once per new timeline;
+-- check fails, which is once per new timeline (the check, in each
+-- acquisition statement before the sequence issues the token:
+--   coalesce((SELECT e.epoch = e.shift + pgfence_timeline() FROM
+--   pgfence_epoch e), false) OR pgfence_sync_epoch()
+-- inlined there, it costs a read of this row and of the timeline);
 -- clients call it once when they start (the cluster check is a file read,
 -- too slow for every acquisition), and so does migrations.Up. Advances are
 -- serialised by the row lock; the sequence is raised (setval, which is not
@@ -173,29 +177,6 @@ BEGIN
 END
 $body$
 $fn$, current_schema(), format('%I.%I', current_schema(), 'pgfence_leases'));
-END
-$do$;
--- +goose StatementEnd
-
--- pgfence_epoch_ready() is the acquisitions' check, before the token
--- sequence issues a value: true when the sequence issues in the current
--- epoch (one read of the epoch row and of the timeline); otherwise it syncs
--- it first. PL/pgSQL, whose plans are cached per session: a plain SQL
--- function with a subquery is not inlined and is planned again on every
--- call, which cost a third of an acquisition's server time (pgbench).
--- +goose StatementBegin
-DO $do$
-BEGIN
-EXECUTE format($fn$
-CREATE FUNCTION %1$I.pgfence_epoch_ready() RETURNS boolean
-LANGUAGE plpgsql VOLATILE
-AS $body$
-BEGIN
-    RETURN coalesce((SELECT e.epoch = e.shift + %1$I.pgfence_timeline() FROM %1$I.pgfence_epoch e), false)
-        OR %1$I.pgfence_sync_epoch();
-END
-$body$
-$fn$, current_schema());
 END
 $do$;
 -- +goose StatementEnd
@@ -258,7 +239,7 @@ $do$;
 
 -- Only the roles granted them (migrations.GrantApp) run pgfence's functions.
 REVOKE EXECUTE ON FUNCTION pgfence_check(text, bigint), pgfence_wake_waiters(text),
-    pgfence_sync_epoch(), pgfence_epoch_ready(), pgfence_timeline() FROM PUBLIC;
+    pgfence_sync_epoch(), pgfence_timeline() FROM PUBLIC;
 
 -- +goose Down
 -- Dropping the leases table destroys the token history: tokens would start
@@ -278,7 +259,6 @@ $do$;
 -- +goose StatementEnd
 DROP FUNCTION pgfence_wake_waiters(text);
 DROP FUNCTION pgfence_check(text, bigint);
-DROP FUNCTION pgfence_epoch_ready();
 DROP FUNCTION pgfence_sync_epoch();
 DROP TABLE pgfence_epoch;
 DROP FUNCTION pgfence_timeline();

@@ -1,0 +1,196 @@
+package lock
+
+import (
+	"context"
+	"sync"
+	"time"
+)
+
+// poller keeps watch over every lease this client's blocked Acquires wait
+// for, with one statement per PollInterval whatever their number: it asks
+// each held lease's release to send a NOTIFY (waiters_until), and it finds
+// the leases that are free or expired and wakes their waiters, who then try
+// to acquire. A waiter of a lease whose holder keeps renewing sends nothing
+// of its own; before, each sent an UPDATE and an acquisition attempt per
+// interval, so 100 jobs waited on by a replica cost 200 statements per
+// interval.
+//
+// It runs while anyone waits, owned by the client (started by the first
+// waiter, ended when the last leaves or by Close, which waits for it).
+type poller struct {
+	c *Client
+
+	mu      sync.Mutex
+	waiters map[string]map[*waiter]struct{}
+	running bool
+	stopped bool
+	kick    chan struct{} // cap 1: a waiter arrived, poll now
+	ctx     context.Context
+	cancel  context.CancelFunc // by Close: ends the statement in flight and the loop
+}
+
+// waiter is one blocked Acquire's registration.
+type waiter struct {
+	// C receives a value when the lease may be free, and once after the
+	// first poll that covered it (the release will then NOTIFY).
+	C     chan struct{}
+	name  string
+	fresh bool
+}
+
+func newPoller(c *Client) *poller {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &poller{c: c, waiters: make(map[string]map[*waiter]struct{}), kick: make(chan struct{}, 1), ctx: ctx, cancel: cancel}
+}
+
+// add registers a waiter for name and makes the poller cover it at once.
+func (p *poller) add(name string) *waiter {
+	w := &waiter{C: make(chan struct{}, 1), name: name, fresh: true}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stopped {
+		w.C <- struct{}{} // try again: the attempt reports ErrClosed
+		return w
+	}
+	if p.waiters[name] == nil {
+		p.waiters[name] = make(map[*waiter]struct{})
+	}
+	p.waiters[name][w] = struct{}{}
+	select {
+	case p.kick <- struct{}{}:
+	default:
+	}
+	if !p.running {
+		p.running = true
+		p.c.wg.Add(1)
+		go p.run()
+	}
+	return w
+}
+
+// remove unregisters w.
+func (p *poller) remove(w *waiter) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.waiters[w.name], w)
+	if len(p.waiters[w.name]) == 0 {
+		delete(p.waiters, w.name)
+	}
+}
+
+// close stops the poller (Close waits for it on the client's WaitGroup)
+// and wakes every waiter, whose next attempt reports ErrClosed.
+func (p *poller) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stopped {
+		return
+	}
+	p.stopped = true
+	p.cancel()
+	for _, ws := range p.waiters {
+		for w := range ws {
+			wake(w)
+		}
+	}
+}
+
+func wake(w *waiter) {
+	select {
+	case w.C <- struct{}{}:
+	default:
+	}
+}
+
+func (p *poller) run() {
+	defer p.c.wg.Done()
+	ctx := p.ctx
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	failures := 0
+	for {
+		p.mu.Lock()
+		if len(p.waiters) == 0 || p.stopped {
+			p.running = false
+			p.mu.Unlock()
+			return
+		}
+		names := make([]string, 0, len(p.waiters))
+		var fresh []*waiter
+		for name, ws := range p.waiters {
+			names = append(names, name)
+			for w := range ws {
+				if w.fresh {
+					w.fresh = false
+					fresh = append(fresh, w)
+				}
+			}
+		}
+		p.mu.Unlock()
+
+		next, free, err := p.poll(ctx, names)
+		if err != nil {
+			if ctx.Err() != nil {
+				continue // stopped: the loop ends above
+			}
+			if failures == 0 {
+				p.c.cfg.Logger.Warn("pgfence: polling for released leases failing; waiters still wake on release", "err", err)
+			}
+			failures++
+			next = p.c.backoff.Wait(failures - 1)
+		} else if failures > 0 {
+			p.c.cfg.Logger.Info("pgfence: polling for released leases recovered", "failures", failures)
+			failures = 0
+		}
+		p.mu.Lock()
+		for _, w := range fresh {
+			wake(w)
+		}
+		for _, name := range free {
+			for w := range p.waiters[name] {
+				wake(w)
+			}
+		}
+		p.mu.Unlock()
+
+		timer.Reset(next)
+		select {
+		case <-timer.C:
+		case <-p.kick:
+			if !timer.Stop() {
+				<-timer.C
+			}
+		case <-ctx.Done():
+		}
+	}
+}
+
+// poll runs the one statement: it marks the held leases among names as
+// waited for, for the next few intervals, and returns the free ones and
+// when to poll next (the next interval, or just after the soonest expiry).
+func (p *poller) poll(ctx context.Context, names []string) (time.Duration, []string, error) {
+	iv := p.c.cfg.PollInterval
+	next := p.c.jitter(iv)
+	rows, err := p.c.pool.Query(ctx, p.c.q.pollWaited, names, (4 * iv).Microseconds(), (2 * iv).Microseconds())
+	if err != nil {
+		return next, nil, err
+	}
+	defer rows.Close()
+	var free []string
+	for rows.Next() {
+		var (
+			name      string
+			isFree    bool
+			expiresIn int64
+		)
+		if err := rows.Scan(&name, &isFree, &expiresIn); err != nil {
+			return next, nil, err
+		}
+		if isFree {
+			free = append(free, name)
+		} else if d := time.Duration(expiresIn)*time.Microsecond + time.Millisecond; d < next {
+			next = d
+		}
+	}
+	return next, free, rows.Err()
+}
