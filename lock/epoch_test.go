@@ -1,6 +1,7 @@
 package lock_test
 
 import (
+	"fmt"
 	"slices"
 	"sync"
 	"testing"
@@ -13,8 +14,8 @@ import (
 )
 
 // The epoch switch under load. The shared test server cannot be promoted,
-// so the test moves what the epoch is computed from: the shift (as a new
-// timeline would) while 16 goroutines acquire and release, then the
+// so the test moves what the epoch is computed from: the timeline (its
+// function is replaced) while 16 goroutines acquire and release, then the
 // recorded cluster (as a logical restore into another cluster would) for a
 // client that starts afterwards. internal/chaos TestFailoverTokens does it
 // with real promotions. Every token must be issued once, rise per lease,
@@ -33,6 +34,14 @@ func TestEpochSwitchesUnderLoad(t *testing.T) {
 		wg       sync.WaitGroup
 	)
 	c := newClient(t, db, lock.Config{TTL: 10 * time.Second})
+	// The client's first acquisition syncs the epoch once (for a cluster
+	// change); do it now, so that only the acquisitions' own check can
+	// notice the switch below.
+	if l, err := c.TryAcquire(ctx, "first"); err != nil {
+		t.Fatal(err)
+	} else if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
 	for w := range workers {
 		wg.Add(1)
 		go func() {
@@ -69,8 +78,13 @@ func TestEpochSwitchesUnderLoad(t *testing.T) {
 		}()
 	}
 	time.Sleep(100 * time.Millisecond)
-	// A new timeline: timeline + shift is now one above the epoch.
-	if _, err := db.Pool.Exec(ctx, "UPDATE "+epoch+" SET shift = shift + 1"); err != nil {
+	// A new timeline: the server's timeline function now says one more.
+	var tl int64
+	if err := db.Pool.QueryRow(ctx, "SELECT "+ident.Table(db.Schema, "pgfence_timeline")+"()").Scan(&tl); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, fmt.Sprintf("CREATE OR REPLACE FUNCTION %s() RETURNS bigint LANGUAGE sql VOLATILE AS 'SELECT %d::bigint'",
+		ident.Table(db.Schema, "pgfence_timeline"), tl+1)); err != nil {
 		t.Fatal(err)
 	}
 	close(switched)

@@ -35,14 +35,12 @@ func wakeWaiters(fn string) string {
 func newQueries(schema string) queries {
 	t := ident.Table(schema, "pgfence_leases")
 	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
-	// The epoch check (00001_leases.sql), inlined: one read of the epoch
-	// row and of the timeline, and a call of pgfence_sync_epoch only when
-	// they disagree. (As a PL/pgSQL function of its own it cost 5-10% of
-	// acquire+release throughput; as a SQL function, which PostgreSQL does
-	// not inline because of the subquery, a third of the statement's
-	// server time.)
-	ready := fmt.Sprintf(`(coalesce((SELECT e.epoch = e.shift + %s() FROM %s e), false) OR %s())`,
-		ident.Table(schema, "pgfence_timeline"), ident.Table(schema, "pgfence_epoch"), ident.Table(schema, "pgfence_sync_epoch"))
+	// The epoch check (00001_leases.sql): both timeline functions are
+	// inlined, so it reads no table; pgfence_sync_epoch runs only when they
+	// disagree (a new timeline). It cost about 9% of the statement as a read
+	// of the epoch row, more as a PL/pgSQL call (BENCHMARKS.md).
+	ready := fmt.Sprintf(`(%s() = %s() OR %s())`, ident.Table(schema, "pgfence_timeline"),
+		ident.Table(schema, "pgfence_epoch_timeline"), ident.Table(schema, "pgfence_sync_epoch"))
 	return queries{
 		// The compare-and-set: lock the row FOR UPDATE if it is free,
 		// released or expired, and give it a new token from the column's

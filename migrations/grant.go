@@ -32,10 +32,10 @@ func AppGrants(schema, role string) ([]string, error) {
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
-		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
+		"GRANT SELECT ON " + t(VersionTable) + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
 			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
-			t("pgfence_timeline") + "() TO " + r,
+			t("pgfence_timeline") + "(), " + t("pgfence_epoch_timeline") + "() TO " + r,
 	}, nil
 }
 

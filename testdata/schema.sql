@@ -65,6 +65,10 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION pgfence.pgfence_epoch_timeline() RETURNS bigint
+    LANGUAGE sql IMMUTABLE
+    AS $$SELECT N::bigint$$;
+
 CREATE FUNCTION pgfence.pgfence_fences_protect() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
@@ -163,7 +167,7 @@ DECLARE
 BEGIN
     SELECT s.system_identifier INTO sysid FROM pg_control_system() s;
     SELECT * INTO e FROM pgfence.pgfence_epoch;
-    IF e.system_identifier = sysid AND e.epoch = tl + e.shift THEN
+    IF e.system_identifier = sysid AND e.epoch = tl + e.shift AND pgfence.pgfence_epoch_timeline() = tl THEN
         RETURN true;
     END IF;
     SELECT * INTO e FROM pgfence.pgfence_epoch FOR UPDATE;
@@ -174,17 +178,20 @@ BEGIN
         -- been issued since. Move to the next epoch.
         want := e.epoch + 1;
     END IF;
-    IF want = e.epoch AND e.system_identifier = sysid THEN
-        RETURN true; -- a concurrent caller advanced it
+    IF want <> e.epoch OR e.system_identifier <> sysid THEN
+        IF want > 524287 THEN
+            RAISE EXCEPTION 'pgfence: token epoch % is beyond the last (524287)', want
+                USING ERRCODE = 'PF012';
+        END IF;
+        IF coalesce(pg_sequence_last_value(seq), 0) < want << 44 THEN
+            PERFORM setval(seq, want << 44, true);
+        END IF;
+        UPDATE pgfence.pgfence_epoch SET epoch = want, shift = want - tl, system_identifier = sysid;
     END IF;
-    IF want > 524287 THEN
-        RAISE EXCEPTION 'pgfence: token epoch % is beyond the last (524287)', want
-            USING ERRCODE = 'PF012';
+    IF pgfence.pgfence_epoch_timeline() IS DISTINCT FROM tl THEN
+        EXECUTE format('CREATE OR REPLACE FUNCTION %I.pgfence_epoch_timeline() RETURNS bigint LANGUAGE sql IMMUTABLE AS %L',
+            'pgfence', 'SELECT ' || tl || '::bigint');
     END IF;
-    IF coalesce(pg_sequence_last_value(seq), 0) < want << 44 THEN
-        PERFORM setval(seq, want << 44, true);
-    END IF;
-    UPDATE pgfence.pgfence_epoch SET epoch = want, shift = want - tl, system_identifier = sysid;
     RETURN true;
 END
 $$;

@@ -122,13 +122,21 @@ $$;
 INSERT INTO pgfence_epoch (epoch, shift, system_identifier)
 SELECT 0, -pgfence_timeline(), s.system_identifier FROM pg_control_system() s;
 
+-- pgfence_epoch_timeline() is the timeline the token sequence issues the
+-- current epoch on: a constant that pgfence_sync_epoch rewrites when the
+-- epoch moves (0, no timeline, until the first sync: Up runs one). The
+-- acquisitions' check compares it with pgfence_timeline(); both are plain
+-- SQL functions that PostgreSQL inlines, so the check reads no table (a read
+-- of the epoch row cost about 9% of the acquisition statement). Replacing
+-- the function invalidates the plans that inlined it.
+CREATE FUNCTION pgfence_epoch_timeline() RETURNS bigint
+LANGUAGE sql IMMUTABLE AS 'SELECT 0::bigint';
+
 -- pgfence_sync_epoch() moves the token sequence into the current epoch, if
 -- it is not there yet, and returns true. Acquisitions call it when their
 -- check fails, which is once per new timeline (the check, in each
 -- acquisition statement before the sequence issues the token:
---   coalesce((SELECT e.epoch = e.shift + pgfence_timeline() FROM
---   pgfence_epoch e), false) OR pgfence_sync_epoch()
--- inlined there, it costs a read of this row and of the timeline);
+--   pgfence_timeline() = pgfence_epoch_timeline() OR pgfence_sync_epoch());
 -- clients call it once when they start (the cluster check is a file read,
 -- too slow for every acquisition), and so does migrations.Up. Advances are
 -- serialised by the row lock; the sequence is raised (setval, which is not
@@ -151,7 +159,7 @@ DECLARE
 BEGIN
     SELECT s.system_identifier INTO sysid FROM pg_control_system() s;
     SELECT * INTO e FROM %1$I.pgfence_epoch;
-    IF e.system_identifier = sysid AND e.epoch = tl + e.shift THEN
+    IF e.system_identifier = sysid AND e.epoch = tl + e.shift AND %1$I.pgfence_epoch_timeline() = tl THEN
         RETURN true;
     END IF;
     SELECT * INTO e FROM %1$I.pgfence_epoch FOR UPDATE;
@@ -162,21 +170,24 @@ BEGIN
         -- been issued since. Move to the next epoch.
         want := e.epoch + 1;
     END IF;
-    IF want = e.epoch AND e.system_identifier = sysid THEN
-        RETURN true; -- a concurrent caller advanced it
+    IF want <> e.epoch OR e.system_identifier <> sysid THEN
+        IF want > 524287 THEN
+            RAISE EXCEPTION 'pgfence: token epoch %% is beyond the last (524287)', want
+                USING ERRCODE = 'PF012';
+        END IF;
+        IF coalesce(pg_sequence_last_value(seq), 0) < want << 44 THEN
+            PERFORM setval(seq, want << 44, true);
+        END IF;
+        UPDATE %1$I.pgfence_epoch SET epoch = want, shift = want - tl, system_identifier = sysid;
     END IF;
-    IF want > 524287 THEN
-        RAISE EXCEPTION 'pgfence: token epoch %% is beyond the last (524287)', want
-            USING ERRCODE = 'PF012';
+    IF %1$I.pgfence_epoch_timeline() IS DISTINCT FROM tl THEN
+        EXECUTE format('CREATE OR REPLACE FUNCTION %%I.pgfence_epoch_timeline() RETURNS bigint LANGUAGE sql IMMUTABLE AS %%L',
+            %3$L, 'SELECT ' || tl || '::bigint');
     END IF;
-    IF coalesce(pg_sequence_last_value(seq), 0) < want << 44 THEN
-        PERFORM setval(seq, want << 44, true);
-    END IF;
-    UPDATE %1$I.pgfence_epoch SET epoch = want, shift = want - tl, system_identifier = sysid;
     RETURN true;
 END
 $body$
-$fn$, current_schema(), format('%I.%I', current_schema(), 'pgfence_leases'));
+$fn$, current_schema(), format('%I.%I', current_schema(), 'pgfence_leases'), current_schema());
 END
 $do$;
 -- +goose StatementEnd
@@ -239,7 +250,7 @@ $do$;
 
 -- Only the roles granted them (migrations.GrantApp) run pgfence's functions.
 REVOKE EXECUTE ON FUNCTION pgfence_check(text, bigint), pgfence_wake_waiters(text),
-    pgfence_sync_epoch(), pgfence_timeline() FROM PUBLIC;
+    pgfence_sync_epoch(), pgfence_timeline(), pgfence_epoch_timeline() FROM PUBLIC;
 
 -- +goose Down
 -- Dropping the leases table destroys the token history: tokens would start
@@ -260,6 +271,7 @@ $do$;
 DROP FUNCTION pgfence_wake_waiters(text);
 DROP FUNCTION pgfence_check(text, bigint);
 DROP FUNCTION pgfence_sync_epoch();
+DROP FUNCTION pgfence_epoch_timeline();
 DROP TABLE pgfence_epoch;
 DROP FUNCTION pgfence_timeline();
 DROP TABLE pgfence_leases;
