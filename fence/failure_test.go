@@ -186,3 +186,38 @@ func TestErrorsSayWhatPgfenceWasDoing(t *testing.T) {
 		t.Fatalf("Admit on a schema without pgfence: %v", err)
 	}
 }
+
+// A cancel request sent when RunTx's context ends must never reach a later
+// statement: if the statement it was meant for has just finished, the
+// connection goes back to the pool and runs something else, which the
+// late cancel would abort (57014). Seen once in CI: a runner's lease ended
+// as its run committed, and the next Prune on that pool was cancelled. One
+// connection, contexts ending around the end of a short statement, and
+// after each RunTx a statement of its own on the same connection. (The
+// window is microseconds wide: this did not catch it in 900 iterations
+// before the fix; it guards the fix, which closes the window by design.)
+func TestLateCancelDoesNotHitTheNextStatement(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, 2*time.Minute)
+	pool := pgtest.NewPool(t, pgtest.UniqueName("late-cancel"), func(c *pgxpool.Config) { c.MaxConns = 1 })
+	c := newClient(t, db, lock.Config{TTL: time.Minute})
+	l, err := c.TryAcquire(ctx, "late-cancel")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := l.Guard()
+	for i := range 200 {
+		rctx, cancel := context.WithCancel(ctx)
+		timer := time.AfterFunc(time.Duration(i%40)*100*time.Microsecond+time.Millisecond, cancel)
+		_ = g.RunTx(rctx, pool, func(tx pgx.Tx) error {
+			_, err := tx.Exec(rctx, "SELECT pg_sleep(0.002)")
+			return err
+		})
+		timer.Stop()
+		cancel()
+		if _, err := pool.Exec(ctx, "SELECT pg_sleep(0.005)"); err != nil {
+			t.Fatalf("iteration %d: the statement after a RunTx whose context ended: %v", i, err)
+		}
+	}
+}

@@ -38,11 +38,23 @@ func (t *guardedTx) bind(ctx context.Context) (context.Context, func()) {
 		return ctx, func() {}
 	}
 	ctx, cancel := context.WithCancelCause(ctx)
+	fired := make(chan struct{})
 	stop := context.AfterFunc(t.bound, func() {
+		defer close(fired)
 		t.cancelAtServer()
 		cancel(context.Cause(t.bound))
 	})
-	return ctx, func() { stop(); cancel(nil) }
+	return ctx, func() {
+		if !stop() {
+			// The cancel request is under way, maybe for a statement that
+			// has just finished. Nothing else may run on the connection
+			// until the server has it: it then finds the backend idle and
+			// ignores it, instead of cancelling whatever the connection
+			// (back in its pool) runs next.
+			<-fired
+		}
+		cancel(nil)
+	}
 }
 
 // cancelAtServer asks the server to cancel the statement running on the
