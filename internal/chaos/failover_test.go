@@ -41,15 +41,7 @@ func TestFailoverTokens(t *testing.T) {
 		primary, link, pp, standby, sp := replicated(t, ctx, "wal_log_hints = on", "wal_keep_size = 128MB")
 		onPrimary := client(t, pp)
 		// The resource: a fence in a third database, on a server of its own.
-		third, err := pgcluster.New()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = third.Close() })
-		ledger := connect(t, third.URL())
-		if _, err := migrations.Up(ctx, ledger, "ledger"); err != nil {
-			t.Fatal(err)
-		}
+		_, ledger := migrated(t, ctx, "ledger")
 		fenceRes := fence.Resource{Name: "ledger", Schema: "ledger"}
 		write := func(tok fence.Token) error {
 			return pgx.BeginFunc(ctx, ledger, func(tx pgx.Tx) error { return fenceRes.Admit(ctx, tx, tok) })
@@ -198,7 +190,8 @@ func TestFailoverTokens(t *testing.T) {
 	// issued after the backup, though it never saw those.
 	t.Run("point-in-time-recovery", func(t *testing.T) {
 		ctx := pgtest.Context(t, 2*time.Minute)
-		primary, onPrimary := migrated(t, ctx)
+		primary, pp := migrated(t, ctx, "pgfence")
+		onPrimary := client(t, pp)
 		acquireRelease(t, ctx, onPrimary, 3)
 		restored, err := pgcluster.NewRestored(primary.Addr())
 		if err != nil {
@@ -219,7 +212,8 @@ func TestFailoverTokens(t *testing.T) {
 	// changed and moves the tokens to the epoch after the dump's.
 	t.Run("logical-dump", func(t *testing.T) {
 		ctx := pgtest.Context(t, 2*time.Minute)
-		source, onSource := migrated(t, ctx)
+		source, sp := migrated(t, ctx, "pgfence")
+		onSource := client(t, sp)
 		acquireRelease(t, ctx, onSource, 3)
 		dump, err := source.Output(nil, "pg_dump", "-h", "127.0.0.1", "-p", port(source), "-U", "postgres", "--schema", "pgfence", "postgres")
 		if err != nil {
@@ -251,8 +245,9 @@ func TestFailoverTokens(t *testing.T) {
 	})
 }
 
-// migrated starts a server, migrates it and returns a client of it.
-func migrated(t *testing.T, ctx context.Context) (*pgcluster.Cluster, *lock.Client) {
+// migrated starts a server with pgfence's migrations in schema and
+// returns it and a pool on it.
+func migrated(t *testing.T, ctx context.Context, schema string) (*pgcluster.Cluster, *pgxpool.Pool) {
 	t.Helper()
 	c, err := pgcluster.New()
 	if err != nil {
@@ -260,10 +255,10 @@ func migrated(t *testing.T, ctx context.Context) (*pgcluster.Cluster, *lock.Clie
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	pool := connect(t, c.URL())
-	if _, err := migrations.Up(ctx, pool, "pgfence"); err != nil {
+	if _, err := migrations.Up(ctx, pool, schema); err != nil {
 		t.Fatal(err)
 	}
-	return c, client(t, pool)
+	return c, pool
 }
 
 // replicated starts a primary (extraConf appended to its configuration) and

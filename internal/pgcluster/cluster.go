@@ -142,16 +142,7 @@ func (c *Cluster) Follow(primaryAddr string) error {
 	if err := c.writeFile("standby.signal", ""); err != nil {
 		return err
 	}
-	conf := fmt.Sprintf("primary_conninfo = 'host=%s port=%s user=postgres'\n", host, port)
-	f, err := os.OpenFile(filepath.Join(c.data(), "postgresql.auto.conf"), os.O_APPEND|os.O_WRONLY, 0)
-	if err != nil {
-		return err
-	}
-	_, err = f.WriteString(conf)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
+	if err := c.appendFile("postgresql.auto.conf", fmt.Sprintf("primary_conninfo = 'host=%s port=%s user=postgres'\n", host, port)); err != nil {
 		return err
 	}
 	return c.Start()
@@ -209,11 +200,16 @@ func (c *Cluster) configure(extraConf []string) error {
 	for _, l := range extraConf {
 		conf += l + "\n"
 	}
-	f, err := os.OpenFile(filepath.Join(c.data(), "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	return c.appendFile("postgresql.conf", conf)
+}
+
+// appendFile appends text to a file of the data directory.
+func (c *Cluster) appendFile(name, text string) error {
+	f, err := os.OpenFile(filepath.Join(c.data(), name), os.O_APPEND|os.O_WRONLY, 0)
 	if err != nil {
 		return err
 	}
-	_, err = f.WriteString(conf)
+	_, err = f.WriteString(text)
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
@@ -267,12 +263,18 @@ func (c *Cluster) Close() error {
 	return os.RemoveAll(c.dir)
 }
 
-// pg runs a server binary, as nobody when we are root.
-func (c *Cluster) pg(name string, args ...string) error {
-	path := filepath.Join(c.bin, name)
-	cmd := unpriv.Command(path, args...)
+// command prepares one of the server's programs, to run as nobody when we
+// are root.
+func (c *Cluster) command(name string, args ...string) *exec.Cmd {
+	cmd := unpriv.Command(filepath.Join(c.bin, name), args...)
 	cmd.Dir = c.dir
 	cmd.Env = append(os.Environ(), "LC_ALL=C")
+	return cmd
+}
+
+// pg runs a server binary.
+func (c *Cluster) pg(name string, args ...string) error {
+	cmd := c.command(name, args...)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("pgcluster: %s %s: %v\n%s", name, strings.Join(args, " "), err, out)
 	}
@@ -282,9 +284,7 @@ func (c *Cluster) pg(name string, args ...string) error {
 // Output runs one of the server's client programs (pg_dump, psql) as the
 // server's user, with stdin, and returns what it printed on stdout.
 func (c *Cluster) Output(stdin []byte, name string, args ...string) ([]byte, error) {
-	cmd := unpriv.Command(filepath.Join(c.bin, name), args...)
-	cmd.Dir = c.dir
-	cmd.Env = append(os.Environ(), "LC_ALL=C")
+	cmd := c.command(name, args...)
 	cmd.Stdin = bytes.NewReader(stdin)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
