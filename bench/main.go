@@ -45,30 +45,55 @@ func main() {
 	cell := flag.Duration("cell", time.Second, "time per measurement")
 	handovers := flag.Int("handovers", 200, "handovers per handover row")
 	write := flag.String("write", "", "BENCHMARKS.md to update between its generated-section markers")
+	only := flag.String("sections", strings.Join(sectionNames, ","), "the sections to run, comma-separated")
+	childName, childTTL := childFlags()
 	flag.Parse()
 	ctx := context.Background()
+	if *childName != "" {
+		if err := crashChild(ctx, *dbURL, *childName, *childTTL); err != nil {
+			fmt.Fprintln(os.Stderr, "bench: crash child:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	b, err := setup(ctx, *dbURL, *redisAddr)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
 	}
 	defer b.close()
+	sections := map[string]func(*bytes.Buffer) error{
+		"pairs":      func(out *bytes.Buffer) error { return b.pairs(ctx, out, *rounds, *cell) },
+		"guarded":    func(out *bytes.Buffer) error { return b.guarded(ctx, out, *rounds, *cell) },
+		"costs":      func(out *bytes.Buffer) error { return b.costs(ctx, out, 2**cell) },
+		"handover":   func(out *bytes.Buffer) error { return b.handover(ctx, out, *handovers) },
+		"crash":      func(out *bytes.Buffer) error { return b.crash(ctx, out, 5) },
+		"scale":      func(out *bytes.Buffer) error { return b.scale(ctx, out, 5) },
+		"singletons": func(out *bytes.Buffer) error { return b.singletons(ctx, out, 10*time.Second) },
+		"runner":     func(out *bytes.Buffer) error { return b.runnerRows(ctx, out) },
+	}
 	var out bytes.Buffer
 	start := time.Now()
 	fmt.Fprint(&out, b.header(ctx))
-	for _, f := range []func(context.Context, *bytes.Buffer, int, time.Duration) error{b.pairs, b.guarded} {
-		if err := f(ctx, &out, *rounds, *cell); err != nil {
-			fmt.Fprintln(os.Stderr, "bench:", err)
+	for _, name := range strings.Split(*only, ",") {
+		run, ok := sections[name]
+		if !ok {
+			fmt.Fprintf(os.Stderr, "bench: no section %q (the sections: %s)\n", name, strings.Join(sectionNames, ","))
+			os.Exit(2)
+		}
+		fmt.Fprintf(os.Stderr, "bench: %s (%s so far)\n", name, time.Since(start).Round(time.Second))
+		if err := run(&out); err != nil {
+			fmt.Fprintf(os.Stderr, "bench: %s: %v\n", name, err)
 			os.Exit(1)
 		}
-	}
-	if err := b.handover(ctx, &out, *handovers); err != nil {
-		fmt.Fprintln(os.Stderr, "bench:", err)
-		os.Exit(1)
 	}
 	fmt.Fprintf(&out, "\nThe whole run took %s.\n", time.Since(start).Round(time.Second))
 	os.Stdout.Write(out.Bytes())
 	if *write != "" {
+		if *only != strings.Join(sectionNames, ",") {
+			fmt.Fprintln(os.Stderr, "bench: -write needs every section, so that BENCHMARKS.md shows one run")
+			os.Exit(2)
+		}
 		if err := splice(*write, out.Bytes()); err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
 			os.Exit(1)
@@ -76,8 +101,13 @@ func main() {
 	}
 }
 
+// sectionNames are the sections, in the order they run and print.
+var sectionNames = []string{"pairs", "guarded", "costs", "handover", "crash", "scale", "singletons", "runner"}
+
 type bench struct {
+	url   string
 	pool  *pgxpool.Pool
+	sent  *counter // what pool has sent
 	redis *redis.Client
 }
 
@@ -87,11 +117,13 @@ func setup(ctx context.Context, dbURL, redisAddr string) (*bench, error) {
 		return nil, err
 	}
 	cfg.MaxConns = 40
+	sent := &counter{}
+	cfg.ConnConfig.Tracer = sent
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}
-	b := &bench{pool: pool, redis: redis.NewClient(&redis.Options{Addr: redisAddr, PoolSize: 16})}
+	b := &bench{url: dbURL, pool: pool, sent: sent, redis: redis.NewClient(&redis.Options{Addr: redisAddr, PoolSize: 16})}
 	if err := b.redis.Ping(ctx).Err(); err != nil {
 		b.close()
 		return nil, fmt.Errorf("redis at %s: %w (start it as ../shared/README.md says)", redisAddr, err)
@@ -158,11 +190,18 @@ type form struct {
 
 // measure runs clients ops for d and returns counted ops per second.
 func measure(ctx context.Context, f form, clients int, shared bool, d time.Duration) (float64, error) {
+	n, took, err := count(ctx, f, clients, shared, d)
+	return float64(n) / took.Seconds(), err
+}
+
+// count runs clients ops for d and returns how many counted and how long
+// they took.
+func count(ctx context.Context, f form, clients int, shared bool, d time.Duration) (int, time.Duration, error) {
 	ops := make([]op, clients)
 	for i := range ops {
 		o, done, err := f.make(ctx, i, shared)
 		if err != nil {
-			return 0, fmt.Errorf("%s: %w", f.name, err)
+			return 0, 0, fmt.Errorf("%s: %w", f.name, err)
 		}
 		defer done()
 		ops[i] = o
@@ -201,9 +240,9 @@ func measure(ctx context.Context, f form, clients int, shared bool, d time.Durat
 	}
 	wg.Wait()
 	if first != nil {
-		return 0, fmt.Errorf("%s: %w", f.name, first)
+		return 0, 0, fmt.Errorf("%s: %w", f.name, first)
 	}
-	return float64(total) / time.Since(start).Seconds(), nil
+	return total, time.Since(start), nil
 }
 
 // table measures forms in rounds at each client count and mode and writes
@@ -270,6 +309,12 @@ func (b *bench) pairs(ctx context.Context, out *bytes.Buffer, rounds int, d time
 	fmt.Fprint(out, "\n## Acquire + release pairs per second\n\nA pair is one acquisition and its release (floors: two single-row UPDATE commits, the second "+
 		"with `synchronous_commit = off` for the like-for-like floor of the default). On one shared name, every "+
 		"client tries the same lock and only successful pairs count (try-lock semantics for all forms).\n")
+	forms, baseline := b.pairForms()
+	return table(ctx, out, "Pairs", "pairs/s", forms, []string{"distinct names", "one shared name"}, []int{1, 8}, rounds, d, baseline)
+}
+
+// pairForms are the acquire+release forms, and the baseline of each.
+func (b *bench) pairForms() ([]form, func(form) string) {
 	upd := "UPDATE " + schema + ".floor SET v = v + 1 WHERE id = $1"
 	floor := func(async bool) func(context.Context, int, bool) (op, func(), error) {
 		second := upd
@@ -363,7 +408,7 @@ func (b *bench) pairs(ctx context.Context, out *bytes.Buffer, rounds int, d time
 		}
 		return pgfenceDef
 	}
-	return table(ctx, out, "Pairs", "pairs/s", forms, []string{"distinct names", "one shared name"}, []int{1, 8}, rounds, d, baseline)
+	return forms, baseline
 }
 
 func leaseName(client int, shared bool) string {
@@ -377,11 +422,21 @@ func (b *bench) guarded(ctx context.Context, out *bytes.Buffer, rounds int, d ti
 	fmt.Fprint(out, "\n## Guarded transactions vs the same transaction unguarded\n\nThe transaction: BEGIN; INSERT one row; COMMIT "+
 		"(Fold: the INSERT alone, autocommitted, carrying the check, against the INSERT alone). With many leases each client holds its own "+
 		"lease (and resource); with one shared lease all clients write under the same token.\n")
-	holder, err := lock.New(b.pool, lock.Config{Schema: schema, TTL: time.Minute, Holder: "bench-guard"})
+	forms, baseline, done, err := b.guardForms()
 	if err != nil {
 		return err
 	}
-	defer holder.Close(context.Background())
+	defer done()
+	return table(ctx, out, "Guard styles", "tx/s", forms, []string{"many leases", "one shared lease"}, []int{1, 8}, rounds, d, baseline)
+}
+
+// guardForms are the guarded transactions and their unguarded baselines;
+// done closes the client that holds their leases.
+func (b *bench) guardForms() ([]form, func(form) string, func(), error) {
+	holder, err := lock.New(b.pool, lock.Config{Schema: schema, TTL: time.Minute, Holder: "bench-guard"})
+	if err != nil {
+		return nil, nil, nil, err
+	}
 	leases := map[string]*lock.Lease{}
 	lease := func(ctx context.Context, client int, shared bool) (*lock.Lease, error) {
 		name := "guard-" + leaseName(client, shared)
@@ -478,7 +533,7 @@ func (b *bench) guarded(ctx context.Context, out *bytes.Buffer, rounds int, d ti
 		}
 		return "unguarded"
 	}
-	return table(ctx, out, "Guard styles", "tx/s", forms, []string{"many leases", "one shared lease"}, []int{1, 8}, rounds, d, baseline)
+	return forms, baseline, func() { _ = holder.Close(context.Background()) }, nil
 }
 
 // handover measures release-to-acquisition: a client releases, another's
@@ -539,16 +594,7 @@ func (b *bench) handovers(ctx context.Context, n int) ([]time.Duration, error) {
 	lat := make([]time.Duration, 0, n)
 	for i := range n {
 		next := cs[(i+1)%2]
-		type result struct {
-			l   *lock.Lease
-			at  time.Time
-			err error
-		}
-		got := make(chan result, 1)
-		go func() {
-			l, err := next.Acquire(ctx, "bench-handover")
-			got <- result{l, time.Now(), err}
-		}()
+		got := acquireAsync(ctx, next, "bench-handover")
 		time.Sleep(20 * time.Millisecond) // the waiter is waiting
 		released := time.Now()
 		if err := held.Release(ctx); err != nil {
@@ -564,6 +610,23 @@ func (b *bench) handovers(ctx context.Context, n int) ([]time.Duration, error) {
 	_ = held.Release(ctx)
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 	return lat, nil
+}
+
+// acquired is what a blocking Acquire returned, and when.
+type acquired struct {
+	l   *lock.Lease
+	at  time.Time
+	err error
+}
+
+// acquireAsync starts c.Acquire(ctx, name) and delivers its result.
+func acquireAsync(ctx context.Context, c *lock.Client, name string) <-chan acquired {
+	got := make(chan acquired, 1)
+	go func() {
+		l, err := c.Acquire(ctx, name)
+		got <- acquired{l, time.Now(), err}
+	}()
+	return got
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.1f ms", float64(d.Microseconds())/1000) }

@@ -1,0 +1,404 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"runtime"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/runner"
+)
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// newPool opens a pool of at most maxConns connections whose statements are
+// counted.
+func (b *bench) newPool(ctx context.Context, maxConns int32) (*pgxpool.Pool, *counter, error) {
+	cfg, err := pgxpool.ParseConfig(b.url)
+	if err != nil {
+		return nil, nil, err
+	}
+	cfg.MaxConns = maxConns
+	sent := &counter{}
+	cfg.ConnConfig.Tracer = sent
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	return pool, sent, err
+}
+
+// scale measures one client holding many leases: what its renewals send and
+// cost, and its memory per lease.
+func (b *bench) scale(ctx context.Context, out *bytes.Buffer, intervals int) error {
+	const (
+		ttl   = 3 * time.Second
+		renew = ttl / 3
+	)
+	fmt.Fprintf(out, "\n## Scale: one client holding many leases\n\nOne client (TTL %s, so a renewal every %s) acquires the leases, then "+
+		"holds them for %d renewal intervals. Statements: what its pool sent per interval (a pgx tracer). Renew latency: the "+
+		"renewal statement's round trip (`Client.Stats`), median and max over the intervals. Server CPU: every `postgres` "+
+		"process, per second of holding. Heap: the client's live heap after a GC, with the leases minus without, per lease (with one lease: mostly the "+
+		"client's own structures). "+
+		"Close: `Client.Close`, which releases them all.\n\n"+
+		"| leases | statements / renewal interval | renew latency | server CPU / s | client heap / lease | acquiring them | Close |\n"+
+		"|---|---|---|---|---|---|---|\n", ttl, renew, intervals)
+	for _, n := range []int{1, 100, 1000, 10000} {
+		if err := b.hold(ctx, out, n, ttl, intervals); err != nil {
+			return fmt.Errorf("scale %d: %w", n, err)
+		}
+	}
+	return nil
+}
+
+func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Duration, intervals int) error {
+	pool, sent, err := b.newPool(ctx, 8)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	heap := func() uint64 {
+		runtime.GC()
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		return m.HeapAlloc
+	}
+	c, err := lock.New(pool, lock.Config{Schema: schema, TTL: ttl, Holder: "bench-scale", Logger: quiet})
+	if err != nil {
+		return err
+	}
+	defer c.Close(context.Background())
+	heap0 := heap()
+	leases := make([]*lock.Lease, n)
+	began := time.Now()
+	if err := parallel(8, n, func(i int) error {
+		l, err := c.TryAcquire(ctx, fmt.Sprintf("scale-%d", i))
+		leases[i] = l
+		return err
+	}); err != nil {
+		return err
+	}
+	acquiring := time.Since(began)
+	perLease := (float64(heap()) - float64(heap0)) / float64(n)
+	renewals := func() uint64 { return c.Stats().Renewals }
+	// Start counting at a renewal, so that the window holds whole intervals.
+	if err := waitUntil(2*ttl, func() bool { return renewals() > 0 }); err != nil {
+		return errors.New("no renewal")
+	}
+	r0 := renewals()
+	if err := waitUntil(2*ttl, func() bool { return renewals() > r0 }); err != nil {
+		return errors.New("no second renewal")
+	}
+	s0, cpu0, t0 := sent.statements.Load(), mustCPU(), time.Now()
+	var lat []time.Duration
+	last := renewals()
+	for len(lat) < intervals {
+		if err := waitUntil(2*ttl, func() bool { return renewals() > last }); err != nil {
+			return errors.New("renewals stopped")
+		}
+		st := c.Stats()
+		last = st.Renewals
+		lat = append(lat, st.LastRenewLatency)
+	}
+	took, statements, cpu := time.Since(t0), sent.statements.Load()-s0, mustCPU()-cpu0
+	if st := c.Stats(); st.Held != n || st.RenewalFailures > 0 {
+		return fmt.Errorf("holds %d leases of %d, %d renewals failed", st.Held, n, st.RenewalFailures)
+	}
+	closing := time.Now()
+	if err := c.Close(ctx); err != nil {
+		return err
+	}
+	closed := time.Since(closing)
+	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
+	server := "–"
+	if cpu >= 0 {
+		server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
+	}
+	fmt.Fprintf(out, "| %d | %.1f | %s (max %s) | %s | %.0f B | %s | %s |\n", n, float64(statements)/float64(intervals),
+		ms(lat[len(lat)/2]), ms(lat[len(lat)-1]), server, perLease, acquiring.Round(time.Millisecond), closed.Round(time.Millisecond))
+	return nil
+}
+
+// mustCPU is serverCPU, or -1 when it is not known.
+func mustCPU() time.Duration {
+	if d, ok := serverCPU(); ok {
+		return d
+	}
+	return -1
+}
+
+// parallel runs f(0..n-1) on workers goroutines and returns the first error.
+func parallel(workers, n int, f func(i int) error) error {
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		next  int
+		first error
+	)
+	for range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				mu.Lock()
+				i := next
+				next++
+				stop := i >= n || first != nil
+				mu.Unlock()
+				if stop {
+					return
+				}
+				if err := f(i); err != nil {
+					mu.Lock()
+					if first == nil {
+						first = err
+					}
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return first
+}
+
+// waitUntil polls cond every 10 ms until it holds or limit passes.
+func waitUntil(limit time.Duration, cond func() bool) error {
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return errors.New("timed out")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return nil
+}
+
+// singletons runs jobs singleton jobs on replicas runner instances and
+// counts what the fleet sends while every job has its leader and the other
+// replicas wait.
+func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.Duration) error {
+	const (
+		replicas = 10
+		jobs     = 100
+	)
+	b.pool.Reset() // room for the fleet's connections
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type replica struct {
+		pool *pgxpool.Pool
+		sent *counter
+		done chan error
+	}
+	fleet := make([]*replica, replicas)
+	defer func() {
+		cancel()
+		for _, r := range fleet {
+			if r != nil {
+				<-r.done
+				r.pool.Close()
+			}
+		}
+	}()
+	for i := range fleet {
+		pool, sent, err := b.newPool(ctx, 4)
+		if err != nil {
+			return err
+		}
+		r := &replica{pool: pool, sent: sent, done: make(chan error, 1)}
+		run, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: schema, Holder: fmt.Sprintf("replica-%d", i), Logger: quiet}})
+		if err != nil {
+			pool.Close()
+			return err
+		}
+		for j := range jobs {
+			if err := run.Register(runner.Job{Name: fmt.Sprintf("single-%d", j), Schedule: "@every 1h", Missed: runner.Skip,
+				Run: func(context.Context, *runner.Run) error { return nil }}); err != nil {
+				pool.Close()
+				return err
+			}
+		}
+		fleet[i] = r
+		go func() { r.done <- run.Run(ctx) }()
+	}
+	led := func() int {
+		var n int
+		_ = b.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".pgfence_leases WHERE name LIKE 'pgfence/job/single-%' AND holder IS NOT NULL AND expires_at > now()").Scan(&n)
+		return n
+	}
+	if err := waitUntil(time.Minute, func() bool { return led() == jobs }); err != nil {
+		return fmt.Errorf("singletons: %d of %d jobs have a leader after a minute", led(), jobs)
+	}
+	time.Sleep(2 * time.Second) // the waiters are registered and polling
+	leaders := map[string]int{}
+	rows, err := b.pool.Query(ctx, "SELECT holder, count(*) FROM "+schema+".pgfence_leases WHERE name LIKE 'pgfence/job/single-%' AND holder IS NOT NULL GROUP BY holder")
+	if err != nil {
+		return err
+	}
+	for rows.Next() {
+		var (
+			h string
+			k int
+		)
+		if err := rows.Scan(&h, &k); err != nil {
+			return err
+		}
+		leaders[h] = k
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	var conns int
+	if err := b.pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'").Scan(&conns); err != nil {
+		return err
+	}
+	s0, n0 := make([]int64, replicas), make([]int64, replicas)
+	for i, r := range fleet {
+		s0[i], n0[i] = r.sent.statements.Load(), r.pool.Stat().NewConnsCount()
+	}
+	cpu0, t0 := mustCPU(), time.Now()
+	time.Sleep(window)
+	took, cpu := time.Since(t0), mustCPU()-cpu0
+	var (
+		per      []float64
+		total    float64
+		newConns int64
+	)
+	for i, r := range fleet {
+		v := float64(r.sent.statements.Load()-s0[i]) / took.Seconds()
+		per = append(per, v)
+		total += v
+		newConns += r.pool.Stat().NewConnsCount() - n0[i]
+	}
+	if led() != jobs {
+		return errors.New("singletons: a job lost its leader during the measurement")
+	}
+	var spread []float64
+	for i := range replicas {
+		spread = append(spread, float64(leaders[fmt.Sprintf("replica-%d", i)]))
+	}
+	server := "–"
+	if cpu >= 0 {
+		server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
+	}
+	fmt.Fprintf(out, "\n## 100 singleton jobs on 10 runner replicas\n\nTen `runner` instances in this process, each with its own "+
+		"4-connection pool and default timings (TTL 15 s, PollInterval 1 s), register the same 100 jobs (`@every 1h`). Once every "+
+		"job has its leader, for %s: what the replicas' pools sent (every statement: the leaders' renewals and heartbeats, the "+
+		"waiters' polls), the server's CPU, and the connections they opened. Each replica waits for about 90 jobs.\n\n"+
+		"| | |\n|---|---|\n"+
+		"| jobs led per replica | %s |\n"+
+		"| statements / s, the whole fleet | %.1f |\n"+
+		"| statements / s per replica | %s |\n"+
+		"| statements / s per waiting (replica, job) pair | %.4f |\n"+
+		"| server CPU / s | %s |\n"+
+		"| new connections opened during the window | %d |\n"+
+		"| client connections on the server (fleet and this command) | %d |\n",
+		window, summary(spread, "%.0f"), total, summary(per, "%.2f"), total/float64(jobs*(replicas-1)), server, newConns, conns)
+	return nil
+}
+
+// crashChild is the hidden mode of the crash-failover row: acquire name,
+// say so on stdout, and hold it (renewing) until killed.
+func crashChild(ctx context.Context, dbURL, name string, ttl time.Duration) error {
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		return err
+	}
+	c, err := lock.New(pool, lock.Config{Schema: schema, TTL: ttl, Holder: fmt.Sprintf("crash-child-%d", os.Getpid()), Logger: quiet})
+	if err != nil {
+		return err
+	}
+	l, err := c.Acquire(ctx, name)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("held %d\n", l.Token())
+	select {}
+}
+
+// crash measures failover after the holder's process is killed: from the
+// SIGKILL to a waiting client's Acquire returning, against the TTL.
+func (b *bench) crash(ctx context.Context, out *bytes.Buffer, rounds int) error {
+	const ttl = 2 * time.Second
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	waiter, err := lock.New(b.pool, lock.Config{Schema: schema, TTL: ttl, Holder: "crash-waiter", Logger: quiet})
+	if err != nil {
+		return err
+	}
+	defer waiter.Close(context.Background())
+	var takeover, afterExpiry []float64
+	for i := range rounds {
+		name := fmt.Sprintf("bench-crash-%d", i)
+		cmd := exec.CommandContext(ctx, exe, "-crash-child", name, "-crash-ttl", ttl.String(), "-database-url", b.url)
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			return err
+		}
+		cmd.Stderr = os.Stderr
+		if err := cmd.Start(); err != nil {
+			return err
+		}
+		line, err := bufio.NewReader(stdout).ReadString('\n')
+		if err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			return fmt.Errorf("crash child: %w", err)
+		}
+		got := acquireAsync(ctx, waiter, name)
+		// The waiter waits; the kill lands anywhere in the holder's renewal cycle.
+		time.Sleep(300*time.Millisecond + rand.N(ttl/3))
+		var left float64
+		if err := b.pool.QueryRow(ctx, "SELECT extract(epoch FROM expires_at - now()) FROM "+schema+".pgfence_leases WHERE name = $1", name).Scan(&left); err != nil {
+			return err
+		}
+		killed := time.Now()
+		if err := cmd.Process.Kill(); err != nil {
+			return err
+		}
+		_ = cmd.Wait()
+		r := <-got
+		if r.err != nil {
+			return r.err
+		}
+		var old int64
+		if _, err := fmt.Sscanf(line, "held %d", &old); err != nil {
+			return fmt.Errorf("crash child said %q: %w", line, err)
+		}
+		if int64(r.l.Token()) <= old {
+			return fmt.Errorf("crash: the new holder's token %d is not above the crashed holder's %d", r.l.Token(), old)
+		}
+		d := r.at.Sub(killed).Seconds()
+		takeover = append(takeover, d*1000)
+		afterExpiry = append(afterExpiry, (d-left)*1000)
+		if err := r.l.Release(ctx); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(out, "\n## Crash failover vs the TTL\n\nA child process acquires a lease (TTL %s, renewed every %s) and is killed "+
+		"(SIGKILL) while another client's `Acquire` waits for it (default PollInterval 1 s). Takeover: from the kill to that "+
+		"`Acquire` returning. After expiry: the takeover minus what was left of the lease at the database (`expires_at - now()`, "+
+		"read just before the kill). A graceful release hands over in the time of the handover table.\n\n"+
+		"| TTL | takeover after the kill, ms | after the lease expired, ms |\n|---|---|---|\n| %s | %s | %s |\n",
+		ttl, (ttl / 3).Round(time.Millisecond), ttl, summary(takeover, "%.0f"), summary(afterExpiry, "%.0f"))
+	return nil
+}
+
+// childFlags are the hidden flags of the crash child.
+func childFlags() (name *string, ttl *time.Duration) {
+	return flag.String("crash-child", "", "internal: hold this lease until killed"),
+		flag.Duration("crash-ttl", 2*time.Second, "internal: the crash child's TTL")
+}
