@@ -354,40 +354,35 @@ type casResult struct {
 	mine bool       // the row holds the caller's secret
 }
 
-// compareAndSet sends the acquire statement and, pipelined after it in the
-// same round trip, heldBy. It reports whether the lease was won (filling
-// token and expiresAt), or else the row as it stands, if there is one.
+// compareAndSet sends the acquire statement and, if it did not win, heldBy.
+// It reports whether the lease was won (filling token and expiresAt), or
+// else the row as it stands, if there is one.
 func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, expiresAt *time.Time) (casResult, error) {
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
 		return casResult{}, err
 	}
 	defer conn.Release()
-	b := &pgx.Batch{}
-	b.Queue(c.q.acquire, args...)
-	b.Queue(c.q.heldBy, args[0], args[2])
-	br := conn.SendBatch(ctx, b)
-	errWon := br.QueryRow().Scan(token, expiresAt)
+	err = conn.QueryRow(ctx, c.q.acquire, args...).Scan(token, expiresAt)
+	switch {
+	case err == nil:
+		return casResult{won: true}, nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return casResult{}, inFlight(err, conn.Conn().PgConn().PID())
+	}
 	var (
 		r        casResult
 		h        = &HeldError{Name: args[0].(string)}
 		inMicros int64
 	)
-	errHeld := br.QueryRow().Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine)
-	if err := br.Close(); err != nil {
-		return casResult{}, inFlight(err, conn.Conn().PgConn().PID())
-	}
+	err = conn.QueryRow(ctx, c.q.heldBy, args[0], args[2]).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine)
 	switch {
-	case errWon == nil:
-		return casResult{won: true}, nil
-	case !errors.Is(errWon, pgx.ErrNoRows):
-		return casResult{}, errWon
-	case errHeld == nil:
+	case err == nil:
 		h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
 		r.held = h
 		return r, nil
-	case !errors.Is(errHeld, pgx.ErrNoRows):
-		return casResult{}, errHeld
+	case !errors.Is(err, pgx.ErrNoRows):
+		return casResult{}, err
 	}
 	return casResult{}, nil
 }
