@@ -541,8 +541,8 @@ func (b *bench) guardForms() ([]form, func(form) string, func(), error) {
 // UPDATEs loading the server.
 func (b *bench) handover(ctx context.Context, out *bytes.Buffer, n int) error {
 	fmt.Fprintf(out, "\n## Handover\n\nTime from `Release` to the waiting `Acquire` returning in another client, %d handovers "+
-		"each. Load: 4 connections committing single-row UPDATEs as fast as they can.\n\n"+
-		"| server | p50 | p99 | max |\n|---|---|---|---|\n", n)
+		"each. Load: 4 connections committing single-row UPDATEs as fast as they can. Connections opened: new server connections of the pool during the handovers (the two clients, their waiters and listeners, and the load).\n\n"+
+		"| server | p50 | p99 | max | connections opened |\n|---|---|---|---|---|\n", n)
 	for _, loaded := range []bool{false, true} {
 		stop := make(chan struct{})
 		var wg sync.WaitGroup
@@ -562,7 +562,9 @@ func (b *bench) handover(ctx context.Context, out *bytes.Buffer, n int) error {
 				}()
 			}
 		}
+		opened := b.pool.Stat().NewConnsCount()
 		lat, err := b.handovers(ctx, n)
+		opened = b.pool.Stat().NewConnsCount() - opened
 		close(stop)
 		wg.Wait()
 		if err != nil {
@@ -572,7 +574,7 @@ func (b *bench) handover(ctx context.Context, out *bytes.Buffer, n int) error {
 		if loaded {
 			label = "under load"
 		}
-		fmt.Fprintf(out, "| %s | %s | %s | %s |\n", label, ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100]), ms(lat[len(lat)-1]))
+		fmt.Fprintf(out, "| %s | %s | %s | %s | %d |\n", label, ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100]), ms(lat[len(lat)-1]), opened)
 	}
 	return nil
 }
