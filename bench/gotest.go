@@ -78,7 +78,7 @@ func (b *bench) runnerRows(ctx context.Context, out *bytes.Buffer) error {
 	if len(o["overhead_us/run"]) == 0 {
 		return fmt.Errorf("BenchmarkRunOverhead reported no overhead")
 	}
-	fmt.Fprintf(out, "\n## Runner overhead per run\n\nFrom `go test -run '^$' -bench RunOverhead -benchtime 4000x -count 3 ./runner`: "+
+	fmt.Fprintf(out, "\n### Runner overhead per run\n\nFrom `go test -run '^$' -bench RunOverhead -benchtime 4000x -count 3 ./runner`: "+
 		"a job whose body is one autocommitted INSERT, run slot after slot through the runner (the fenced claim in the "+
 		"ledger, the body, the fenced success record) against calling the body bare, the two alternating in rounds.\n\n"+
 		"| | round trips / run | µs / run |\n|---|---|---|\n"+
@@ -90,7 +90,7 @@ func (b *bench) runnerRows(ctx context.Context, out *bytes.Buffer) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprint(out, "\n## 1,024 shards over 8 instances\n\nFrom `go test -run '^$' -bench ShardFleet -benchtime 1x ./runner`: eight "+
+	fmt.Fprint(out, "\n### 1,024 shards over 8 instances\n\nFrom `go test -run '^$' -bench ShardFleet -benchtime 1x ./runner`: eight "+
 		"runner instances in one process (5-connection pools, default timings) start with 1,024 shards of one job, all at once "+
 		"or one every 250 ms; then a ninth joins and one leaves gracefully. The fewest shards a change can move: 114.\n\n"+
 		"| | together | staggered |\n|---|---|---|\n")

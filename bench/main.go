@@ -247,9 +247,9 @@ func count(ctx context.Context, f form, clients int, shared bool, d time.Duratio
 
 // table measures forms in rounds at each client count and mode and writes
 // one row per form with the ratio to the form named by baseline(form).
-func table(ctx context.Context, out *bytes.Buffer, title, unit string, forms []form, modes []string,
+func table(ctx context.Context, out *bytes.Buffer, unit string, forms []form, modes []string,
 	clientCounts []int, rounds int, d time.Duration, baseline func(form) string) error {
-	fmt.Fprintf(out, "\n### %s\n\n", title)
+	fmt.Fprintln(out)
 	for _, mode := range modes {
 		for _, clients := range clientCounts {
 			res := map[string][]float64{}
@@ -306,11 +306,11 @@ const (
 )
 
 func (b *bench) pairs(ctx context.Context, out *bytes.Buffer, rounds int, d time.Duration) error {
-	fmt.Fprint(out, "\n## Acquire + release pairs per second\n\nA pair is one acquisition and its release (floors: two single-row UPDATE commits, the second "+
+	fmt.Fprint(out, "\n### Acquire + release pairs per second\n\nA pair is one acquisition and its release (floors: two single-row UPDATE commits, the second "+
 		"with `synchronous_commit = off` for the like-for-like floor of the default). On one shared name, every "+
 		"client tries the same lock and only successful pairs count (try-lock semantics for all forms).\n")
 	forms, baseline := b.pairForms()
-	return table(ctx, out, "Pairs", "pairs/s", forms, []string{"distinct names", "one shared name"}, []int{1, 8}, rounds, d, baseline)
+	return table(ctx, out, "pairs/s", forms, []string{"distinct names", "one shared name"}, []int{1, 8}, rounds, d, baseline)
 }
 
 // pairForms are the acquire+release forms, and the baseline of each.
@@ -419,7 +419,7 @@ func leaseName(client int, shared bool) string {
 }
 
 func (b *bench) guarded(ctx context.Context, out *bytes.Buffer, rounds int, d time.Duration) error {
-	fmt.Fprint(out, "\n## Guarded transactions vs the same transaction unguarded\n\nThe transaction: BEGIN; INSERT one row; COMMIT "+
+	fmt.Fprint(out, "\n### Guarded transactions vs the same transaction unguarded\n\nThe transaction: BEGIN; INSERT one row; COMMIT "+
 		"(Fold: the INSERT alone, autocommitted, carrying the check, against the INSERT alone). With many leases each client holds its own "+
 		"lease (and resource); with one shared lease all clients write under the same token.\n")
 	forms, baseline, done, err := b.guardForms()
@@ -427,7 +427,7 @@ func (b *bench) guarded(ctx context.Context, out *bytes.Buffer, rounds int, d ti
 		return err
 	}
 	defer done()
-	return table(ctx, out, "Guard styles", "tx/s", forms, []string{"many leases", "one shared lease"}, []int{1, 8}, rounds, d, baseline)
+	return table(ctx, out, "tx/s", forms, []string{"many leases", "one shared lease"}, []int{1, 8}, rounds, d, baseline)
 }
 
 // guardForms are the guarded transactions and their unguarded baselines;
@@ -540,7 +540,7 @@ func (b *bench) guardForms() ([]form, func(form) string, func(), error) {
 // blocked Acquire returns; with and without 4 connections of durable
 // UPDATEs loading the server.
 func (b *bench) handover(ctx context.Context, out *bytes.Buffer, n int) error {
-	fmt.Fprintf(out, "\n## Handover\n\nTime from `Release` to the waiting `Acquire` returning in another client, %d handovers "+
+	fmt.Fprintf(out, "\n### Handover\n\nTime from `Release` to the waiting `Acquire` returning in another client, %d handovers "+
 		"each. Load: 4 connections committing single-row UPDATEs as fast as they can. Connections opened: new server connections of the pool during the handovers (the two clients, their waiters and listeners, and the load).\n\n"+
 		"| server | p50 | p99 | max | connections opened |\n|---|---|---|---|---|\n", n)
 	for _, loaded := range []bool{false, true} {

@@ -170,7 +170,7 @@ func (b *bench) costOf(ctx context.Context, f form, clients int, d time.Duration
 // costs writes, for each form, what one op costs the server and the client:
 // the evidence for the ratios of the tables above.
 func (b *bench) costs(ctx context.Context, out *bytes.Buffer, d time.Duration) error {
-	fmt.Fprint(out, "\n## Where the time goes\n\nOne measurement per form and client count (distinct names; many leases), "+
+	fmt.Fprint(out, "\n### Where the time goes\n\nOne measurement per form and client count (distinct names; many leases), "+
 		d.String()+" each, with what it cost per op: round trips and statements the client sent (a pgx tracer; Redis: –), "+
 		"WAL records (`pg_stat_wal`, read after the connections closed so that every backend reported) and bytes (the WAL "+
 		"position), the CPU time of every `postgres` process (`/proc`, with the backends that exited), and this process's "+
@@ -182,11 +182,11 @@ func (b *bench) costs(ctx context.Context, out *bytes.Buffer, d time.Duration) e
 	}
 	defer done()
 	for _, part := range []struct {
-		title, unit string
-		forms       []form
-	}{{"Acquire + release pairs", "pair", pairs}, {"Guarded transactions", "tx", guards}} {
-		fmt.Fprintf(out, "\n### %s\n\n| form | clients | %ss/s | round trips / %s | statements / %s | WAL records / %s | WAL bytes / %s | server CPU µs / %s | client CPU µs / %s |\n|---|---|---|---|---|---|---|---|---|\n",
-			part.title, part.unit, part.unit, part.unit, part.unit, part.unit, part.unit, part.unit)
+		title, rate, unit string
+		forms             []form
+	}{{"Acquire + release pairs", "pairs", "pair", pairs}, {"Guarded transactions", "tx", "tx", guards}} {
+		fmt.Fprintf(out, "\n#### %s\n\n| form | clients | %s/s | round trips / %s | statements / %s | WAL records / %s | WAL bytes / %s | server CPU µs / %s | client CPU µs / %s |\n|---|---|---|---|---|---|---|---|---|\n",
+			part.title, part.rate, part.unit, part.unit, part.unit, part.unit, part.unit, part.unit)
 		for _, clients := range []int{1, 8} {
 			for _, f := range part.forms {
 				c, err := b.costOf(ctx, f, clients, d)

@@ -46,7 +46,7 @@ func (b *bench) scale(ctx context.Context, out *bytes.Buffer, intervals int) err
 		ttl   = 3 * time.Second
 		renew = ttl / 3
 	)
-	fmt.Fprintf(out, "\n## Scale: one client holding many leases\n\nOne client (TTL %s, so a renewal every %s) acquires the leases, then "+
+	fmt.Fprintf(out, "\n### Scale: one client holding many leases\n\nOne client (TTL %s, so a renewal every %s) acquires the leases, then "+
 		"holds them for %d renewal intervals. Statements: what its pool sent per interval (a pgx tracer). Renew latency: the "+
 		"renewal statement's round trip (`Client.Stats`), median and max over the intervals. Server CPU: every `postgres` "+
 		"process, per second of holding. Heap: the client's live heap after a GC, with the leases minus without, per lease (with one lease: mostly the "+
@@ -292,7 +292,7 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 	if cpu >= 0 {
 		server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
 	}
-	fmt.Fprintf(out, "\n## 100 singleton jobs on 10 runner replicas\n\nTen `runner` instances in this process, each with its own "+
+	fmt.Fprintf(out, "\n### 100 singleton jobs on 10 runner replicas\n\nTen `runner` instances in this process, each with its own "+
 		"4-connection pool and default timings (TTL 15 s, PollInterval 1 s), register the same 100 jobs (`@every 1h`). Once every "+
 		"job has its leader, for %s: what the replicas' pools sent (every statement: the leaders' renewals and heartbeats, the "+
 		"waiters' polls), the server's CPU, and the connections they opened. Each replica waits for about 90 jobs.\n\n"+
@@ -388,7 +388,7 @@ func (b *bench) crash(ctx context.Context, out *bytes.Buffer, rounds int) error 
 			return err
 		}
 	}
-	fmt.Fprintf(out, "\n## Crash failover vs the TTL\n\nA child process acquires a lease (TTL %s, renewed every %s) and is killed "+
+	fmt.Fprintf(out, "\n### Crash failover vs the TTL\n\nA child process acquires a lease (TTL %s, renewed every %s) and is killed "+
 		"(SIGKILL) while another client's `Acquire` waits for it (default PollInterval 1 s). Takeover: from the kill to that "+
 		"`Acquire` returning. After expiry: the takeover minus what was left of the lease at the database (`expires_at - now()`, "+
 		"read just before the kill). A graceful release hands over in the time of the handover table.\n\n"+
