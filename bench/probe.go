@@ -176,7 +176,7 @@ func (b *bench) costs(ctx context.Context, out *bytes.Buffer, d time.Duration) e
 		"position), the CPU time of every `postgres` process (`/proc`, with the backends that exited), and this process's "+
 		"CPU time (client and its goroutines). Server and client share the 2 cores.\n")
 	pairs, _ := b.pairForms()
-	guards, _, done, err := b.guardForms()
+	guards, _, done, err := b.guardForms(0)
 	if err != nil {
 		return err
 	}
