@@ -67,6 +67,7 @@ func main() {
 		"pairs":      func(out *bytes.Buffer) error { return b.pairs(ctx, out, *rounds, *cell) },
 		"guarded":    func(out *bytes.Buffer) error { return b.guarded(ctx, out, *rounds, *cell) },
 		"costs":      func(out *bytes.Buffer) error { return b.costs(ctx, out, 2**cell) },
+		"parts":      func(out *bytes.Buffer) error { return b.parts(ctx, out, *rounds, *cell) },
 		"handover":   func(out *bytes.Buffer) error { return b.handover(ctx, out, *handovers) },
 		"crash":      func(out *bytes.Buffer) error { return b.crash(ctx, out, 5) },
 		"scale":      func(out *bytes.Buffer) error { return b.scale(ctx, out, 5) },
@@ -103,7 +104,7 @@ func main() {
 }
 
 // sectionNames are the sections, in the order they run and print.
-var sectionNames = []string{"pairs", "guarded", "costs", "handover", "crash", "scale", "singletons", "runner"}
+var sectionNames = []string{"pairs", "guarded", "costs", "parts", "handover", "crash", "scale", "singletons", "runner"}
 
 type bench struct {
 	url   string
