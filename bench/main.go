@@ -67,7 +67,7 @@ func main() {
 		"pairs":      func(out *bytes.Buffer) error { return b.pairs(ctx, out, *rounds, *cell) },
 		"guarded":    func(out *bytes.Buffer) error { return b.guarded(ctx, out, *rounds, *cell) },
 		"costs":      func(out *bytes.Buffer) error { return b.costs(ctx, out, 2**cell) },
-		"parts":      func(out *bytes.Buffer) error { return b.parts(ctx, out, *rounds, *cell) },
+		"parts":      func(out *bytes.Buffer) error { return b.parts(ctx, out, 2**rounds, *cell) },
 		"handover":   func(out *bytes.Buffer) error { return b.handover(ctx, out, *handovers) },
 		"crash":      func(out *bytes.Buffer) error { return b.crash(ctx, out, 5) },
 		"scale":      func(out *bytes.Buffer) error { return b.scale(ctx, out, 5) },
