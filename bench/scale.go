@@ -185,14 +185,63 @@ func waitUntil(limit time.Duration, cond func() bool) error {
 	return nil
 }
 
-// singletons runs jobs singleton jobs on replicas runner instances and
-// counts what the fleet sends while every job has its leader and the other
-// replicas wait.
+// singletons runs 100 jobs on 10 runner instances, registered as singleton
+// jobs and then as jobs of one shard, and writes what the fleet sends while
+// every job has its leader and the other replicas wait, and how the jobs'
+// leadership is spread.
 func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.Duration) error {
 	const (
 		replicas = 10
 		jobs     = 100
 	)
+	var got [2]fleetCost
+	for i, sharded := range []bool{false, true} {
+		c, err := b.fleet(ctx, replicas, jobs, sharded, window)
+		if err != nil {
+			return fmt.Errorf("singletons (sharded %t): %w", sharded, err)
+		}
+		got[i] = c
+	}
+	fmt.Fprintf(out, "\n### %d singleton jobs on %d runner replicas\n\nTen `runner` instances in this process, each with its own "+
+		"4-connection pool and default timings (TTL 15 s, PollInterval 1 s, RebalanceInterval 5 s), register the same %d jobs "+
+		"(`@every 1h`): with `Register`, and then with `RegisterSharded(job, 1)`. Once every job has its leader, for %s: what the "+
+		"replicas' pools sent (every statement: the leaders' renewals and heartbeats, the waiters' polls), the server's CPU, and "+
+		"the connections they opened.\n\n| | `Register` | `RegisterSharded(job, 1)` |\n|---|---|---|\n", jobs, replicas, jobs, window)
+	rows := []struct {
+		label string
+		cell  func(fleetCost) string
+	}{
+		{"jobs led per replica", func(c fleetCost) string { return summary(c.led, "%.0f") }},
+		{"statements / s, the whole fleet", func(c fleetCost) string { return fmt.Sprintf("%.1f", c.total) }},
+		{"statements / s per replica", func(c fleetCost) string { return summary(c.perReplica, "%.2f") }},
+		{"statements / s per waiting (replica, job) pair", func(c fleetCost) string {
+			return fmt.Sprintf("%.4f", c.total/float64(jobs*(replicas-1)))
+		}},
+		{"server CPU / s", func(c fleetCost) string { return c.server }},
+		{"new connections opened during the window", func(c fleetCost) string { return fmt.Sprint(c.newConns) }},
+	}
+	for _, r := range rows {
+		fmt.Fprintf(out, "| %s | %s | %s |\n", r.label, r.cell(got[0]), r.cell(got[1]))
+	}
+	return nil
+}
+
+// fleetCost is what a fleet of runners sent while its jobs were led.
+type fleetCost struct {
+	led, perReplica []float64
+	total           float64
+	server          string
+	newConns        int64
+}
+
+// fleet starts replicas runners with the same jobs jobs (singleton, or of
+// one shard each), waits until every job has a leader, and measures the
+// fleet for window.
+func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, window time.Duration) (fleetCost, error) {
+	prefix := "single"
+	if sharded {
+		prefix = "spread"
+	}
 	b.pool.Reset() // room for the fleet's connections
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -214,37 +263,45 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 	for i := range fleet {
 		pool, sent, err := b.newPool(ctx, 4)
 		if err != nil {
-			return err
+			return fleetCost{}, err
 		}
 		r := &replica{pool: pool, sent: sent, done: make(chan error, 1)}
-		run, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: schema, Holder: fmt.Sprintf("replica-%d", i), Logger: quiet}})
+		run, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: schema, Holder: fmt.Sprintf("%s-%d", prefix, i), Logger: quiet}})
+		if err == nil {
+			for j := range jobs {
+				job := runner.Job{Name: fmt.Sprintf("%s-%d", prefix, j), Schedule: "@every 1h", Missed: runner.Skip,
+					Run: func(context.Context, *runner.Run) error { return nil }}
+				if sharded {
+					err = run.RegisterSharded(job, 1)
+				} else {
+					err = run.Register(job)
+				}
+				if err != nil {
+					break
+				}
+			}
+		}
 		if err != nil {
 			pool.Close()
-			return err
-		}
-		for j := range jobs {
-			if err := run.Register(runner.Job{Name: fmt.Sprintf("single-%d", j), Schedule: "@every 1h", Missed: runner.Skip,
-				Run: func(context.Context, *runner.Run) error { return nil }}); err != nil {
-				pool.Close()
-				return err
-			}
+			return fleetCost{}, err
 		}
 		fleet[i] = r
 		go func() { r.done <- run.Run(ctx) }()
 	}
+	like := "pgfence/job/" + prefix + "-%"
 	led := func() int {
 		var n int
-		_ = b.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".pgfence_leases WHERE name LIKE 'pgfence/job/single-%' AND holder IS NOT NULL AND expires_at > now()").Scan(&n)
+		_ = b.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".pgfence_leases WHERE name LIKE $1 AND holder IS NOT NULL AND expires_at > now()", like).Scan(&n)
 		return n
 	}
 	if err := waitUntil(time.Minute, func() bool { return led() == jobs }); err != nil {
-		return fmt.Errorf("singletons: %d of %d jobs have a leader after a minute", led(), jobs)
+		return fleetCost{}, fmt.Errorf("%d of %d jobs have a leader after a minute", led(), jobs)
 	}
 	time.Sleep(2 * time.Second) // the waiters are registered and polling
 	leaders := map[string]int{}
-	rows, err := b.pool.Query(ctx, "SELECT holder, count(*) FROM "+schema+".pgfence_leases WHERE name LIKE 'pgfence/job/single-%' AND holder IS NOT NULL GROUP BY holder")
+	rows, err := b.pool.Query(ctx, "SELECT holder, count(*) FROM "+schema+".pgfence_leases WHERE name LIKE $1 AND holder IS NOT NULL GROUP BY holder", like)
 	if err != nil {
-		return err
+		return fleetCost{}, err
 	}
 	for rows.Next() {
 		var (
@@ -252,16 +309,12 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 			k int
 		)
 		if err := rows.Scan(&h, &k); err != nil {
-			return err
+			return fleetCost{}, err
 		}
 		leaders[h] = k
 	}
 	if err := rows.Err(); err != nil {
-		return err
-	}
-	var conns int
-	if err := b.pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend'").Scan(&conns); err != nil {
-		return err
+		return fleetCost{}, err
 	}
 	s0, n0 := make([]int64, replicas), make([]int64, replicas)
 	for i, r := range fleet {
@@ -270,42 +323,22 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 	cpu0, t0 := mustCPU(), time.Now()
 	time.Sleep(window)
 	took, cpu := time.Since(t0), mustCPU()-cpu0
-	var (
-		per      []float64
-		total    float64
-		newConns int64
-	)
+	var c fleetCost
 	for i, r := range fleet {
 		v := float64(r.sent.statements.Load()-s0[i]) / took.Seconds()
-		per = append(per, v)
-		total += v
-		newConns += r.pool.Stat().NewConnsCount() - n0[i]
+		c.perReplica = append(c.perReplica, v)
+		c.total += v
+		c.newConns += r.pool.Stat().NewConnsCount() - n0[i]
+		c.led = append(c.led, float64(leaders[fmt.Sprintf("%s-%d", prefix, i)]))
 	}
 	if led() != jobs {
-		return errors.New("singletons: a job lost its leader during the measurement")
+		return fleetCost{}, errors.New("a job lost its leader during the measurement")
 	}
-	var spread []float64
-	for i := range replicas {
-		spread = append(spread, float64(leaders[fmt.Sprintf("replica-%d", i)]))
-	}
-	server := "–"
+	c.server = "–"
 	if cpu >= 0 {
-		server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
+		c.server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
 	}
-	fmt.Fprintf(out, "\n### 100 singleton jobs on 10 runner replicas\n\nTen `runner` instances in this process, each with its own "+
-		"4-connection pool and default timings (TTL 15 s, PollInterval 1 s), register the same 100 jobs (`@every 1h`). Once every "+
-		"job has its leader, for %s: what the replicas' pools sent (every statement: the leaders' renewals and heartbeats, the "+
-		"waiters' polls), the server's CPU, and the connections they opened. Each replica waits for about 90 jobs.\n\n"+
-		"| | |\n|---|---|\n"+
-		"| jobs led per replica | %s |\n"+
-		"| statements / s, the whole fleet | %.1f |\n"+
-		"| statements / s per replica | %s |\n"+
-		"| statements / s per waiting (replica, job) pair | %.4f |\n"+
-		"| server CPU / s | %s |\n"+
-		"| new connections opened during the window | %d |\n"+
-		"| client connections on the server (fleet and this command) | %d |\n",
-		window, summary(spread, "%.0f"), total, summary(per, "%.2f"), total/float64(jobs*(replicas-1)), server, newConns, conns)
-	return nil
+	return c, nil
 }
 
 // crashChild is the hidden mode of the crash-failover row: acquire name,

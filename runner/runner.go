@@ -75,9 +75,13 @@ func New(pool *pgxpool.Pool, cfg Config) (*Runner, error) {
 // Instance returns this runner's instance identity (Config.Lock.Holder).
 func (r *Runner) Instance() string { return r.cfg.Lock.Holder }
 
-// Register adds a singleton job: each slot runs on exactly one replica. It
-// returns ErrInvalidJob / ErrInvalidSchedule (naming the problem),
-// ErrDuplicateJob, or ErrRunning.
+// Register adds a singleton job: each slot runs on exactly one replica, the
+// one that holds the job's lease (whichever took it first; it keeps it until
+// it stops or loses it, so one replica may lead many singleton jobs). To
+// spread many jobs over the replicas, register each with RegisterSharded(j,
+// 1) instead, at the price of a slower takeover after a crash (the TTL plus
+// up to one RebalanceInterval). It returns ErrInvalidJob /
+// ErrInvalidSchedule (naming the problem), ErrDuplicateJob, or ErrRunning.
 func (r *Runner) Register(j Job) error { return r.register(j, 0) }
 
 // RegisterSharded adds a job with shards shards: each shard has its own lease
