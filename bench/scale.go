@@ -78,7 +78,12 @@ func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Dur
 	if err != nil {
 		return err
 	}
-	defer c.Close(context.Background())
+	open := true // Close is measured below; on an error return, close here
+	defer func() {
+		if open {
+			_ = c.Close(context.Background())
+		}
+	}()
 	heap0 := heap()
 	leases := make([]*lock.Lease, n)
 	began := time.Now()
@@ -116,6 +121,7 @@ func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Dur
 		return fmt.Errorf("holds %d leases of %d, %d renewals failed", st.Held, n, st.RenewalFailures)
 	}
 	closing := time.Now()
+	open = false
 	if err := c.Close(ctx); err != nil {
 		return err
 	}
