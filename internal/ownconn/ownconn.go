@@ -2,10 +2,13 @@
 // opened with a pool's settings but outside the pool, so that the loop never
 // waits behind the pool's other users: renewals and heartbeats must not
 // starve because jobs or waiting acquirers hold every pooled connection.
+// With several hosts it dials them all at once (Dial), so that a host that
+// hangs during a failover does not hold the renewer past its trust window.
 package ownconn
 
 import (
 	"context"
+	"errors"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -36,7 +39,7 @@ func (c *Conn) get(ctx context.Context) (*pgx.Conn, error) {
 			return nil, err
 		}
 	}
-	conn, err := pgx.ConnectConfig(ctx, cfg)
+	conn, err := Dial(ctx, cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -48,6 +51,83 @@ func (c *Conn) get(ctx context.Context) (*pgx.Conn, error) {
 	}
 	c.conn = conn
 	return c.conn, nil
+}
+
+// Dial connects with cfg. With several hosts (a multi-host URL, as in front
+// of Patroni), it tries them all at once and keeps the first that connects
+// and passes the config's ValidateConnect (target_session_attrs), instead of
+// one after the other as pgx does: a host that does not answer then costs
+// nothing, where pgx would spend its whole connect_timeout on it before
+// trying the next. The losing attempts are cancelled and closed.
+func Dial(ctx context.Context, cfg *pgx.ConnConfig) (*pgx.Conn, error) {
+	hosts := perHost(cfg)
+	if len(hosts) <= 1 {
+		return pgx.ConnectConfig(ctx, cfg)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type result struct {
+		conn *pgx.Conn
+		err  error
+	}
+	results := make(chan result, len(hosts))
+	for _, h := range hosts {
+		go func() {
+			conn, err := pgx.ConnectConfig(ctx, h)
+			results <- result{conn, err}
+		}()
+	}
+	var (
+		won  *pgx.Conn
+		errs []error
+	)
+	for range hosts {
+		r := <-results
+		switch {
+		case r.err != nil:
+			errs = append(errs, r.err)
+		case won == nil:
+			won = r.conn
+			cancel() // the others give up; their results are still drained
+		default:
+			_ = r.conn.Close(context.Background())
+		}
+	}
+	if won != nil {
+		return won, nil
+	}
+	return nil, errors.Join(errs...)
+}
+
+// perHost splits cfg into one config per host, each with that host's own
+// fallbacks (TLS, then plain text, for sslmode=prefer) in their order.
+func perHost(cfg *pgx.ConnConfig) []*pgx.ConnConfig {
+	type hostPort struct {
+		host string
+		port uint16
+	}
+	first := hostPort{cfg.Host, cfg.Port}
+	byHost := map[hostPort][]*pgconn.FallbackConfig{}
+	order := []hostPort{first}
+	for _, fb := range cfg.Fallbacks {
+		k := hostPort{fb.Host, fb.Port}
+		if _, seen := byHost[k]; !seen && k != first {
+			order = append(order, k)
+		}
+		byHost[k] = append(byHost[k], fb)
+	}
+	out := make([]*pgx.ConnConfig, 0, len(order))
+	for i, k := range order {
+		h := cfg.Copy()
+		fbs := byHost[k]
+		if i > 0 { // the first of this host's fallbacks becomes the main config
+			h.Host, h.Port, h.TLSConfig = fbs[0].Host, fbs[0].Port, fbs[0].TLSConfig
+			fbs = fbs[1:]
+		}
+		h.Fallbacks = fbs
+		out = append(out, h)
+	}
+	return out
 }
 
 // Query runs sql on the connection. Read the rows before the next call.

@@ -5,6 +5,8 @@ package retry
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"io"
 	"math/rand/v2"
@@ -23,17 +25,30 @@ import (
 //     or terminating the session (57P01, 57P02, 57P03), a read-only server
 //     (25006, a standby after failover), serialization failures and
 //     deadlocks (40001, 40P01), lock and statement timeouts (55P03, 57014),
-//     insufficient resources (class 53, e.g. 53300 too many connections) and
-//     system errors (class 58);
+//     insufficient resources (class 53, e.g. 53300 too many connections),
+//     system errors (class 58), and a server whose clock is behind the token
+//     history (PF013: it goes away as the clock moves on);
+//   - a failed connect (*pgconn.ConnectError) is transient if any of its
+//     hosts failed transiently: during a failover one host times out
+//     (connect_timeout, which pgx reports as context.DeadlineExceeded),
+//     another refuses, a third is read only (target_session_attrs), and all
+//     of that passes once a primary is up; it is permanent only when every
+//     host gave a permanent answer (failed authentication, an unknown
+//     database, a TLS certificate that does not verify);
 //   - permanent: every other server error, e.g. a missing table or function
 //     (42P01, 42883: the schema is missing or old), missing privileges
 //     (42501), invalid data (class 22), failed authentication (class 28), an
 //     unknown database (3D000), and pgfence's own refusals (PF...).
 //
-// Context cancellation is neither: callers check their context first.
+// Context cancellation outside a connect attempt is neither: callers check
+// their own context first.
 func Transient(err error) bool {
 	if err == nil {
 		return false
+	}
+	var ce *pgconn.ConnectError
+	if errors.As(err, &ce) {
+		return connectTransient(ce.Unwrap())
 	}
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) {
@@ -44,16 +59,44 @@ func Transient(err error) bool {
 		return false
 	}
 	var ne net.Error
-	var ce *pgconn.ConnectError
-	return errors.As(err, &ne) || errors.As(err, &ce) || errors.Is(err, io.EOF) ||
+	return errors.As(err, &ne) || errors.Is(err, io.EOF) ||
 		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) || pgconn.SafeToRetry(err) ||
-		isConnClosed(err)
+		errors.Is(err, pgconn.ErrConnClosed)
+}
+
+// connectTransient classifies the per-host errors of a failed connect
+// (pgconn joins them): transient if any host may answer later.
+func connectTransient(err error) bool {
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		for _, e := range j.Unwrap() {
+			if connectTransient(e) {
+				return true
+			}
+		}
+		return false
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return transientCode(pg.Code)
+	}
+	var (
+		unknownAuthority x509.UnknownAuthorityError
+		hostname         x509.HostnameError
+		invalid          x509.CertificateInvalidError
+		verify           *tls.CertificateVerificationError
+	)
+	if errors.As(err, &unknownAuthority) || errors.As(err, &hostname) || errors.As(err, &invalid) || errors.As(err, &verify) {
+		return false
+	}
+	// A timeout, a refused or reset connection, a server that is starting
+	// up or read only, a name that did not resolve: a failover's errors.
+	return err != nil
 }
 
 // transientCode classifies a SQLSTATE.
 func transientCode(code string) bool {
 	switch code {
-	case "25006", "40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03":
+	case "25006", "40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03", "PF013":
 		return true
 	}
 	if len(code) == 5 {
@@ -75,16 +118,6 @@ func ConnectionLost(err error) bool {
 			(len(pg.Code) == 5 && pg.Code[:2] == "08")
 	}
 	return Transient(err)
-}
-
-// isConnClosed matches pgx's "conn closed" error, which has no sentinel.
-func isConnClosed(err error) bool {
-	for e := err; e != nil; e = errors.Unwrap(e) {
-		if e.Error() == "conn closed" {
-			return true
-		}
-	}
-	return false
 }
 
 // Backoff is capped exponential backoff with jitter: the n-th wait (from 0)

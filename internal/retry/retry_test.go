@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"testing"
 	"time"
 
@@ -38,7 +39,8 @@ func TestTransient(t *testing.T) {
 		{"eof", fmt.Errorf("read: %w", io.ErrUnexpectedEOF), true},
 		{"canceled", context.Canceled, false},
 		{"deadline", fmt.Errorf("x: %w", context.DeadlineExceeded), false},
-		{"conn closed", errors.New("conn closed"), true},
+		{"conn closed", fmt.Errorf("x: %w", pgconn.ErrConnClosed), true},
+		{"clock behind the token history", pg("PF013"), true},
 		{"plain", errors.New("something else"), false},
 	}
 	for _, c := range cases {
@@ -48,6 +50,33 @@ func TestTransient(t *testing.T) {
 	}
 	if ConnectionLost(pg("40001")) || !ConnectionLost(pg("57P01")) || ConnectionLost(pg("42P01")) {
 		t.Error("ConnectionLost classifies server errors wrongly")
+	}
+}
+
+// A connect that fails on every host of a multi-host URL, as during a
+// failover: one host hangs until connect_timeout (pgx reports
+// context.DeadlineExceeded inside the *pgconn.ConnectError), another
+// refuses. Transient, although it matches context.DeadlineExceeded.
+func TestTransientFailedConnect(t *testing.T) {
+	hung, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hung.Close() // accepts (the kernel's backlog) and never answers
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := closed.Addr().String()
+	closed.Close()
+	url := fmt.Sprintf("postgres://u@%s,%s/db?connect_timeout=1&sslmode=disable", hung.Addr(), refused)
+	_, err = pgconn.Connect(context.Background(), url)
+	var ce *pgconn.ConnectError
+	if !errors.As(err, &ce) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("connect: %v, want a *pgconn.ConnectError that matches context.DeadlineExceeded", err)
+	}
+	if !Transient(err) {
+		t.Errorf("Transient(%v) = false; a failover's failed connect must be retried", err)
 	}
 }
 
