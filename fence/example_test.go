@@ -73,14 +73,3 @@ func ExampleParseToken() {
 	// 42 <nil>
 	// true
 }
-
-// Tokens issued after a failover are in a higher epoch, so they are above
-// every token of the old primary, whatever replication lost. A resource
-// compares tokens as plain numbers; Epoch is for people reading them.
-func ExampleToken_Epoch() {
-	before, _ := fence.ParseToken("1041")          // issued before any failover
-	after, _ := fence.ParseToken("17592186044417") // the first after the first promotion
-	fmt.Println(before.Epoch(), after.Epoch(), after > before)
-	// Output:
-	// 0 1 true
-}

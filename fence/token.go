@@ -9,7 +9,16 @@ import (
 // acquired. Every acquisition of a lease gets a token strictly greater than
 // every token issued before it for that lease, so a resource that remembers the
 // highest token it has seen can refuse a holder whose lease has moved on.
-// Valid tokens are >= 1.
+// Valid tokens are >= 1. Compare tokens as plain numbers.
+//
+// One sequence issues the tokens of every lease in a schema: 1, 2, 3... on a
+// database that never failed over. A new history of the database (a
+// promotion, a point-in-time recovery, a logical restore into another
+// cluster) starts at the promoted server's clock, ms << 22 where ms counts
+// milliseconds since 2026-01-01 UTC, and counts on by one from there, so
+// every token issued after a failover is above every token the old primary
+// issued, even those that asynchronous replication lost. README's "Running
+// on HA PostgreSQL" says what that assumes of the servers' clocks.
 type Token int64
 
 // String returns the token in decimal, the form to send to a resource outside
@@ -46,14 +55,3 @@ func ParseToken(s string) (Token, error) {
 	}
 	return t, nil
 }
-
-// epochShift is the number of low bits that count acquisitions within an
-// epoch (migrations/sql/00001_leases.sql).
-const epochShift = 44
-
-// Epoch returns the token's epoch: 0 on a database that never failed over,
-// and one more for each promotion (a new timeline) since the schema was
-// created. Every token of an epoch is greater than every token of the
-// epochs before it, so a standby promoted after asynchronous replication
-// lost the newest acquisitions still issues tokens above them.
-func (t Token) Epoch() int64 { return int64(t) >> epochShift }

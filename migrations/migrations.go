@@ -157,10 +157,23 @@ type Report struct {
 	Latest int64
 	// Migrations lists every embedded migration with its state.
 	Migrations []MigrationStatus
-	// Epoch is the token epoch the schema issues in (fence.Token's Epoch):
-	// 0 until the first promotion, one more per new timeline since. -1
-	// when the schema is not migrated.
-	Epoch int64
+	// Epoch is the history of the database the schema issues tokens in;
+	// nil when the schema is not migrated.
+	Epoch *Epoch
+}
+
+// Epoch is a history of the database the token sequence issues in. The
+// migration starts the first; each promotion, point-in-time recovery or
+// restore into another cluster starts another, whose first token is the
+// promoted server's clock (milliseconds since 2026-01-01 UTC) << 22, above
+// every token of the histories before it (fence.Token).
+type Epoch struct {
+	// Timeline is the server timeline the history started on.
+	Timeline int64
+	// Started is the server's clock when it started.
+	Started time.Time
+	// FirstToken is its first token: every token it issues is at least this.
+	FirstToken int64
 }
 
 // Status reports, for each embedded migration, whether it is applied in
@@ -177,15 +190,17 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 	if err != nil {
 		return nil, err
 	}
-	rep := &Report{Schema: schema, SchemaExists: st.schemaExists, Current: st.current, Latest: Latest, Epoch: -1}
+	rep := &Report{Schema: schema, SchemaExists: st.schemaExists, Current: st.current, Latest: Latest}
 	for _, m := range sources {
 		m.AppliedAt = st.applied[m.Version]
 		rep.Migrations = append(rep.Migrations, m)
 	}
 	if st.current >= 1 {
-		if err := pool.QueryRow(ctx, `SELECT epoch FROM `+ident.Table(schema, "pgfence_epoch")).Scan(&rep.Epoch); err != nil {
+		e := &Epoch{}
+		if err := pool.QueryRow(ctx, `SELECT timeline, started_at, first_token FROM `+ident.Table(schema, "pgfence_epoch")).Scan(&e.Timeline, &e.Started, &e.FirstToken); err != nil {
 			return nil, fmt.Errorf("migrations: read the token epoch of schema %q: %w", schema, err)
 		}
+		rep.Epoch = e
 	}
 	return rep, nil
 }

@@ -118,7 +118,7 @@ func TestStatusAndVerifyOnlyRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.SchemaExists || st.Current != 0 || st.Latest != migrations.Latest || st.Epoch != -1 {
+	if st.SchemaExists || st.Current != 0 || st.Latest != migrations.Latest || st.Epoch != nil {
 		t.Fatalf("Status of a missing schema: %+v", st)
 	}
 	err = migrations.Verify(ctx, pool, typo)
@@ -209,8 +209,8 @@ func TestUpStatusAndQuoting(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !st.SchemaExists || st.Current != migrations.Latest || len(st.Migrations) == 0 || st.Epoch != 0 {
-		t.Fatalf("Status: %+v, want the schema at version %d, token epoch 0", st, migrations.Latest)
+	if !st.SchemaExists || st.Current != migrations.Latest || len(st.Migrations) == 0 || st.Epoch == nil || st.Epoch.FirstToken != 1 {
+		t.Fatalf("Status: %+v, want the schema at version %d, tokens from 1", st, migrations.Latest)
 	}
 	for _, s := range st.Migrations {
 		if s.AppliedAt.IsZero() {

@@ -55,7 +55,8 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 	case st.Current == 0:
 		fmt.Fprintf(e.stdout, "%s: not migrated\n", where)
 	default:
-		fmt.Fprintf(e.stdout, "%s: version %d of %d, token epoch %d\n", where, st.Current, st.Latest, st.Epoch)
+		fmt.Fprintf(e.stdout, "%s: version %d of %d; tokens from %d since %s (timeline %d)\n", where, st.Current, st.Latest,
+			st.Epoch.FirstToken, st.Epoch.Started.UTC().Format(time.RFC3339), st.Epoch.Timeline)
 	}
 	for _, m := range st.Migrations {
 		applied := "pending"

@@ -71,13 +71,14 @@ func TestFailoverTokens(t *testing.T) {
 		}
 
 		// The standby is promoted while the old primary goes on.
+		promoted := time.Now()
 		if err := standby.Promote(); err != nil {
 			t.Fatal(err)
 		}
 		onStandby := client(t, sp)
 		newLeader := acquireSoon(t, ctx, onStandby, "failover")
-		if tl := timeline(t, sp); tl != 2 || newLeader.Token().Epoch() != 1 {
-			t.Fatalf("promoted standby: timeline %d, token %d in epoch %d; want timeline 2, epoch 1", tl, newLeader.Token(), newLeader.Token().Epoch())
+		if tl := timeline(t, sp); tl != 2 || newLeader.Token() < clockFloor(promoted) {
+			t.Fatalf("promoted standby: timeline %d, token %d; want timeline 2, a new history from the clock (>= %d)", tl, newLeader.Token(), clockFloor(promoted))
 		}
 		for _, tok := range issued {
 			if newLeader.Token() <= tok {
@@ -103,8 +104,8 @@ func TestFailoverTokens(t *testing.T) {
 			t.Fatalf("acquire on the old primary after the promotion: %v", err)
 		}
 		issued = append(issued, again.Token())
-		if again.Token() <= oldLeader.Token() || again.Token() >= newLeader.Token() || again.Token().Epoch() != 0 {
-			t.Fatalf("old primary after the promotion issued %d (epoch %d); want above %d and below the new side's %d", again.Token(), again.Token().Epoch(), oldLeader.Token(), newLeader.Token())
+		if again.Token() <= oldLeader.Token() || again.Token() >= newLeader.Token() || sameHistory(again.Token(), oldLeader.Token()) != nil {
+			t.Fatalf("old primary after the promotion issued %d; want its own history's next, above %d and below the new side's %d", again.Token(), oldLeader.Token(), newLeader.Token())
 		}
 		if err := write(again.Token()); !errors.Is(err, fence.ErrFenced) {
 			t.Fatalf("resource fence admitted token %d of the old primary: %v", again.Token(), err)
@@ -146,8 +147,8 @@ func TestFailoverTokens(t *testing.T) {
 			t.Fatal(err)
 		}
 		rejoined := acquireSoon(t, ctx, client(t, pp), "failover")
-		if rejoined.Token() <= newLeader.Token() || rejoined.Token().Epoch() != 2 {
-			t.Fatalf("rejoined and promoted: token %d (epoch %d); want above %d, epoch 2", rejoined.Token(), rejoined.Token().Epoch(), newLeader.Token())
+		if rejoined.Token() <= newLeader.Token() || sameHistory(rejoined.Token(), newLeader.Token()) == nil {
+			t.Fatalf("rejoined and promoted: token %d; want a new history above %d", rejoined.Token(), newLeader.Token())
 		}
 		if err := write(rejoined.Token()); err != nil {
 			t.Fatalf("the third leader's write: %v", err)
@@ -175,12 +176,13 @@ func TestFailoverTokens(t *testing.T) {
 			t.Fatal(err)
 		}
 		link.Set(faultproxy.Reset)
+		begun := time.Now()
 		if err := standby.Promote(); err != nil {
 			t.Fatal(err)
 		}
 		l3 := acquireSoon(t, ctx, client(t, sp), "failover")
-		if l3.Token().Epoch() != 1 {
-			t.Fatalf("promoted standby issued %d in epoch %d, want epoch 1", l3.Token(), l3.Token().Epoch())
+		if l3.Token() < clockFloor(begun) {
+			t.Fatalf("promoted standby issued %d, want a new history from the clock (>= %d)", l3.Token(), clockFloor(begun))
 		}
 		t.Logf("sync replication: the acquisition never returned (%v); the promoted standby issued %d", acqErr, l3.Token())
 	})
@@ -189,6 +191,7 @@ func TestFailoverTokens(t *testing.T) {
 	// the restored server's tokens are above everything the original
 	// issued after the backup, though it never saw those.
 	t.Run("point-in-time-recovery", func(t *testing.T) {
+		begun := time.Now()
 		ctx := pgtest.Context(t, 2*time.Minute)
 		primary, pp := migrated(t, ctx, "pgfence")
 		onPrimary := client(t, pp)
@@ -201,8 +204,8 @@ func TestFailoverTokens(t *testing.T) {
 		after := acquireRelease(t, ctx, onPrimary, 40) // never in the backup
 		rp := connect(t, restored.URL())
 		l := acquireSoon(t, ctx, client(t, rp), "failover")
-		if l.Token() <= after || l.Token().Epoch() != 1 {
-			t.Fatalf("restored server (timeline %d) issued %d (epoch %d); the original issued up to %d", timeline(t, rp), l.Token(), l.Token().Epoch(), after)
+		if l.Token() <= after || l.Token() < clockFloor(begun) {
+			t.Fatalf("restored server (timeline %d) issued %d; the original issued up to %d", timeline(t, rp), l.Token(), after)
 		}
 		t.Logf("point-in-time recovery on timeline %d: token %d above the original's %d", timeline(t, rp), l.Token(), after)
 	})
@@ -211,6 +214,7 @@ func TestFailoverTokens(t *testing.T) {
 	// timeline 1. The first client (or migrations.Up) sees the cluster
 	// changed and moves the tokens to the epoch after the dump's.
 	t.Run("logical-dump", func(t *testing.T) {
+		begun := time.Now()
 		ctx := pgtest.Context(t, 2*time.Minute)
 		source, sp := migrated(t, ctx, "pgfence")
 		onSource := client(t, sp)
@@ -231,15 +235,15 @@ func TestFailoverTokens(t *testing.T) {
 		tp := connect(t, target.URL())
 		// No migrations.Up: the client's first acquisition must see it.
 		l := acquireSoon(t, ctx, client(t, tp), "failover")
-		if l.Token() <= after || l.Token().Epoch() != 1 {
-			t.Fatalf("restored dump issued %d (epoch %d); the source issued up to %d after the dump", l.Token(), l.Token().Epoch(), after)
+		if l.Token() <= after || l.Token() < clockFloor(begun) {
+			t.Fatalf("restored dump issued %d; the source issued up to %d after the dump", l.Token(), after)
 		}
 		if _, err := migrations.Up(ctx, tp, "pgfence"); err != nil {
 			t.Fatal(err)
 		}
 		l2 := acquireSoon(t, ctx, client(t, tp), "failover-2")
-		if l2.Token() <= l.Token() || l2.Token().Epoch() != 1 {
-			t.Fatalf("after Up: token %d (epoch %d), want above %d in epoch 1 (Up must not move the epoch again)", l2.Token(), l2.Token().Epoch(), l.Token())
+		if err := sameHistory(l2.Token(), l.Token()); err != nil {
+			t.Fatalf("after Up: %v (Up must not start another history)", err)
 		}
 		t.Logf("logical dump into a new cluster: token %d above the source's %d", l.Token(), after)
 	})
@@ -383,4 +387,21 @@ func waitStandby(t *testing.T, pool *pgxpool.Pool, countSQL string) {
 		}
 	}
 	t.Fatalf("the standby never replayed: %s", countSQL)
+}
+
+// clockFloor is the lowest first token of a history started at or after t
+// on a server whose clock is no more than a second behind this machine's:
+// milliseconds since 2026-01-01 UTC << 22 (fence.Token).
+func clockFloor(t time.Time) fence.Token {
+	ms := t.Add(-time.Second).Sub(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)).Milliseconds()
+	return fence.Token(ms << 22)
+}
+
+// sameHistory returns an error unless later was issued after earlier in the
+// same history (counted on by one, not started again at the clock).
+func sameHistory(later, earlier fence.Token) error {
+	if later <= earlier || later-earlier >= 1<<20 {
+		return fmt.Errorf("token %d is not in the history of %d", later, earlier)
+	}
+	return nil
 }

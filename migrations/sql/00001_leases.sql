@@ -15,10 +15,11 @@
 --     trigger: PostgreSQL re-prepares a table's CHECKs on every UPDATE.
 --   * waiters_until: set by blocked acquirers, so that a release sends NOTIFY
 --     only when someone waits (pgfence_wake_waiters).
---   * Tokens survive a failover: token = epoch << 44 | n, where the epoch
---     rises with the server's timeline (pgfence_epoch, below), so every token
---     issued after a promotion is above every token the old primary could
---     have issued, replicated or not.
+--   * Tokens survive a failover: token = ms << 22 | n, where a new history
+--     (a promotion, a restore) starts at the promoted server's clock
+--     (pgfence_epoch, below), so every token issued after a promotion is
+--     above every token the old primary could have issued, replicated or
+--     not.
 
 -- +goose Up
 CREATE TABLE pgfence_leases (
@@ -85,33 +86,48 @@ $$;
 CREATE TRIGGER pgfence_leases_check_insert BEFORE INSERT ON pgfence_leases
     FOR EACH ROW EXECUTE FUNCTION pgfence_leases_check_insert();
 
--- The token epoch. A promotion (or a point-in-time recovery) starts a new
--- timeline, and a standby promoted after asynchronous replication lost the
--- newest WAL may lack tokens the old primary issued. So the token sequence
--- issues epoch << 44 | n, and the epoch follows the timeline: epoch =
--- timeline + shift. On the first acquisition on a new timeline the sequence
--- jumps to the new epoch's range, above every token of the old one. One row:
---   epoch   the epoch the token sequence is issuing in;
---   shift   epoch - timeline (the first migration makes epoch 0, so a
---           cluster that never failed over issues tokens 1, 2, 3...);
---   system_identifier  the cluster (pg_control_system) the row was last
---           synced on. A logical dump restored into another cluster (or
---           pg_upgrade) starts again at timeline 1: that is detected by
---           this changing, or by timeline + shift falling below epoch, and
---           the epoch moves past the dump's.
--- 44 bits of n: 17.6e12 acquisitions per epoch; 19 bits of epoch.
+-- The token epoch. A promotion (or a point-in-time recovery, or a logical
+-- restore into another cluster) starts a new history, and after
+-- asynchronous replication the new history may lack tokens the old primary
+-- issued. Timeline IDs cannot order histories: without a WAL archive shared
+-- by every node, a standby that never saw a promotion, promoted later, picks
+-- the same timeline ID as the one it missed. What orders them is time: a
+-- token is a millisecond count since 2026-01-01 UTC in its high bits and a
+-- count of acquisitions in its low 22,
+--     token = ms << 22 | n,
+-- and on the first acquisition of a new history the token sequence jumps to
+-- the promoted server's clock: (ms now) << 22. Within a history the sequence
+-- counts on by one, so its tokens stay below (the issuing server's clock) <<
+-- 22 unless it issues more than 4,194,304 tokens a millisecond. Hence every
+-- token a promoted server issues is above every token the old primary
+-- issued, replicated or not, provided the promoted server's clock is ahead of
+-- the old primary's clock at the old primary's last acquisition: the servers'
+-- clocks may differ by less than the time between the old primary's last
+-- acquisition and the promotion (with Patroni, at least ttl - loop_wait). A
+-- server whose clock is behind the tokens it knows of refuses to start the
+-- history (PF013) until its clock has caught up. A database that never
+-- failed over issues 1, 2, 3...; 41 bits of milliseconds last until 2095.
+-- One row, the current history:
+--   timeline           the timeline it started on (acquisitions compare the
+--                      server's timeline with it: a new one starts a history);
+--   system_identifier  the cluster (pg_control_system) it started on: a
+--                      logical dump restored elsewhere, or pg_upgrade, starts
+--                      a new history too, detected once per client;
+--   started_at         the server's clock when it started;
+--   first_token        the first token it issued (every later one is above).
 CREATE TABLE pgfence_epoch (
-    one               boolean PRIMARY KEY DEFAULT true CHECK (one),
-    epoch             integer NOT NULL CHECK (epoch BETWEEN 0 AND 524287),
-    shift             bigint  NOT NULL,
-    system_identifier bigint  NOT NULL
+    one               boolean     PRIMARY KEY DEFAULT true CHECK (one),
+    timeline          bigint      NOT NULL,
+    system_identifier bigint      NOT NULL,
+    started_at        timestamptz NOT NULL,
+    first_token       bigint      NOT NULL
 );
 
 -- The server's current timeline, from memory: the name of the WAL segment
--- being written starts with it (8 hex digits; PostgreSQL 15 names it after
--- the insertion timeline, so it is the new one at once after a promotion,
--- while pg_control_checkpoint() shows the old one until the next
--- checkpoint). On a standby it raises 55000: acquisitions need a primary.
+-- being written starts with it (8 hex digits; PostgreSQL names it after the
+-- insertion timeline, so it is the new one at once after a promotion, while
+-- pg_control_checkpoint() shows the old one until the next checkpoint). On
+-- a standby it raises 55000: acquisitions need a primary.
 -- +goose StatementBegin
 CREATE FUNCTION pgfence_timeline() RETURNS bigint
 LANGUAGE sql VOLATILE AS $$
@@ -119,29 +135,31 @@ LANGUAGE sql VOLATILE AS $$
 $$;
 -- +goose StatementEnd
 
-INSERT INTO pgfence_epoch (epoch, shift, system_identifier)
-SELECT 0, -pgfence_timeline(), s.system_identifier FROM pg_control_system() s;
+INSERT INTO pgfence_epoch (timeline, system_identifier, started_at, first_token)
+SELECT pgfence_timeline(), s.system_identifier, clock_timestamp(), 1 FROM pg_control_system() s;
 
--- pgfence_epoch_timeline() is the timeline the token sequence issues the
--- current epoch on: a constant that pgfence_sync_epoch rewrites when the
--- epoch moves (0, no timeline, until the first sync: Up runs one). The
--- acquisitions' check compares it with pgfence_timeline(); both are plain
--- SQL functions that PostgreSQL inlines, so the check reads no table (a read
--- of the epoch row cost about 9% of the acquisition statement). Replacing
--- the function invalidates the plans that inlined it.
+-- pgfence_epoch_timeline() is the timeline the current history started on:
+-- a constant that pgfence_sync_epoch rewrites when a history starts (0, no
+-- timeline, until the first sync: Up runs one). The acquisitions' check
+-- compares it with pgfence_timeline(); both are plain SQL functions that
+-- PostgreSQL inlines, so the check reads no table (a read of the epoch row
+-- cost about 9% of the acquisition statement). Replacing the function
+-- invalidates the plans that inlined it.
 CREATE FUNCTION pgfence_epoch_timeline() RETURNS bigint
 LANGUAGE sql IMMUTABLE AS 'SELECT 0::bigint';
 
--- pgfence_sync_epoch() moves the token sequence into the current epoch, if
--- it is not there yet, and returns true. Acquisitions call it when their
--- check fails, which is once per new timeline (the check, in each
--- acquisition statement before the sequence issues the token:
+-- pgfence_sync_epoch() starts a new history if the server is on another
+-- timeline or cluster than the current history's, and returns true.
+-- Acquisitions call it when their check fails, which is once per new
+-- timeline (the check, in each acquisition statement before the sequence
+-- issues the token:
 --   pgfence_timeline() = pgfence_epoch_timeline() OR pgfence_sync_epoch());
 -- clients call it once when they start (the cluster check is a file read,
--- too slow for every acquisition), and so does migrations.Up. Advances are
+-- too slow for every acquisition), and so does migrations.Up. Starts are
 -- serialised by the row lock; the sequence is raised (setval, which is not
 -- transactional) before the row says so, and never lowered, so an
--- acquisition that sees the new epoch committed draws from the new range.
+-- acquisition that sees the new history committed draws from its range.
+-- clock_timestamp(), not now(): the later reading is the safe one.
 -- SECURITY DEFINER: setval needs a privilege the application need not have.
 -- +goose StatementBegin
 DO $do$
@@ -154,31 +172,33 @@ DECLARE
     e      record;
     tl     bigint := %1$I.pgfence_timeline();
     sysid  bigint;
-    want   bigint;
+    clock  timestamptz;
+    ms     bigint;
+    last   bigint;
     seq    regclass := pg_get_serial_sequence(%2$L, 'token')::regclass;
 BEGIN
     SELECT s.system_identifier INTO sysid FROM pg_control_system() s;
     SELECT * INTO e FROM %1$I.pgfence_epoch;
-    IF e.system_identifier = sysid AND e.epoch = tl + e.shift AND %1$I.pgfence_epoch_timeline() = tl THEN
+    IF e.system_identifier = sysid AND e.timeline = tl AND %1$I.pgfence_epoch_timeline() = tl THEN
         RETURN true;
     END IF;
     SELECT * INTO e FROM %1$I.pgfence_epoch FOR UPDATE;
-    want := tl + e.shift;
-    IF e.system_identifier <> sysid OR want < e.epoch THEN
-        -- Another cluster, or a timeline below the one this schema has seen:
-        -- the tokens here were copied from elsewhere, where more may have
-        -- been issued since. Move to the next epoch.
-        want := e.epoch + 1;
-    END IF;
-    IF want <> e.epoch OR e.system_identifier <> sysid THEN
-        IF want > 524287 THEN
-            RAISE EXCEPTION 'pgfence: token epoch %% is beyond the last (524287)', want
+    IF e.system_identifier <> sysid OR e.timeline <> tl THEN
+        clock := clock_timestamp();
+        ms := floor(extract(epoch FROM clock - timestamptz '2026-01-01 00:00:00+00') * 1000)::bigint;
+        last := coalesce(pg_sequence_last_value(seq), 0);
+        IF ms >= 1::bigint << 41 THEN
+            RAISE EXCEPTION 'pgfence: the server''s clock (%%) is beyond the last token epoch (2095)', clock
                 USING ERRCODE = 'PF012';
         END IF;
-        IF coalesce(pg_sequence_last_value(seq), 0) < want << 44 THEN
-            PERFORM setval(seq, want << 44, true);
+        IF ms < 0 OR ms << 22 <= last THEN
+            RAISE EXCEPTION 'pgfence: the server''s clock (%%) is behind the newest token issued (%%, from %%): tokens of a lost history could repeat', clock, last,
+                    timestamptz '2026-01-01 00:00:00+00' + ((last >> 22) * interval '1 millisecond')
+                USING ERRCODE = 'PF013',
+                      HINT = 'Synchronise the servers'' clocks (NTP); acquisitions go on once this server''s clock has passed the newest token''s.';
         END IF;
-        UPDATE %1$I.pgfence_epoch SET epoch = want, shift = want - tl, system_identifier = sysid;
+        PERFORM setval(seq, ms << 22, false);
+        UPDATE %1$I.pgfence_epoch SET timeline = tl, system_identifier = sysid, started_at = clock, first_token = ms << 22;
     END IF;
     IF %1$I.pgfence_epoch_timeline() IS DISTINCT FROM tl THEN
         EXECUTE format('CREATE OR REPLACE FUNCTION %%I.pgfence_epoch_timeline() RETURNS bigint LANGUAGE sql IMMUTABLE AS %%L',
