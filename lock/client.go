@@ -57,6 +57,9 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	if err := cfg.validatePool(pool.Config()); err != nil {
+		return nil, err
+	}
 	c := &Client{
 		pool:    pool,
 		cfg:     cfg,

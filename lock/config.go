@@ -11,6 +11,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
 
@@ -168,6 +169,38 @@ func (c Config) validate() error {
 	}
 	if err := ident.ValidateSchema(c.Schema); err != nil {
 		return bad("Schema", "%v", err)
+	}
+	return nil
+}
+
+// validatePool checks the pool's connection settings against the lease
+// timings. A multi-host connection string (a Patroni, CloudNativePG or
+// repmgr cluster) needs target_session_attrs, or clients connect to a
+// standby and acquire nothing there, and connect_timeout, or a host that
+// does not answer holds each new connection until the caller gives up. And
+// its connect_timeout must fit in the time a renewal has to reconnect after
+// the primary failed: TTL - SafetyMargin - RenewInterval, the trust window
+// left after a renewal that started on time.
+func (c Config) validatePool(pc *pgxpool.Config) error {
+	bad := func(reason string, args ...any) error {
+		return &ConfigError{Field: "pool (connection string)", Reason: fmt.Sprintf(reason, args...)}
+	}
+	cc := pc.ConnConfig
+	hosts := map[string]bool{fmt.Sprintf("%s:%d", cc.Host, cc.Port): true}
+	for _, fb := range cc.Fallbacks {
+		hosts[fmt.Sprintf("%s:%d", fb.Host, fb.Port)] = true
+	}
+	budget := c.TTL - c.SafetyMargin - c.RenewInterval
+	switch {
+	case len(hosts) > 1 && cc.ValidateConnect == nil:
+		return bad("%d hosts without target_session_attrs: set target_session_attrs=read-write (or primary), "+
+			"or clients may connect to a standby, where nothing can be acquired", len(hosts))
+	case len(hosts) > 1 && cc.ConnectTimeout <= 0:
+		return bad("%d hosts without connect_timeout: set it (a few seconds), or a host that does not answer "+
+			"during a failover holds every new connection until the caller gives up", len(hosts))
+	case len(hosts) > 1 && cc.ConnectTimeout >= budget:
+		return bad("connect_timeout %v must be below TTL - SafetyMargin - RenewInterval (%v), "+
+			"the time a renewal has to reconnect after a failover", cc.ConnectTimeout, budget)
 	}
 	return nil
 }

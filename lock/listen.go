@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -124,24 +125,37 @@ func (li *listener) wake(name string) {
 	}
 }
 
-// run keeps a LISTEN connection open until ctx ends, reconnecting with a
-// growing delay. The connection is hijacked from the pool so it never goes
-// back with LISTEN still active.
+// run keeps a LISTEN connection open until ctx ends, reconnecting with
+// capped exponential backoff. It warns once when the connection fails and
+// notes once when LISTEN is back, however many reconnects fail in between
+// (a failover takes many). The connection is hijacked from the pool so it
+// never goes back with LISTEN still active.
 func (li *listener) run(ctx context.Context, ready chan struct{}) {
 	defer li.c.wg.Done()
 	readyOnce := sync.OnceFunc(func() { close(ready) })
 	defer readyOnce() // waiters never hang on ready, even if LISTEN failed
-	backoff := 50 * time.Millisecond
+	backoff := retry.Backoff{Base: 50 * time.Millisecond, Max: li.c.cfg.PollInterval}
+	failures := 0
 	for ctx.Err() == nil {
-		err := li.listen(ctx, readyOnce)
+		err := li.listen(ctx, func() {
+			readyOnce()
+			if failures > 0 {
+				li.c.cfg.Logger.Info("pgfence: release listener listening again", "failures", failures)
+				failures = 0
+			}
+		})
 		if ctx.Err() != nil {
 			return
 		}
-		li.c.cfg.Logger.Warn("pgfence: release listener failed, reconnecting", "err", err)
-		if !wait.Sleep(ctx, backoff) {
+		if failures == 0 {
+			li.c.cfg.Logger.Warn("pgfence: release listener failed, reconnecting; waiters poll meanwhile", "err", err)
+		} else {
+			li.c.cfg.Logger.Debug("pgfence: release listener still failing", "failures", failures, "err", err)
+		}
+		failures++
+		if !wait.Sleep(ctx, backoff.Wait(failures-1)) {
 			return
 		}
-		backoff = min(2*backoff, li.c.cfg.PollInterval)
 	}
 }
 

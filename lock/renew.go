@@ -17,9 +17,10 @@ import (
 // a quarter interval; leases whose trust window runs out meanwhile end on
 // their own timers.
 //
-// The renewer has a connection of its own (hijacked from the pool), so that
-// renewals never wait behind the pool's other users: a pool kept busy by
-// jobs, guarded transactions or waiting acquirers must not cost a lease.
+// The renewer has a connection of its own (opened with the pool's settings,
+// outside it), so that renewals never wait behind the pool's other users: a
+// pool kept busy by jobs, guarded transactions or waiting acquirers must not
+// cost a lease.
 func (c *Client) renewLoop() {
 	defer c.wg.Done()
 	own := ownconn.New(c.pool)
@@ -88,7 +89,15 @@ func (c *Client) renew(q querier, batch []*Lease) error {
 	for i, l := range batch {
 		names[i], tokens[i], secrets[i] = l.name, int64(l.token), l.secret
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.RenewInterval)
+	// The renewal may take until the last of the batch's trust deadlines
+	// (past it, every lease has ended on its own timer), not just
+	// RenewInterval: after a failover it has to connect again, and a host
+	// that does not answer costs up to connect_timeout.
+	budget := c.cfg.RenewInterval
+	for _, l := range batch {
+		budget = max(budget, time.Until(l.TrustedUntil()))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), budget)
 	defer cancel()
 	sent := time.Now()
 	got, err := c.renewRows(ctx, q, names, tokens, secrets)

@@ -111,7 +111,9 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	if err != nil {
 		return nil, fail(exitUsage, "--database-url: %v", err)
 	}
-	cfg.ConnConfig.ConnectTimeout = 10 * time.Second
+	if cfg.ConnConfig.ConnectTimeout == 0 { // the URL's connect_timeout wins
+		cfg.ConnConfig.ConnectTimeout = 5 * time.Second
+	}
 	cfg.ConnConfig.RuntimeParams["application_name"] = "pgfence-cli"
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err == nil {

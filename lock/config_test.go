@@ -1,0 +1,56 @@
+package lock_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/lock"
+)
+
+// The connection string is checked against the lease timings (no database
+// needed: a pool connects lazily).
+func TestNewChecksTheConnectionString(t *testing.T) {
+	const hosts = "postgres://u@127.0.0.1:54401,127.0.0.1:54402,127.0.0.1:54403/db?sslmode=disable"
+	cases := []struct {
+		name, url string
+		cfg       lock.Config
+		ok        bool
+	}{
+		{"one host, no timeout", "postgres://u@127.0.0.1:5432/db?sslmode=disable", lock.Config{}, true},
+		{"multi-host as documented", hosts + "&target_session_attrs=read-write&connect_timeout=2", lock.Config{}, true},
+		{"multi-host, primary", hosts + "&target_session_attrs=primary&connect_timeout=2", lock.Config{}, true},
+		{"multi-host without target_session_attrs", hosts + "&connect_timeout=2", lock.Config{}, false},
+		{"multi-host without connect_timeout", hosts + "&target_session_attrs=read-write", lock.Config{}, false},
+		// TTL 3s: renewal budget 3 - 0.3 - 1 = 1.7s < connect_timeout 2s.
+		{"connect_timeout beyond the renewal budget", hosts + "&target_session_attrs=read-write&connect_timeout=2",
+			lock.Config{TTL: 3 * time.Second}, false},
+		{"connect_timeout inside the renewal budget", hosts + "&target_session_attrs=read-write&connect_timeout=2",
+			lock.Config{TTL: 5 * time.Second}, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			pool, err := pgxpool.New(context.Background(), tc.url)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			c, err := lock.New(pool, tc.cfg)
+			var ce *lock.ConfigError
+			switch {
+			case tc.ok && err != nil:
+				t.Fatalf("New: %v", err)
+			case !tc.ok && (!errors.As(err, &ce) || !errors.Is(err, lock.ErrInvalidConfig)):
+				t.Fatalf("New: %v, want a *ConfigError", err)
+			case !tc.ok:
+				t.Logf("refused: %v", err)
+			}
+			if c != nil {
+				_ = c.Close(context.Background())
+			}
+		})
+	}
+}
