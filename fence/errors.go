@@ -7,6 +7,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/internal/retry"
 )
 
 var (
@@ -151,4 +153,21 @@ func translateCheck(err error, lease string, presented Token) error {
 		return t
 	}
 	return fmt.Errorf("fence: check the token of lease %q: %w", lease, err)
+}
+
+// Retryable reports whether err, from a guarded transaction (RunTx, or a
+// transaction that used Check, Exec or a Resource), means that the
+// transaction did not commit and the same work may be tried again in a new
+// transaction: the connect failed on every host (refused, timed out, read
+// only: a failover in progress), the server ended the session or refused a
+// write as read only before COMMIT, a serialization failure or a deadlock.
+// It is false when the outcome is not known (ErrOutcomeUnknown: read the
+// data back first), when the writer is no longer the holder (ErrFenced:
+// stop acting), and for permanent errors (a missing schema, privileges,
+// invalid data).
+func Retryable(err error) bool {
+	if err == nil || errors.Is(err, ErrOutcomeUnknown) || errors.Is(err, ErrFenced) {
+		return false
+	}
+	return retry.Transient(err)
 }

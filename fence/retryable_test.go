@@ -1,0 +1,46 @@
+package fence_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// Which guarded-transaction errors a caller may retry as a whole: what a
+// failover shows (a connect refused or timed out on every host, a read-only
+// server, a terminated session) yes; an unknown outcome, a fenced writer and
+// a permanent error no.
+func TestRetryable(t *testing.T) {
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := closed.Addr().String()
+	closed.Close()
+	_, refused := pgconn.Connect(context.Background(), "postgres://u@"+addr+","+addr+"/db?sslmode=disable&connect_timeout=1")
+	pg := func(code string) error { return fmt.Errorf("guarded: %w", &pgconn.PgError{Code: code}) }
+	cases := []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"connect refused on every host", refused, true},
+		{"read only (a standby after failover)", pg("25006"), true},
+		{"session terminated", pg("57P01"), true},
+		{"serialization failure", pg("40001"), true},
+		{"outcome unknown", fmt.Errorf("%w: %w", fence.ErrOutcomeUnknown, pg("08006")), false},
+		{"stale token", &fence.StaleTokenError{Lease: "x", Presented: 1, Current: 2}, false},
+		{"missing table", pg("42P01"), false},
+		{"nil", nil, false},
+	}
+	for _, c := range cases {
+		if got := fence.Retryable(c.err); got != c.want {
+			t.Errorf("%s: Retryable(%v) = %v, want %v", c.name, c.err, got, c.want)
+		}
+	}
+}
