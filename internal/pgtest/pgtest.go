@@ -314,3 +314,19 @@ func (l *Logs) Find(level slog.Level, msg string) []slog.Record {
 	}
 	return out
 }
+
+// NeedTool handles a test's missing external tool (PgBouncer, Patroni, the
+// server binaries): if err matches one of missing, the test is skipped with
+// err's message, which names the tool and how to install it, or fails when
+// CI=true, so CI always runs everything. Other errors are left to the caller.
+func NeedTool(tb testing.TB, err error, missing ...error) {
+	tb.Helper()
+	for _, m := range missing {
+		if err != nil && errors.Is(err, m) {
+			if os.Getenv("CI") == "true" {
+				tb.Fatalf("%v (CI=true: a missing tool fails the run)", err)
+			}
+			tb.Skipf("skipped: %v", err)
+		}
+	}
+}

@@ -1,0 +1,547 @@
+package chaos
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/patroni"
+	"github.com/pgfence/pgfence/internal/pgcluster"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
+)
+
+// haLeaseTTL is the lease TTL of the clients on the Patroni cluster. With
+// three hosts and connect_timeout=2 the renewer must be able to connect
+// within the trust window's slack (TTL - SafetyMargin - RenewInterval).
+const haLeaseTTL = 5 * time.Second
+
+// haRig is pgfence running on a Patroni cluster as an application would:
+// every client connects through the multi-host URL; a resource fence lives
+// in a server of its own that never fails over.
+type haRig struct {
+	t      *testing.T
+	ctx    context.Context
+	pc     *patroni.Cluster
+	ledger *pgxpool.Pool
+	res    fence.Resource
+	logs   *pgtest.Logs
+
+	mu       sync.Mutex
+	issued   []issue     // every acquisition that returned, in order
+	progress []time.Time // the election leader's committed writes
+}
+
+type issue struct {
+	token fence.Token
+	lease string
+	at    time.Time
+}
+
+func (r *haRig) record(l *lock.Lease) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.issued = append(r.issued, issue{l.Token(), l.Name(), time.Now()})
+}
+
+// maxIssued is the greatest token returned so far.
+func (r *haRig) maxIssued() fence.Token {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var m fence.Token
+	for _, is := range r.issued {
+		m = max(m, is.token)
+	}
+	return m
+}
+
+// progressAfter is the time of the election leader's first committed
+// write after t.
+func (r *haRig) progressAfter(t time.Time) (time.Time, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, s := range r.progress {
+		if s.After(t) {
+			return s, true
+		}
+	}
+	return time.Time{}, false
+}
+
+func (r *haRig) client(name string, logger *slog.Logger) *lock.Client {
+	r.t.Helper()
+	pool := connect(r.t, r.pc.URL())
+	c, err := lock.New(pool, lock.Config{Schema: "pgfence", TTL: haLeaseTTL, Holder: name, Logger: logger})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = c.Close(ctx)
+	})
+	return c
+}
+
+// write is a protected write made with l's token: a guarded insert into the
+// register on the cluster, then a resource-fenced insert into the ledger.
+// Errors are returned, not fatal: during a failover writes fail.
+func (r *haRig) write(ctx context.Context, l *lock.Lease) error {
+	err := l.RunTx(ctx, func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `INSERT INTO ha_register (lease, token) VALUES ($1, $2)`, l.Name(), int64(l.Token()))
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("guarded write: %w", err)
+	}
+	return pgx.BeginFunc(ctx, r.ledger, func(tx pgx.Tx) error {
+		if err := r.res.Admit(ctx, tx, l.Token()); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO ha_ledger (token, holder) VALUES ($1, $2)`, int64(l.Token()), l.Holder())
+		return err
+	})
+}
+
+// acquireAfterFailover acquires name through c, retrying until the cluster
+// has a primary again, and checks that its token is above every token
+// returned before.
+func (r *haRig) acquireAfterFailover(c *lock.Client, name string, before fence.Token) *lock.Lease {
+	r.t.Helper()
+	ctx, cancel := context.WithTimeout(r.ctx, patroni.TTL+3*haLeaseTTL+30*time.Second)
+	defer cancel()
+	l, err := c.Acquire(ctx, name)
+	if err != nil {
+		r.t.Fatalf("acquire %s after the failover: %v", name, err)
+	}
+	r.record(l)
+	if l.Token() <= before {
+		r.t.Fatalf("token %d issued after the promotion is not above %d, issued before it", l.Token(), before)
+	}
+	return l
+}
+
+// churn acquires and releases name n times through c.
+func (r *haRig) churn(c *lock.Client, name string, n int) {
+	r.t.Helper()
+	for range n {
+		l, err := c.TryAcquire(r.ctx, name)
+		if err != nil {
+			r.t.Fatalf("acquire %s: %v", name, err)
+		}
+		r.record(l)
+		if err := l.Release(r.ctx); err != nil {
+			r.t.Fatal(err)
+		}
+	}
+}
+
+// TestPatroniFailovers runs pgfence on a real Patroni cluster through
+// every kind of failover in turn, while an Election campaigns and writes
+// through the whole run: a crash with replication stalled (acquisitions
+// really lost), a planned switchover, a split brain (the old primary's
+// Patroni frozen, its PostgreSQL still accepting writes), a double failover
+// (a replica that never followed the first promotion promoted after the
+// first promoted node crashed: both pick the same timeline ID) and a last
+// crash. Checked: no token is ever issued twice, every token after each
+// promotion is above every token seen before it, the resource fence never
+// admits one token for two acquisitions nor a lower token after a higher,
+// no guarded write commits out of order, the Election never gives up, a
+// leader is back within Patroni's ttl + the lease TTL + slack, and each
+// component warns at most once per failure period.
+func TestPatroniFailovers(t *testing.T) {
+	ctx := pgtest.Context(t, 12*time.Minute)
+	pc, err := patroni.Start(ctx)
+	pgtest.NeedTool(t, err, patroni.ErrMissing, pgcluster.ErrNoServer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for i := range patroni.Nodes {
+				t.Logf("%s's log tail:\n%s", pc.Node(i).Name, pc.Node(i).Logs())
+			}
+		}
+		_ = pc.Close()
+	})
+	admin := connect(t, pc.URL())
+	if _, err := migrations.Up(ctx, admin, "pgfence"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `CREATE TABLE ha_register (id bigserial PRIMARY KEY, lease text NOT NULL, token bigint NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	_, ledger := migrated(t, ctx, "ledger")
+	if _, err := ledger.Exec(ctx, `CREATE TABLE ha_ledger (id bigserial PRIMARY KEY, token bigint NOT NULL, holder text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	r := &haRig{t: t, ctx: ctx, pc: pc, ledger: ledger, res: fence.Resource{Name: "ha", Schema: "ledger"}, logs: pgtest.NewLogs()}
+
+	// The election runs through every failover below.
+	elected := r.client("elector", slog.New(r.logs))
+	e := &lock.Election{Client: elected, Name: "leader", RetryDelay: 100 * time.Millisecond,
+		Lead: func(ctx context.Context, l *lock.Lease) error {
+			r.record(l)
+			for ctx.Err() == nil {
+				if r.write(ctx, l) == nil {
+					r.mu.Lock()
+					r.progress = append(r.progress, time.Now())
+					r.mu.Unlock()
+				}
+				select {
+				case <-ctx.Done():
+				case <-time.After(200 * time.Millisecond):
+				}
+			}
+			return nil
+		}}
+	runCtx, stopRun := context.WithCancel(ctx)
+	runErr := make(chan error, 1)
+	go func() { runErr <- e.Run(runCtx) }()
+	defer func() {
+		stopRun()
+		<-runErr
+	}()
+	runGoesOn := func(step string) {
+		select {
+		case err := <-runErr:
+			t.Fatalf("Election.Run returned during the %s: %v", step, err)
+		default:
+		}
+	}
+	// A leader writes again within this long after a failover began (a
+	// leader whose lease survived the failover counts: renewals reach the
+	// promoted server, where the lease row is as replicated).
+	within := patroni.TTL + haLeaseTTL + 15*time.Second
+	leaderBack := func(step string, since time.Time) time.Duration {
+		t.Helper()
+		deadline := time.Now().Add(within)
+		for time.Now().Before(deadline) {
+			if s, ok := r.progressAfter(since); ok {
+				if since.IsZero() {
+					return 0
+				}
+				t.Logf("%s: the election's leader wrote again %v after the fault", step, s.Sub(since).Round(10*time.Millisecond))
+				return s.Sub(since)
+			}
+			runGoesOn(step)
+			time.Sleep(50 * time.Millisecond)
+		}
+		t.Fatalf("%s: the election's leader wrote nothing for %v", step, within)
+		return 0
+	}
+	steps := r.client("steps", pgtest.Quiet)
+	r.churn(steps, "step", 5)
+	leaderBack("start", time.Time{})
+	failovers := 0
+	step := func(name string, f func()) {
+		t.Logf("--- %s", name)
+		f()
+	}
+
+	step("crash with replication stalled", func() {
+		old, err := pc.WaitLeader(ctx, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range patroni.Nodes {
+			if n := pc.Node(i); n != old {
+				if err := n.StallReplication(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		// 40 acquisitions: the token sequence WAL-logs 32 values ahead, so
+		// the replicas lack tokens the old primary issued.
+		r.churn(steps, "step", 40)
+		before := r.maxIssued()
+		crashed := time.Now()
+		if err := old.Crash(); err != nil {
+			t.Fatal(err)
+		}
+		for i := range patroni.Nodes {
+			if n := pc.Node(i); n != old {
+				if err := n.ResumeReplication(); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		l := r.acquireAfterFailover(steps, "step", before)
+		failovers++
+		leaderBack("crash", crashed)
+		var replicated int64
+		if err := admin.QueryRow(ctx, `SELECT count(*) FROM ha_register`).Scan(&replicated); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("crash: new primary's first token %d, above %d", l.Token(), before)
+		_ = l.Release(ctx)
+		if err := old.Start(); err != nil { // rejoins through pg_rewind
+			t.Fatal(err)
+		}
+		if err := pc.WaitReplicas(ctx, 90*time.Second, 2); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	step("switchover", func() {
+		old, err := pc.WaitLeader(ctx, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var candidate *patroni.Node
+		for i := range patroni.Nodes {
+			if n := pc.Node(i); n != old && candidate == nil {
+				candidate = n
+			}
+		}
+		before := r.maxIssued()
+		began := time.Now()
+		if err := pc.Switchover(old, candidate); err != nil {
+			t.Fatal(err)
+		}
+		l := r.acquireAfterFailover(steps, "step", before)
+		failovers++
+		leaderBack("switchover", began)
+		_ = l.Release(ctx)
+		if err := pc.WaitReplicas(ctx, 90*time.Second, 2); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	step("split brain", func() {
+		old, err := pc.WaitLeader(ctx, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// A leader connected to the old primary alone: it stays there.
+		direct := connect(t, old.URL())
+		zc, err := lock.New(direct, lock.Config{Schema: "pgfence", TTL: haLeaseTTL, Holder: "zombie", Logger: pgtest.Quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = zc.Close(context.Background()) }()
+		zombie, err := zc.TryAcquire(ctx, "split")
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.record(zombie)
+		if err := r.write(ctx, zombie); err != nil {
+			t.Fatal(err)
+		}
+		before := r.maxIssued()
+		if err := old.Freeze(); err != nil {
+			t.Fatal(err)
+		}
+		began := time.Now()
+		next, err := pc.WaitLeader(ctx, patroni.TTL+30*time.Second, old)
+		if err != nil {
+			t.Fatal(err)
+		}
+		onNew := connect(t, next.URL())
+		nc, err := lock.New(onNew, lock.Config{Schema: "pgfence", TTL: haLeaseTTL, Holder: "new", Logger: pgtest.Quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = nc.Close(context.Background()) }()
+		fresh := r.acquireAfterFailover(nc, "split", before)
+		failovers++
+		if err := r.write(ctx, fresh); err != nil {
+			t.Fatalf("the new leader's write: %v", err)
+		}
+		// The zombie still holds its lease on the old primary, which still
+		// accepts writes: only the resource fence stands in its way.
+		if err := zombie.Check(ctx); err != nil {
+			t.Fatalf("the zombie's lease on the old primary: %v", err)
+		}
+		if err := r.write(ctx, zombie); !errors.Is(err, fence.ErrFenced) {
+			t.Fatalf("the resource fence admitted the zombie (token %d) after the new leader (%d): %v", zombie.Token(), fresh.Token(), err)
+		}
+		_ = fresh.Release(ctx)
+		// The election's leader may be a zombie too, on the old primary:
+		// its writes are refused until Patroni demotes the old primary.
+		if err := old.Thaw(); err != nil { // Patroni demotes it and rewinds it
+			t.Fatal(err)
+		}
+		leaderBack("split brain", began)
+		if err := pc.WaitReplicas(ctx, 90*time.Second, 2); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	step("double failover", func() {
+		a, err := pc.WaitLeader(ctx, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var b, c *patroni.Node
+		for i := range patroni.Nodes {
+			switch n := pc.Node(i); {
+			case n == a:
+			case b == nil:
+				b = n
+			default:
+				c = n
+			}
+		}
+		// c takes no part: its replica keeps following a.
+		if err := c.Freeze(); err != nil {
+			t.Fatal(err)
+		}
+		before := r.maxIssued()
+		crashed := time.Now()
+		if err := a.Crash(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pc.WaitLeader(ctx, patroni.TTL+30*time.Second, a); err != nil {
+			t.Fatal(err)
+		}
+		onB := r.acquireAfterFailover(steps, "step", before)
+		if err := r.write(ctx, onB); err != nil {
+			t.Fatalf("write on b: %v", err)
+		}
+		_ = onB.Release(ctx)
+		onB2 := r.acquireAfterFailover(steps, "step", onB.Token())
+		failovers++
+		tlB, err := b.Timeline(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		beforeC := r.maxIssued()
+		time.Sleep(500 * time.Millisecond)
+		crashedB := time.Now()
+		if err := b.Crash(); err != nil {
+			t.Fatal(err)
+		}
+		_ = onB2 // lost with b
+		if err := c.Thaw(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pc.WaitLeader(ctx, patroni.TTL+60*time.Second, a, b); err != nil {
+			t.Fatal(err)
+		}
+		onC := r.acquireAfterFailover(steps, "step", beforeC)
+		failovers++
+		tlC, err := c.Timeline(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("double failover: b on timeline %d issued up to %d; c on timeline %d issued %d", tlB, beforeC, tlC, onC.Token())
+		if tlC != tlB {
+			t.Logf("c did not reuse b's timeline (%d vs %d): the scenario was not staged this time", tlC, tlB)
+		}
+		if err := r.write(ctx, onC); err != nil {
+			t.Fatalf("write on c: %v", err)
+		}
+		_ = onC.Release(ctx)
+		t.Logf("double failover: %v from the first crash to c's first token", time.Since(crashed).Round(10*time.Millisecond))
+		leaderBack("double failover", crashedB)
+		if err := a.Start(); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.Start(); err != nil {
+			t.Fatal(err)
+		}
+		if err := pc.WaitReplicas(ctx, 120*time.Second, 1); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	step("last crash", func() {
+		old, err := pc.WaitLeader(ctx, 30*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := r.maxIssued()
+		crashed := time.Now()
+		if err := old.Crash(); err != nil {
+			t.Fatal(err)
+		}
+		l := r.acquireAfterFailover(steps, "step", before)
+		failovers++
+		leaderBack("last crash", crashed)
+		_ = l.Release(ctx)
+	})
+	runGoesOn("run")
+	stopRun()
+	if err := <-runErr; err != nil {
+		t.Fatalf("Election.Run: %v", err)
+	}
+	runErr <- nil
+
+	// No token issued twice, on any lease (one sequence serves them all).
+	r.mu.Lock()
+	seen := map[fence.Token]issue{}
+	for _, is := range r.issued {
+		if prev, dup := seen[is.token]; dup {
+			t.Errorf("token %d issued twice: %s at %v and %s at %v", is.token, prev.lease, prev.at, is.lease, is.at)
+		}
+		seen[is.token] = is
+	}
+	n := len(r.issued)
+	r.mu.Unlock()
+	// The resource fence: never one token for two holders, never lower after higher.
+	rows, err := ledger.Query(ctx, `SELECT token, holder FROM ha_ledger ORDER BY id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		admitted int
+		mark     int64
+		holderOf = map[int64]string{}
+	)
+	for rows.Next() {
+		var tok int64
+		var holder string
+		if err := rows.Scan(&tok, &holder); err != nil {
+			t.Fatal(err)
+		}
+		admitted++
+		if tok < mark {
+			t.Errorf("the resource fence admitted %d after %d", tok, mark)
+		}
+		mark = max(mark, tok)
+		if h, ok := holderOf[tok]; ok && h != holder {
+			t.Errorf("the resource fence admitted token %d for %s and for %s", tok, h, holder)
+		}
+		holderOf[tok] = holder
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	// Guarded writes on the surviving history commit in token order per lease.
+	var outOfOrder int
+	if err := admin.QueryRow(ctx, `SELECT count(*) FROM (
+  SELECT token < max(token) OVER (PARTITION BY lease ORDER BY id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS stale
+    FROM ha_register) s WHERE stale`).Scan(&outOfOrder); err != nil {
+		t.Fatal(err)
+	}
+	if outOfOrder != 0 {
+		t.Errorf("%d guarded writes committed after a write with a greater token", outOfOrder)
+	}
+	// Each component warns once per failure period, not per retry.
+	counts := map[string]int{}
+	for _, rec := range r.logs.Find(slog.LevelWarn, "") {
+		if rec.Message != "pgfence: lease lost" {
+			counts[rec.Message]++
+		}
+	}
+	var msgs []string
+	for m, k := range counts {
+		msgs = append(msgs, fmt.Sprintf("%d x %q", k, m))
+		if k > failovers+1 {
+			t.Errorf("%d warnings %q over %d failovers: want at most one per failure period", k, m, failovers)
+		}
+	}
+	sort.Strings(msgs)
+	t.Logf("%d failovers, %d acquisitions, %d resource-fenced writes; the election's warnings: %v", failovers, n, admitted, msgs)
+}
