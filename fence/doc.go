@@ -47,10 +47,14 @@
 //     (statement_timeout, idle_in_transaction_session_timeout) so a paused
 //     holder cannot stall the next one for long.
 //   - With asynchronous replication, a standby promoted after a failover may
-//     lack the newest acquisitions and issue a token a second time. Data in
-//     the same database rolls back with it, so guarded writes stay
-//     consistent; effects outside the database do not roll back. Use
-//     synchronous replication for the leases table's database to close this.
+//     lack the newest acquisitions and guarded writes. Data in the same
+//     database rolls back with them; effects outside the database do not.
+//     Tokens issued after the promotion are above the lost ones (see Token),
+//     so a resource fence refuses the lost holders from the new leader's
+//     first write on. Synchronous replication loses nothing.
+//   - Retryable tells which errors of a guarded transaction mean it did not
+//     commit and may be run again (a failover's failed connects and
+//     read-only errors among them).
 //   - RunTx returns ErrOutcomeUnknown when the connection fails during
 //     COMMIT: the write may or may not have happened. (A connection lost
 //     before COMMIT was sent is retried, like 40001 and 40P01.)

@@ -35,8 +35,11 @@
 // the fencing token, checked at the resource: use Lease.RunTx or
 // Lease.Guard (package fence) for writes in PostgreSQL, or send Lease.Token to
 // any other resource that refuses lower tokens. With asynchronous replication,
-// a promoted standby may lack the newest acquisitions and issue a token again;
-// see the fence package documentation.
+// a promoted standby may lack the newest acquisitions (their holders learn it
+// at their next renewal); its tokens are still above theirs, since a new
+// history of the database starts its tokens at the promoted server's clock
+// (fence.Token), which assumes the servers' clocks agree to within the time
+// a failover takes.
 //
 // # Waiting
 //
@@ -63,6 +66,9 @@
 //
 //	error                                            SQLSTATE         class
 //	connection refused, broken, closed; I/O error    (none), 08xxx    transient
+//	connect failed on every host, one of them        (none)           transient
+//	  transiently (timed out, refused, read only)
+//	server clock behind the token history            PF013            transient
 //	terminated by an administrator, server shutdown  57P01-57P03      transient
 //	read-only transaction (a standby after failover) 25006            transient
 //	serialization failure, deadlock                  40001, 40P01     transient
@@ -73,7 +79,7 @@
 //	insufficient privilege                           42501            permanent
 //	invalid data (e.g. a NUL byte)                   22xxx            permanent
 //	authentication failed, no such database          28xxx, 3D000     permanent
-//	pgfence's own refusals                           PFxxx            permanent
+//	pgfence's other refusals                         PFxxx            permanent
 //	any other server error                           -                permanent
 //
 // Bad input never reaches the database: names, holders, schemas and

@@ -19,6 +19,7 @@ import (
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
+	"github.com/pgfence/pgfence/runner"
 )
 
 // haLeaseTTL is the lease TTL of the clients on the Patroni cluster. With
@@ -193,9 +194,10 @@ func TestPatroniFailovers(t *testing.T) {
 		Lead: func(ctx context.Context, l *lock.Lease) error {
 			r.record(l)
 			for ctx.Err() == nil {
+				sent := time.Now()
 				if r.write(ctx, l) == nil {
 					r.mu.Lock()
-					r.progress = append(r.progress, time.Now())
+					r.progress = append(r.progress, sent)
 					r.mu.Unlock()
 				}
 				select {
@@ -240,6 +242,34 @@ func TestPatroniFailovers(t *testing.T) {
 		t.Fatalf("%s: the election's leader wrote nothing for %v", step, within)
 		return 0
 	}
+	// Two runner replicas charge once a second throughout: the ledger must
+	// keep every slot to one charge across the failovers.
+	if _, err := admin.Exec(ctx, `CREATE TABLE ha_charges (id bigserial PRIMARY KEY, slot timestamptz NOT NULL, token bigint NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	var replicas sync.WaitGroup
+	for i := range 2 {
+		rn, err := runner.New(connect(t, pc.URL()), runner.Config{Lock: lock.Config{Schema: "pgfence", TTL: haLeaseTTL,
+			Holder: fmt.Sprintf("runner-%d", i), Logger: pgtest.Quiet}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := rn.Register(runner.Job{Name: "charge", Schedule: "@every 1s", Missed: runner.Skip,
+			Run: func(ctx context.Context, run *runner.Run) error {
+				return run.CommitTx(ctx, func(tx pgx.Tx) error {
+					_, err := tx.Exec(ctx, `INSERT INTO ha_charges (slot, token) VALUES ($1, $2)`, run.Slot, int64(run.Token))
+					return err
+				})
+			}}); err != nil {
+			t.Fatal(err)
+		}
+		replicas.Add(1)
+		go func() {
+			defer replicas.Done()
+			_ = rn.Run(runCtx)
+		}()
+	}
+	defer replicas.Wait()
 	steps := r.client("steps", pgtest.Quiet)
 	r.churn(steps, "step", 5)
 	leaderBack("start", time.Time{})
@@ -276,6 +306,25 @@ func TestPatroniFailovers(t *testing.T) {
 				}
 			}
 		}
+		next, err := pc.WaitLeader(ctx, patroni.TTL+30*time.Second, old)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// What asynchronous replication lost: the acquisitions the new
+		// primary does not have.
+		var have int64
+		if err := connect(t, next.URL()).QueryRow(ctx, `SELECT token FROM pgfence.pgfence_leases WHERE name = 'step'`).Scan(&have); err != nil {
+			t.Fatal(err)
+		}
+		lost := 0
+		r.mu.Lock()
+		for _, is := range r.issued {
+			if is.lease == "step" && int64(is.token) > have {
+				lost++
+			}
+		}
+		r.mu.Unlock()
+		t.Logf("crash: %d acquisitions lost with the unreplicated WAL (the new primary has token %d)", lost, have)
 		l := r.acquireAfterFailover(steps, "step", before)
 		failovers++
 		leaderBack("crash", crashed)
@@ -528,6 +577,20 @@ func TestPatroniFailovers(t *testing.T) {
 	if outOfOrder != 0 {
 		t.Errorf("%d guarded writes committed after a write with a greater token", outOfOrder)
 	}
+	// Every slot charged once, and only by a run the ledger records.
+	stopRun()
+	replicas.Wait()
+	var charged, twice, unrecorded int
+	if err := admin.QueryRow(ctx, `SELECT count(*), count(*) - count(DISTINCT slot),
+       count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM pgfence.pgfence_runs r
+                                           WHERE r.job = 'charge' AND r.slot = c.slot AND r.status = 'succeeded' AND r.token = c.token))
+  FROM ha_charges c`).Scan(&charged, &twice, &unrecorded); err != nil {
+		t.Fatal(err)
+	}
+	if charged == 0 || twice != 0 || unrecorded != 0 {
+		t.Errorf("runner across the failovers: %d charges, %d slots charged twice, %d charges without their succeeded run", charged, twice, unrecorded)
+	}
+	t.Logf("runner: %d slots charged once each across the failovers", charged)
 	// Each component warns once per failure period, not per retry.
 	counts := map[string]int{}
 	for _, rec := range r.logs.Find(slog.LevelWarn, "") {
