@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/ownconn"
 )
 
 // Config configures a Client. The zero value is usable: every field documents
@@ -186,19 +187,16 @@ func (c Config) validatePool(pc *pgxpool.Config) error {
 		return &ConfigError{Field: "pool (connection string)", Reason: fmt.Sprintf(reason, args...)}
 	}
 	cc := pc.ConnConfig
-	hosts := map[string]bool{fmt.Sprintf("%s:%d", cc.Host, cc.Port): true}
-	for _, fb := range cc.Fallbacks {
-		hosts[fmt.Sprintf("%s:%d", fb.Host, fb.Port)] = true
-	}
+	hosts := ownconn.Hosts(cc)
 	budget := c.TTL - c.SafetyMargin - c.RenewInterval
 	switch {
-	case len(hosts) > 1 && cc.ValidateConnect == nil:
+	case hosts > 1 && cc.ValidateConnect == nil:
 		return bad("%d hosts without target_session_attrs: set target_session_attrs=read-write (or primary), "+
-			"or clients may connect to a standby, where nothing can be acquired", len(hosts))
-	case len(hosts) > 1 && cc.ConnectTimeout <= 0:
+			"or clients may connect to a standby, where nothing can be acquired", hosts)
+	case hosts > 1 && cc.ConnectTimeout <= 0:
 		return bad("%d hosts without connect_timeout: set it (a few seconds), or a host that does not answer "+
-			"during a failover holds every new connection until the caller gives up", len(hosts))
-	case len(hosts) > 1 && cc.ConnectTimeout >= budget:
+			"during a failover holds every new connection until the caller gives up", hosts)
+	case hosts > 1 && cc.ConnectTimeout >= budget:
 		return bad("connect_timeout %v must be below TTL - SafetyMargin - RenewInterval (%v), "+
 			"the time a renewal has to reconnect after a failover", cc.ConnectTimeout, budget)
 	}

@@ -21,6 +21,10 @@ func TestNewChecksTheConnectionString(t *testing.T) {
 		ok        bool
 	}{
 		{"one host, no timeout", "postgres://u@127.0.0.1:5432/db?sslmode=disable", lock.Config{}, true},
+		// sslmode=prefer gives each host two configs (TLS, then plain): still one host.
+		{"one host, sslmode=prefer", "postgres://u@127.0.0.1:5432/db?sslmode=prefer", lock.Config{}, true},
+		{"multi-host, sslmode=prefer, without target_session_attrs",
+			"postgres://u@127.0.0.1:54401,127.0.0.1:54402/db?sslmode=prefer&connect_timeout=2", lock.Config{}, false},
 		{"multi-host as documented", hosts + "&target_session_attrs=read-write&connect_timeout=2", lock.Config{}, true},
 		{"multi-host, primary", hosts + "&target_session_attrs=primary&connect_timeout=2", lock.Config{}, true},
 		{"multi-host without target_session_attrs", hosts + "&connect_timeout=2", lock.Config{}, false},

@@ -99,6 +99,10 @@ func Dial(ctx context.Context, cfg *pgx.ConnConfig) (*pgx.Conn, error) {
 	return nil, errors.Join(errs...)
 }
 
+// Hosts is the number of distinct hosts cfg connects to (a multi-host URL
+// has several).
+func Hosts(cfg *pgx.ConnConfig) int { return len(perHost(cfg)) }
+
 // perHost splits cfg into one config per host, each with that host's own
 // fallbacks (TLS, then plain text, for sslmode=prefer) in their order.
 func perHost(cfg *pgx.ConnConfig) []*pgx.ConnConfig {

@@ -538,6 +538,3 @@ func (c *Cluster) Close() error {
 	}
 	return os.RemoveAll(c.dir)
 }
-
-// Dir is the cluster's directory (logs, data).
-func (c *Cluster) Dir() string { return c.dir }
