@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/url"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // Which guarded-transaction errors a caller may retry as a whole: what a
@@ -23,6 +25,22 @@ func TestRetryable(t *testing.T) {
 	addr := closed.Addr().String()
 	closed.Close()
 	_, refused := pgconn.Connect(context.Background(), "postgres://u@"+addr+","+addr+"/db?sslmode=disable&connect_timeout=1")
+	// The test server, asked for a database it does not have: 3D000 on
+	// every host tried is permanent; after a host that refused (which may
+	// be the primary once it is back), transient. pgx stops at a server's
+	// error, so the refusing host goes first.
+	u, err := url.Parse(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path = "/pgfence_no_such_database"
+	_, noDB := pgconn.Connect(context.Background(), u.String())
+	server := u.Host
+	if u.Port() == "" {
+		server += ":5432"
+	}
+	u.Host = addr + "," + server
+	_, noDBOrRefused := pgconn.Connect(context.Background(), u.String())
 	pg := func(code string) error { return fmt.Errorf("guarded: %w", &pgconn.PgError{Code: code}) }
 	cases := []struct {
 		name string
@@ -30,6 +48,8 @@ func TestRetryable(t *testing.T) {
 		want bool
 	}{
 		{"connect refused on every host", refused, true},
+		{"no such database (3D000) on the only host", noDB, false},
+		{"refused on one host, no such database on the next", noDBOrRefused, true},
 		{"read only (a standby after failover)", pg("25006"), true},
 		{"session terminated", pg("57P01"), true},
 		{"serialization failure", pg("40001"), true},
