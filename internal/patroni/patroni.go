@@ -239,6 +239,17 @@ func startLogged(cmd *exec.Cmd, logFile string) error {
 // Node returns node i (0, 1 or 2).
 func (c *Cluster) Node(i int) *Node { return c.nodes[i] }
 
+// Others returns every node but n, in order.
+func (c *Cluster) Others(n *Node) []*Node {
+	var out []*Node
+	for _, x := range c.nodes {
+		if x != n {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
 // URL is the multi-host URL an application on Patroni uses: every node,
 // the read-write one chosen at connect time.
 func (c *Cluster) URL() string {
@@ -469,22 +480,24 @@ func (n *Node) signalPatroni(sig syscall.Signal) error {
 	return syscall.Kill(-n.patroni.Process.Pid, sig)
 }
 
-// StallReplication stops (SIGSTOP) the node's WAL receiver, so this replica
-// falls behind the primary; ResumeReplication continues it.
-func (n *Node) StallReplication() error { return n.signalWalReceiver(syscall.SIGSTOP) }
+// StallSending stops (SIGSTOP) the WAL senders of this node, a primary:
+// its commits go on (replication is asynchronous) while its replicas fall
+// behind, so a crash of the node loses the WAL they did not get. (Stopping
+// the replicas' WAL receivers instead loses nothing: what the primary had
+// sent waits in their sockets' buffers.) A crash ends the stopped senders.
+func (n *Node) StallSending() error { return n.signalChildren("walsender", syscall.SIGSTOP) }
 
-// ResumeReplication continues a stalled WAL receiver.
-func (n *Node) ResumeReplication() error { return n.signalWalReceiver(syscall.SIGCONT) }
-
-func (n *Node) signalWalReceiver(sig syscall.Signal) error {
+// signalChildren sends sig to the postmaster's children whose title
+// matches pattern.
+func (n *Node) signalChildren(pattern string, sig syscall.Signal) error {
 	b, err := os.ReadFile(filepath.Join(n.data, "postmaster.pid"))
 	if err != nil {
 		return err
 	}
 	pm := strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0])
-	out, err := exec.Command("pgrep", "-P", pm, "-f", "walreceiver").Output()
+	out, err := exec.Command("pgrep", "-P", pm, "-f", pattern).Output()
 	if err != nil {
-		return fmt.Errorf("patroni: no WAL receiver on %s", n.Name)
+		return fmt.Errorf("patroni: no %s process on %s", pattern, n.Name)
 	}
 	for _, f := range strings.Fields(string(out)) {
 		pid, _ := strconv.Atoi(f)
