@@ -16,6 +16,7 @@
 //	                      recent runs from the runner's ledger
 //	jobs prune --older-than D
 //	                      delete finished runs older than D (the latest slot of each job is kept)
+//	version               print the module version and the commit it was built from
 //
 // Global flags (also accepted after the command name):
 //
@@ -140,6 +141,7 @@ commands:
                         recent runs from the runner's ledger
   jobs prune --older-than D
                         delete finished runs older than D
+  version               the module version and commit this binary was built from
 
 exit codes: 0 ok, 1 error, 2 usage, 3 no such lease, 75 lease held elsewhere,
 76 lease lost while the command ran; run passes its command's code through.
@@ -176,6 +178,9 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		err = cmdRun(ctx, e, rest)
 	case "jobs":
 		err = cmdJobs(ctx, e, rest)
+	case "version":
+		fmt.Fprintln(stdout, version())
+		return exitOK
 	case "help":
 		fmt.Fprint(stdout, usage)
 		return exitOK

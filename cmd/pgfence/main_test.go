@@ -287,3 +287,30 @@ func TestSchemaFromEnvironment(t *testing.T) {
 		t.Fatalf("leases on a schema without pgfence's tables: %d\n%s", code, out)
 	}
 }
+
+// The version command prints the module version and, for a binary built from
+// a git checkout, the commit it was built from.
+func TestVersionNamesTheCommit(t *testing.T) {
+	head, gitErr := exec.Command("git", "rev-parse", "HEAD").Output()
+	bin := pgtest.Build(t, ".")
+	if gitErr == nil { // stamp the commit even where GOFLAGS has -buildvcs=false
+		bin = filepath.Join(t.TempDir(), "pgfence-vcs")
+		if out, err := exec.Command("go", "build", "-buildvcs=true", "-o", bin, ".").CombinedOutput(); err != nil {
+			t.Fatalf("go build -buildvcs=true: %v\n%s", err, out)
+		}
+	}
+	out, err := exec.Command(bin, "version").CombinedOutput()
+	if err != nil {
+		t.Fatalf("pgfence version: %v\n%s", err, out)
+	}
+	if !regexp.MustCompile(`^pgfence \S+ go1\.\d+`).Match(out) {
+		t.Fatalf("pgfence version printed %q; want \"pgfence VERSION goX.Y...\"", out)
+	}
+	if gitErr != nil {
+		t.Logf("not a git checkout (%v): no commit to compare", gitErr)
+		return
+	}
+	if want := "commit " + strings.TrimSpace(string(head)); !strings.Contains(string(out), want) {
+		t.Fatalf("pgfence version printed %q; want it to contain %q", out, want)
+	}
+}
