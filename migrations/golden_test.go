@@ -40,7 +40,7 @@ func TestGoldenSchema(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, err := exec.LookPath("pg_dump"); err != nil {
-		t.Fatalf("the golden-schema test needs pg_dump (Debian: apt-get install postgresql-client): %v", err)
+		pgtest.NeedTool(t, fmt.Errorf("the golden-schema test needs pg_dump (Debian: apt-get install postgresql-client): %w", err), exec.ErrNotFound)
 	}
 	out, err := exec.Command("pg_dump", "--schema-only", "--no-owner", "--no-privileges", "-n", schema, pgtest.URL(t)).Output()
 	if err != nil {

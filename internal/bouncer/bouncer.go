@@ -17,8 +17,8 @@ import (
 )
 
 // ErrNoBinary is returned when the pgbouncer binary is not installed.
-var ErrNoBinary = errors.New("bouncer: no pgbouncer binary on PATH or in /usr/sbin; " +
-	"install it (Debian: apt-get install pgbouncer)")
+var ErrNoBinary = errors.New("bouncer: pgbouncer is not on PATH; install it " +
+	"(Debian: apt-get install pgbouncer, which puts it in /usr/sbin) or set PGFENCE_PGBOUNCER to its path")
 
 // Bouncer is a running PgBouncer.
 type Bouncer struct {
@@ -31,12 +31,13 @@ type Bouncer struct {
 // forwarding every database to upstream (host:port) as user, with trust
 // authentication and at most poolSize server connections per database.
 func Start(upstream, user string, poolSize int) (*Bouncer, error) {
-	bin, err := exec.LookPath("pgbouncer")
+	bin := os.Getenv("PGFENCE_PGBOUNCER")
+	if bin == "" {
+		bin = "pgbouncer"
+	}
+	bin, err := exec.LookPath(bin)
 	if err != nil {
-		if _, statErr := os.Stat("/usr/sbin/pgbouncer"); statErr != nil {
-			return nil, ErrNoBinary
-		}
-		bin = "/usr/sbin/pgbouncer"
+		return nil, ErrNoBinary
 	}
 	host, port, err := net.SplitHostPort(upstream)
 	if err != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"testing"
 	"time"
 
@@ -29,11 +28,9 @@ func start(t *testing.T, poolSize int) (*bouncer.Bouncer, *pgtest.DB, *pgx.ConnC
 		t.Fatal(err)
 	}
 	b, err := bouncer.Start(fmt.Sprintf("%s:%d", up.Host, up.Port), up.User, poolSize)
-	if errors.Is(err, bouncer.ErrNoBinary) && os.Getenv("PGBOUNCER_SKIP") == "1" {
-		t.Skipf("PGBOUNCER_SKIP=1 and %v", err)
-	}
+	pgtest.NeedTool(t, err, bouncer.ErrNoBinary)
 	if err != nil {
-		t.Fatalf("%v (set PGBOUNCER_SKIP=1 to skip the PgBouncer tests explicitly)", err)
+		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = b.Close() })
 	return b, db, up

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -20,6 +19,7 @@ import (
 
 	"github.com/pgfence/pgfence/internal/faultproxy"
 	"github.com/pgfence/pgfence/internal/pgcluster"
+	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -59,12 +59,9 @@ type suite struct {
 func newSuite(t *testing.T, cfg config) *suite {
 	t.Helper()
 	c, err := pgcluster.New()
-	if errors.Is(err, pgcluster.ErrNoServer) && os.Getenv("CHAOS_SKIP") == "1" {
-		t.Skipf("CHAOS_SKIP=1 and %v", err)
-	}
+	pgtest.NeedTool(t, err, pgcluster.ErrNoServer)
 	if err != nil {
-		t.Fatalf("the fault suite needs PostgreSQL server binaries to run a private cluster "+
-			"(or CHAOS_SKIP=1 to skip it explicitly): %v", err)
+		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	s := &suite{t: t, cfg: cfg, cluster: c, dir: t.TempDir(), paused: map[int]bool{}}

@@ -22,7 +22,7 @@ import (
 
 // ErrNoServer is returned when no PostgreSQL server binaries are installed.
 var ErrNoServer = errors.New("pgcluster: no PostgreSQL server binaries (initdb, pg_ctl) found; " +
-	"install the postgresql package, or put its bin directory in PGFENCE_PG_BINDIR")
+	"install them (Debian: apt-get install postgresql), or put its bin directory in PGFENCE_PG_BINDIR")
 
 // Cluster is a private PostgreSQL server.
 type Cluster struct {

@@ -1,0 +1,164 @@
+// Command testrun runs pgfence's tests the way README's test command gives
+// them and prints what plain `go test ./...` keeps to itself when a package
+// passes: which tests were skipped, and why (a test that needs PgBouncer,
+// Patroni or the PostgreSQL server binaries skips with a message naming the
+// tool and how to install it; with CI=true it fails instead).
+//
+//	TEST_DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable' go run ./internal/testrun
+//
+// Without arguments it runs `go test -race -count=1 -p 1 ./...`; arguments,
+// if any, replace those (`go run ./internal/testrun -count=1 ./lock`). It
+// prints one line per package, the output of failed tests and of packages
+// that did not build, then the skipped tests, and exits with go test's
+// status.
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"time"
+)
+
+// event is one line of `go test -json` (cmd/test2json).
+type event struct {
+	Action     string
+	Package    string
+	ImportPath string // build-output, build-fail
+	Test       string
+	Elapsed    float64
+	Output     string
+}
+
+// skip is one skipped test and the reason it gave.
+type skip struct{ pkg, test, reason string }
+
+func main() {
+	args := os.Args[1:]
+	if len(args) == 0 {
+		args = []string{"-race", "-count=1", "-p", "1", "./..."}
+	}
+	cmd := exec.Command("go", append([]string{"test", "-json"}, args...)...)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "testrun:", err)
+		os.Exit(1)
+	}
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "testrun:", err)
+		os.Exit(1)
+	}
+	skips := report(out, os.Stdout)
+	err = cmd.Wait()
+	code := 0
+	var exit *exec.ExitError
+	switch {
+	case errors.As(err, &exit):
+		code = exit.ExitCode()
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "testrun:", err)
+		code = 1
+	}
+	printSkips(os.Stdout, skips)
+	verdict := "ok"
+	if code != 0 {
+		verdict = "FAIL"
+	}
+	fmt.Printf("%s in %s\n", verdict, time.Since(start).Round(time.Second))
+	os.Exit(code)
+}
+
+// report reads go test's JSON events from r and writes the summary to w as
+// they come: a line per package, the output of every failed test or
+// package, and build failures. It returns the skipped tests.
+func report(r io.Reader, w io.Writer) []skip {
+	var (
+		skips  []skip
+		output = map[string][]string{} // package + "\x00" + test -> its output lines
+	)
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 1<<20), 1<<26)
+	for sc.Scan() {
+		var ev event
+		if err := json.Unmarshal(sc.Bytes(), &ev); err != nil || ev.Action == "" {
+			fmt.Fprintln(w, sc.Text()) // not an event: pass it on
+			continue
+		}
+		key := ev.Package + "\x00" + ev.Test
+		switch ev.Action {
+		case "build-output":
+			fmt.Fprint(w, ev.Output)
+		case "output":
+			output[key] = append(output[key], ev.Output)
+		case "skip":
+			if ev.Test == "" {
+				fmt.Fprintf(w, "?   \t%s\t[no test files]\n", ev.Package)
+			} else {
+				skips = append(skips, skip{ev.Package, ev.Test, reason(output[key])})
+			}
+			delete(output, key)
+		case "pass":
+			if ev.Test == "" {
+				fmt.Fprintf(w, "ok  \t%s\t%.1fs\n", ev.Package, ev.Elapsed)
+			}
+			delete(output, key)
+		case "fail":
+			for _, l := range output[key] {
+				if !noise(l, ev.Package) {
+					fmt.Fprint(w, l)
+				}
+			}
+			if ev.Test == "" {
+				fmt.Fprintf(w, "FAIL\t%s\t%.1fs\n", ev.Package, ev.Elapsed)
+			}
+			delete(output, key)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		fmt.Fprintln(w, "testrun: reading go test's output:", err)
+	}
+	return skips
+}
+
+// noise reports the lines of a failure's output that the summary already
+// says: the "=== RUN" markers and go test's own result lines.
+func noise(line, pkg string) bool {
+	t := strings.TrimSpace(line)
+	return strings.HasPrefix(t, "=== ") || t == "FAIL" || t == "PASS" || strings.HasPrefix(t, "FAIL\t"+pkg) ||
+		strings.HasPrefix(t, "ok  \t"+pkg)
+}
+
+// reason picks a skipped test's message out of its output: the lines
+// between "=== RUN" and "--- SKIP", with the file:line prefix kept.
+func reason(lines []string) string {
+	var msg []string
+	for _, l := range lines {
+		t := strings.TrimSpace(l)
+		if t == "" || strings.HasPrefix(t, "=== ") || strings.HasPrefix(t, "--- ") {
+			continue
+		}
+		msg = append(msg, t)
+	}
+	if len(msg) == 0 {
+		return "(no message)"
+	}
+	return strings.Join(msg, " ")
+}
+
+func printSkips(w io.Writer, skips []skip) {
+	if len(skips) == 0 {
+		fmt.Fprintln(w, "no test skipped")
+		return
+	}
+	fmt.Fprintf(w, "%d skipped:\n", len(skips))
+	for _, s := range skips {
+		fmt.Fprintf(w, "  %s %s: %s\n", s.pkg, s.test, s.reason)
+	}
+}
