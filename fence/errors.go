@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
@@ -144,15 +145,15 @@ func translate(err error, lease string, presented Token) error {
 // also turns its serialization failure into a *SnapshotError, and says what
 // pgfence was doing when anything else failed (a missing schema, a lost
 // connection) instead of handing the driver's words to the caller.
-func translateCheck(err error, lease string, presented Token) error {
+func translateCheck(err error, g Guard, tx pgx.Tx) error {
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) && pg.Code == "40001" {
-		return &SnapshotError{Lease: lease, Presented: presented, Err: err}
+		return &SnapshotError{Lease: g.Lease, Presented: g.Token, Err: err}
 	}
-	if t := translate(err, lease, presented); t != err {
+	if t := translate(err, g.Lease, g.Token); t != err {
 		return t
 	}
-	return fmt.Errorf("fence: check the token of lease %q: %w", lease, err)
+	return fmt.Errorf("fence: check the token of lease %q: %w", g.Lease, hint.Wrap(err, g.Schema, hint.Role(tx)))
 }
 
 // Retryable reports whether err, from a guarded transaction (RunTx, or a

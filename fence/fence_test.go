@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
@@ -751,4 +753,41 @@ func waitLockWait(t *testing.T, db *pgtest.DB, pool *pgxpool.Pool) {
 		}
 	}
 	t.Fatal("the raising transaction never waited for a lock")
+}
+
+// With no schema named anywhere, the migrations, the lease client and a
+// Guard built by hand all use the default schema "pgfence"; a Guard pointed
+// at a schema without pgfence's functions says which schema it looked in.
+func TestGuardWithoutSchemaUsesTheDefault(t *testing.T) {
+	ctx := pgtest.Context(t, time.Minute)
+	pool, err := pgxpool.New(ctx, pgtest.Database(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	if _, err := migrations.Up(ctx, pool, ""); err != nil {
+		t.Fatal(err)
+	}
+	lc, err := lock.New(pool, lock.Config{Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lc.Close(ctx)
+	l, err := lc.TryAcquire(ctx, "compaction")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := fence.Guard{Lease: "compaction", Token: l.Token()}
+	if err := g.RunTx(ctx, pool, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1"); return err }); err != nil {
+		t.Fatalf("a Guard with no Schema: %v", err)
+	}
+	if _, err := pool.Exec(ctx, "CREATE SCHEMA elsewhere"); err != nil {
+		t.Fatal(err)
+	}
+	g.Schema = "elsewhere"
+	err = g.RunTx(ctx, pool, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1"); return err })
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) || pg.Code != "42883" || !strings.Contains(err.Error(), `schema "elsewhere"`) {
+		t.Fatalf("a Guard on a schema without pgfence: %v; want 42883 naming schema \"elsewhere\"", err)
+	}
 }

@@ -24,13 +24,14 @@ import (
 // that stays open therefore delays a takeover: keep guarded transactions short,
 // and bound them with statement_timeout / idle_in_transaction_session_timeout.
 //
-// A Guard is a value; the zero Schema means the connection's search_path.
+// A Guard is a value; the zero Schema means "pgfence", the default schema
+// everywhere in pgfence.
 type Guard struct {
 	// Lease is the lease name.
 	Lease string
 	// Token is the token obtained when the lease was acquired.
 	Token Token
-	// Schema holds the pgfence_leases table ("" = search_path).
+	// Schema holds the pgfence_leases table (default "pgfence").
 	Schema string
 	// Metrics records the guard's outcomes; nil uses the global
 	// MeterProvider's (see Metrics).
@@ -81,7 +82,7 @@ func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
 	m := g.metrics()
 	m.checked(ctx, start)
 	if err != nil {
-		err = translateCheck(err, g.Lease, g.Token)
+		err = translateCheck(err, g, tx)
 		m.outcome(ctx, err, false)
 	}
 	return err

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 )
 
@@ -26,7 +27,7 @@ import (
 type Resource struct {
 	// Name identifies the protected resource (1-255 bytes of UTF-8).
 	Name string
-	// Schema holds the pgfence_fences table ("" = search_path).
+	// Schema holds the pgfence_fences table (default "pgfence").
 	Schema string
 	// Metrics records refusals; nil uses the global MeterProvider's.
 	Metrics *Metrics
@@ -54,7 +55,7 @@ func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
 	}
 	var cur int64
 	start := time.Now()
-	err := r.translate(tx.QueryRow(ctx, r.admitSQL(), r.Name, int64(t)).Scan(&cur), t)
+	err := r.translate(tx.QueryRow(ctx, r.admitSQL(), r.Name, int64(t)).Scan(&cur), t, tx)
 	m := Guard{Metrics: r.Metrics}.metrics()
 	m.checked(ctx, start)
 	if errors.Is(err, ErrFenced) {
@@ -80,7 +81,7 @@ func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args
 	br := tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
 		_ = br.Close()
-		err = r.translate(err, t)
+		err = r.translate(err, t, tx)
 		if errors.Is(err, ErrFenced) {
 			Guard{Metrics: r.Metrics}.metrics().outcome(ctx, err, false)
 		}
@@ -99,7 +100,7 @@ func (r Resource) admitSQL() string {
 
 // translate maps pgfence_admit's errors, naming the resource in a refusal,
 // and says what pgfence was doing when anything else failed.
-func (r Resource) translate(err error, t Token) error {
+func (r Resource) translate(err error, t Token, tx pgx.Tx) error {
 	if err == nil {
 		return nil
 	}
@@ -108,7 +109,7 @@ func (r Resource) translate(err error, t Token) error {
 		stale.Resource = r.Name
 		return tr
 	}
-	return fmt.Errorf("fence: admit token %d to resource %q: %w", t, r.Name, err)
+	return fmt.Errorf("fence: admit token %d to resource %q: %w", t, r.Name, hint.Wrap(err, r.Schema, hint.Role(tx)))
 }
 
 // Querier runs a query returning one row: a pool, a connection and a

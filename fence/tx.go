@@ -92,7 +92,7 @@ func (t *guardedTx) pipeline(ctx context.Context, sql string, args []any) (pgx.B
 	br := t.Tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
 		_ = br.Close()
-		return nil, translateCheck(err, t.g.Lease, t.g.Token)
+		return nil, translateCheck(err, t.g, t.Tx)
 	}
 	t.checked = true
 	return br, nil

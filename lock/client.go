@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/migrations"
@@ -219,7 +220,7 @@ func (c *Client) verify(ctx context.Context) error {
 	}
 	var synced bool
 	if err := c.pool.QueryRow(ctx, c.q.syncEpoch).Scan(&synced); err != nil {
-		return fmt.Errorf("lock: token epoch: %w", err)
+		return fmt.Errorf("lock: token epoch: %w", c.explain(err))
 	}
 	if !synced {
 		return nil // a standby: the acquisition will say so, and this runs again
@@ -271,7 +272,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		)
 		g, r, err = c.attempt(ctx, args, since)
 		if err != nil {
-			return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
+			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
 		}
 		if !r.won {
 			if held = r.held; held != nil && r.live {
@@ -558,4 +559,10 @@ func (c *Client) jitter(d time.Duration) time.Duration {
 		return d
 	}
 	return d*3/4 + time.Duration(rand.Int64N(int64(d)/2+1))
+}
+
+// explain adds what to do to a database error caused by the deployment: a
+// role without pgfence's grants, or a schema without pgfence's tables.
+func (c *Client) explain(err error) error {
+	return hint.Wrap(err, c.cfg.Schema, c.pool.Config().ConnConfig.User)
 }

@@ -54,8 +54,8 @@ type Config struct {
 	// Default "host:pid:random".
 	Holder string
 
-	// Schema holds pgfence's tables. Default "" (the connection's
-	// search_path).
+	// Schema holds pgfence's tables. Default "pgfence", as everywhere in
+	// pgfence (migrations.Up, runner, fence, the CLI).
 	Schema string
 
 	// Logger receives renewal failures and lease losses. Default
@@ -136,6 +136,7 @@ func (c Config) withDefaults() Config {
 	if c.Holder == "" {
 		c.Holder = defaultHolder()
 	}
+	c.Schema = ident.Schema(c.Schema)
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}

@@ -41,7 +41,7 @@ type Info struct {
 func (c *Client) Leases(ctx context.Context) ([]Info, error) {
 	rows, err := c.pool.Query(ctx, c.q.inspect+" ORDER BY name")
 	if err != nil {
-		return nil, fmt.Errorf("lock: list leases: %w", err)
+		return nil, fmt.Errorf("lock: list leases: %w", c.explain(err))
 	}
 	infos, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Info, error) {
 		var (
@@ -58,7 +58,7 @@ func (c *Client) Leases(ctx context.Context) ([]Info, error) {
 		return i, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("lock: list leases: %w", err)
+		return nil, fmt.Errorf("lock: list leases: %w", c.explain(err))
 	}
 	return infos, nil
 }
@@ -78,7 +78,7 @@ func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, 
 	}
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
-		return "", 0, fmt.Errorf("lock: force release %q: %w", name, err)
+		return "", 0, fmt.Errorf("lock: force release %q: %w", name, c.explain(err))
 	}
 	defer conn.Release()
 	pid := conn.Conn().PgConn().PID()
@@ -125,7 +125,7 @@ func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, 
 		return "", 0, fmt.Errorf("%w: %q", ErrNoLease, name)
 	}
 	if r.err != nil {
-		return "", 0, fmt.Errorf("lock: force release %q: %w", name, r.err)
+		return "", 0, fmt.Errorf("lock: force release %q: %w", name, c.explain(r.err))
 	}
 	return r.holder, fence.Token(r.token), nil
 }

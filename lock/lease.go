@@ -147,7 +147,7 @@ func (l *Lease) Check(ctx context.Context) error {
 	)
 	err := l.c.pool.QueryRow(ctx, l.c.q.check, l.name, l.secret).Scan(&token, &ours, &live, &expiresAt)
 	if err != nil {
-		return fmt.Errorf("lock: check %q: %w", l.name, err)
+		return fmt.Errorf("lock: check %q: %w", l.name, l.c.explain(err))
 	}
 	if cause, err := l.judge(token, ours, live, expiresAt); err != nil {
 		l.lose(cause, err)
@@ -198,7 +198,7 @@ func (l *Lease) Release(ctx context.Context) error {
 	ctx, cancel := wait.Cleanup(ctx)
 	defer cancel()
 	if _, err := l.c.pool.Exec(ctx, sql, l.name, int64(l.token), l.secret); err != nil {
-		return fmt.Errorf("lock: release %q: %w", l.name, err)
+		return fmt.Errorf("lock: release %q: %w", l.name, l.c.explain(err))
 	}
 	return nil
 }

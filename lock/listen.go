@@ -166,13 +166,7 @@ func (li *listener) listen(ctx context.Context, onReady func()) error {
 	}
 	conn := pc.Hijack()
 	defer conn.Close(context.Background())
-	var schema string
-	if li.c.cfg.Schema != "" {
-		schema = li.c.cfg.Schema
-	} else if err := conn.QueryRow(ctx, `SELECT coalesce((SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-		WHERE c.oid = to_regclass('pgfence_leases')), '')`).Scan(&schema); err != nil {
-		return err
-	}
+	schema := li.c.cfg.Schema
 	if _, err := conn.Exec(ctx, "LISTEN "+releaseChannel); err != nil {
 		return err
 	}

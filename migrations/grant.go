@@ -17,7 +17,8 @@ type Execer interface {
 }
 
 // AppGrants returns the statements that give role exactly what an
-// application needs to use pgfence in schema (after Up): acquire, renew,
+// application needs to use pgfence in schema ("" means DefaultSchema; after
+// Up): acquire, renew,
 // release and force-release leases, guard transactions, admit resource
 // fences, run jobs and read and prune the ledger, and call Up and Verify when
 // the schema is current. Nothing else: no DELETE or TRUNCATE of leases or
@@ -32,7 +33,7 @@ func AppGrants(schema, role string) ([]string, error) {
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
-		"GRANT SELECT ON " + t(VersionTable) + " TO " + r,
+		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
 			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
 			t("pgfence_timeline") + "(), " + t("pgfence_epoch_timeline") + "() TO " + r,
@@ -100,14 +101,11 @@ func grant(ctx context.Context, db Execer, stmts func(string, string) ([]string,
 
 // quoted validates and quotes the schema and role names.
 func quoted(schema, role string) (string, string, error) {
-	if schema == "" {
-		return "", "", fmt.Errorf("migrations: grants need the schema's name")
-	}
 	if err := ident.ValidateSchema(schema); err != nil {
 		return "", "", fmt.Errorf("migrations: %w", err)
 	}
 	if err := ident.ValidateSchema(role); err != nil || role == "" {
 		return "", "", fmt.Errorf("migrations: invalid role name %q", role)
 	}
-	return pgx.Identifier{schema}.Sanitize(), pgx.Identifier{role}.Sanitize(), nil
+	return pgx.Identifier{ident.Schema(schema)}.Sanitize(), pgx.Identifier{role}.Sanitize(), nil
 }

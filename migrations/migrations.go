@@ -15,7 +15,8 @@
 // pgfence.allow_token_reset = 'on'.
 //
 // Objects are created in the schema given to [Up] (created if missing), or in
-// the first schema of the connection's search_path when it is empty. Run the
+// [DefaultSchema] ("pgfence") when it is empty, the schema every pgfence
+// entry point uses when none is named. Run the
 // migrations in every database and schema that holds pgfence objects: the
 // leases schema, and any schema that holds a resource fence
 // (fence.Resource) next to its protected data.
@@ -41,10 +42,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 
+	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 )
 
@@ -58,6 +61,10 @@ var FS fs.FS = mustSub(embedded, "sql")
 // VersionTable is the name of pgfence's goose version table.
 const VersionTable = "pgfence_db_version"
 
+// DefaultSchema is the schema pgfence uses when none is named, here and in
+// lock.Config, runner.Config, fence.Guard, fence.Resource and the CLI.
+const DefaultSchema = ident.DefaultSchema
+
 // ErrNilPool is returned when a nil pool is passed.
 var ErrNilPool = errors.New("migrations: nil pool")
 
@@ -69,8 +76,8 @@ func mustSub(f fs.FS, dir string) fs.FS {
 	return sub
 }
 
-// Up applies every pending migration in schema ("" means the connection's
-// search_path) and returns the schema version reached. Concurrent calls for
+// Up applies every pending migration in schema ("" means DefaultSchema,
+// "pgfence") and returns the schema version reached. Concurrent calls for
 // the same schema, from any number of goroutines or processes, queue on an
 // advisory lock; each returns the latest version. It needs CREATE on the
 // database only when the schema does not exist yet.
@@ -81,7 +88,11 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	if err := ident.ValidateSchema(schema); err != nil {
 		return 0, fmt.Errorf("migrations: %w", err)
 	}
+	schema = ident.Schema(schema)
 	if err := createSchema(ctx, pool, schema); err != nil {
+		return 0, err
+	}
+	if _, err := inspect(ctx, pool, schema); err != nil { // a schema the role may not use
 		return 0, err
 	}
 	p, err := NewProvider(pool, schema)
@@ -90,7 +101,7 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	}
 	defer p.Close()
 	if _, err := p.Up(ctx); err != nil {
-		return 0, fmt.Errorf("migrations: up: %w", err)
+		return 0, fmt.Errorf("migrations: up: %w", hint.Wrap(err, schema, hint.Role(pool)))
 	}
 	v, err := p.GetDBVersion(ctx)
 	if err != nil {
@@ -100,7 +111,7 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	// tokens past the dump's before any application acquires (see
 	// pgfence_sync_epoch in 00001_leases.sql).
 	if _, err := pool.Exec(ctx, `SELECT NOT pg_is_in_recovery() AND `+ident.Table(schema, "pgfence_sync_epoch")+`()`); err != nil {
-		return 0, fmt.Errorf("migrations: token epoch: %w", err)
+		return 0, fmt.Errorf("migrations: token epoch: %w", hint.Wrap(err, schema, hint.Role(pool)))
 	}
 	return v, nil
 }
@@ -111,9 +122,6 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 // on CREATE SCHEMA IF NOT EXISTS (which fails with 23505 when two sessions
 // create the same schema at once).
 func createSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
-	if schema == "" {
-		return nil
-	}
 	var exists bool
 	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists); err != nil {
 		return fmt.Errorf("migrations: look up schema %q: %w", schema, err)
@@ -129,6 +137,11 @@ func createSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error 
 		return err
 	})
 	if err != nil {
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) && pg.Code == hint.CodeNoPrivilege {
+			err = &hint.Error{Err: err, Hint: fmt.Sprintf("role %q may not create schemas: create schema %q as its owner "+
+				"and run Up as that owner, or grant the role CREATE on the database", hint.Role(pool), schema)}
+		}
 		return fmt.Errorf("migrations: create schema %q: %w", schema, err)
 	}
 	return nil
@@ -146,10 +159,9 @@ type MigrationStatus struct {
 
 // Report is what Status found, without changing anything.
 type Report struct {
-	// Schema is the schema looked at ("" = the search_path).
+	// Schema is the schema looked at.
 	Schema string
-	// SchemaExists is false when the named schema does not exist (or, for
-	// "", when the search_path names no existing schema).
+	// SchemaExists is false when the schema does not exist.
 	SchemaExists bool
 	// Current is the applied version (0: not migrated).
 	Current int64
@@ -177,8 +189,8 @@ type Epoch struct {
 }
 
 // Status reports, for each embedded migration, whether it is applied in
-// schema. It only reads: a mistyped schema is reported as missing
-// (SchemaExists false), never created.
+// schema ("" means DefaultSchema). It only reads: a mistyped schema is
+// reported as missing (SchemaExists false), never created.
 func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, error) {
 	if pool == nil {
 		return nil, ErrNilPool
@@ -186,6 +198,7 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("migrations: %w", err)
 	}
+	schema = ident.Schema(schema)
 	st, err := inspect(ctx, pool, schema)
 	if err != nil {
 		return nil, err
@@ -198,7 +211,7 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 	if st.current >= 1 {
 		e := &Epoch{}
 		if err := pool.QueryRow(ctx, `SELECT timeline, started_at, first_token FROM `+ident.Table(schema, "pgfence_epoch")).Scan(&e.Timeline, &e.Started, &e.FirstToken); err != nil {
-			return nil, fmt.Errorf("migrations: read the token epoch of schema %q: %w", schema, err)
+			return nil, fmt.Errorf("migrations: read the token epoch of schema %q: %w", schema, hint.Wrap(err, schema, hint.Role(pool)))
 		}
 		rep.Epoch = e
 	}
@@ -222,12 +235,21 @@ type state struct {
 func inspect(ctx context.Context, q Querier, schema string) (state, error) {
 	st := state{applied: map[int64]time.Time{}}
 	var table *string
-	err := q.QueryRow(ctx, `SELECT CASE WHEN $1 = '' THEN current_schema() IS NOT NULL
-            ELSE EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1) END,
-       CASE WHEN $1 = '' THEN to_regclass($2)
-            ELSE to_regclass(format('%I.%I', $1::text, $2::text)) END::text`, schema, VersionTable).Scan(&st.schemaExists, &table)
+	var (
+		usable bool
+		role   string
+	)
+	// to_regclass needs USAGE on the schema: without it, the version
+	// table would look missing, and the schema "not migrated".
+	err := q.QueryRow(ctx, `SELECT n.oid IS NOT NULL, coalesce(has_schema_privilege(n.oid, 'USAGE'), false), current_user,
+       CASE WHEN has_schema_privilege(n.oid, 'USAGE') THEN to_regclass(format('%I.%I', $1::text, $2::text))::text END
+  FROM (SELECT) AS one LEFT JOIN pg_namespace n ON n.nspname = $1`, schema, VersionTable).Scan(&st.schemaExists, &usable, &role, &table)
 	if err != nil {
-		return st, fmt.Errorf("migrations: read the state of schema %q: %w", schema, err)
+		return st, fmt.Errorf("migrations: read the state of schema %q: %w", schema, hint.Wrap(err, schema, ""))
+	}
+	if st.schemaExists && !usable {
+		denied := &pgconn.PgError{Severity: "ERROR", Code: hint.CodeNoPrivilege, Message: "permission denied for schema " + schema}
+		return st, fmt.Errorf("migrations: read the state of schema %q: %w", schema, hint.Wrap(denied, schema, role))
 	}
 	if table == nil {
 		return st, nil
@@ -235,7 +257,7 @@ func inspect(ctx context.Context, q Querier, schema string) (state, error) {
 	rows, err := q.Query(ctx, `SELECT version_id, max(tstamp) FROM `+ident.Table(schema, VersionTable)+
 		` WHERE is_applied AND version_id > 0 GROUP BY version_id`)
 	if err != nil {
-		return st, fmt.Errorf("migrations: read the version of schema %q: %w", schema, err)
+		return st, fmt.Errorf("migrations: read the version of schema %q: %w", schema, hint.Wrap(err, schema, role))
 	}
 	defer rows.Close()
 	for rows.Next() {
@@ -258,7 +280,7 @@ var ErrNotMigrated = errors.New("migrations: schema not migrated")
 // NotMigratedError says that a schema lacks pgfence's objects, or holds an
 // older version of them than this pgfence needs. It matches ErrNotMigrated.
 type NotMigratedError struct {
-	// Schema is the schema looked at ("" = the search_path).
+	// Schema is the schema looked at.
 	Schema string
 	// SchemaExists is false when the schema does not exist at all.
 	SchemaExists bool
@@ -271,9 +293,9 @@ type NotMigratedError struct {
 // Error says what was found and what to run.
 func (e *NotMigratedError) Error() string {
 	where := "schema " + strconv.Quote(e.Schema)
-	flag := " --schema " + shellQuote(e.Schema)
-	if e.Schema == "" {
-		where, flag = "the search_path", ""
+	flag := " --schema " + ident.ShellQuote(e.Schema)
+	if e.Schema == DefaultSchema {
+		flag = ""
 	}
 	var found string
 	switch {
@@ -290,14 +312,15 @@ func (e *NotMigratedError) Error() string {
 // Is makes errors.Is(err, ErrNotMigrated) true.
 func (e *NotMigratedError) Is(target error) bool { return target == ErrNotMigrated }
 
-// Verify checks, without writing anything, that schema ("" = search_path)
-// holds pgfence's objects at version Latest or newer. It returns a
+// Verify checks, without writing anything, that schema ("" means
+// DefaultSchema) holds pgfence's objects at version Latest or newer. It returns a
 // *NotMigratedError when it does not, and the database error when it cannot
 // tell (for instance, the role may not read the schema).
 func Verify(ctx context.Context, q Querier, schema string) error {
 	if err := ident.ValidateSchema(schema); err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
+	schema = ident.Schema(schema)
 	st, err := inspect(ctx, q, schema)
 	if err != nil {
 		return err
@@ -306,15 +329,6 @@ func Verify(ctx context.Context, q Querier, schema string) error {
 		return &NotMigratedError{Schema: schema, SchemaExists: st.schemaExists, Found: st.current, Required: Latest}
 	}
 	return nil
-}
-
-func shellQuote(s string) string {
-	if s != "" && strings.IndexFunc(s, func(r rune) bool {
-		return !(r == '_' || r == '-' || r == '.' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9')
-	}) < 0 {
-		return s
-	}
-	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // sources lists the embedded migrations by version.
@@ -343,7 +357,7 @@ func mustSources() []MigrationStatus {
 }
 
 // NewProvider returns a goose Provider for pgfence's migrations in schema
-// ("" = the pool's search_path), for callers that need goose's full API
+// ("" means DefaultSchema), for callers that need goose's full API
 // (down, redo, status by version). It is what Up uses: pgfence's version
 // table, no global registry, and the same advisory lock as Up (derived from
 // the schema), so it excludes concurrent Up calls on that schema. It opens
@@ -357,10 +371,9 @@ func NewProvider(pool *pgxpool.Pool, schema string) (*goose.Provider, error) {
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("migrations: %w", err)
 	}
+	schema = ident.Schema(schema)
 	cfg := pool.Config().ConnConfig.Copy()
-	if schema != "" {
-		cfg.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
-	}
+	cfg.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
 	db := stdlib.OpenDB(*cfg)
 	db.SetMaxOpenConns(2)
 	p, err := goose.NewProvider(goose.DialectPostgres, db, FS,

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/wait"
 )
@@ -56,7 +57,7 @@ type Querier interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
-// Runs returns recent runs from the ledger in schema ("" = search_path),
+// Runs returns recent runs from the ledger in schema ("" means "pgfence"),
 // newest first: for dashboards, and for `pgfence jobs`.
 func Runs(ctx context.Context, q Querier, schema string, f RunFilter) ([]RunInfo, error) {
 	if err := ident.ValidateSchema(schema); err != nil {
@@ -70,7 +71,7 @@ func Runs(ctx context.Context, q Querier, schema string, f RunFilter) ([]RunInfo
 	}
 	rows, err := q.Query(ctx, newQueries(schema).runs, f.Job, string(f.Status), f.Limit)
 	if err != nil {
-		return nil, fmt.Errorf("runner: read the ledger: %w", err)
+		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(q)))
 	}
 	runs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (RunInfo, error) {
 		var (
@@ -82,13 +83,13 @@ func Runs(ctx context.Context, q Querier, schema string, f RunFilter) ([]RunInfo
 		return ri, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("runner: read the ledger: %w", err)
+		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(q)))
 	}
 	return runs, nil
 }
 
 // Prune deletes finished runs that started before before from the ledger in
-// schema, except the latest slot of each job and shard (a new leader
+// schema ("" means "pgfence"), except the latest slot of each job and shard (a new leader
 // resumes from it), and returns how many it deleted. Runners call it hourly
 // with Config.Retention; `pgfence jobs prune` calls it on demand.
 func Prune(ctx context.Context, q Querier, schema string, before time.Time) (int64, error) {
@@ -97,7 +98,7 @@ func Prune(ctx context.Context, q Querier, schema string, before time.Time) (int
 	}
 	tag, err := q.Exec(ctx, newQueries(schema).prune, before)
 	if err != nil {
-		return 0, fmt.Errorf("runner: prune the ledger: %w", err)
+		return 0, fmt.Errorf("runner: prune the ledger: %w", hint.Wrap(err, schema, hint.Role(q)))
 	}
 	return tag.RowsAffected(), nil
 }

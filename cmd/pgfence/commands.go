@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
@@ -24,9 +25,19 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	if fs.NArg() != 1 || (fs.Arg(0) != "up" && fs.Arg(0) != "status") {
+	switch {
+	case fs.NArg() == 0:
 		fs.Usage()
-		return fail(exitUsage, "migrate takes one argument: up or status")
+		return fail(exitUsage, "migrate needs up or status")
+	case fs.NArg() > 1:
+		fs.Usage()
+		return fail(exitUsage, "migrate takes one argument, up or status; got %d", fs.NArg())
+	case fs.Arg(0) == "down":
+		return fail(exitUsage, "migrate %q: the CLI takes up or status; it does not undo migrations: "+
+			"undoing the leases migration destroys the token history; use migrations.NewProvider for goose's down", fs.Arg(0))
+	case fs.Arg(0) != "up" && fs.Arg(0) != "status":
+		fs.Usage()
+		return fail(exitUsage, "migrate %q: want up or status", fs.Arg(0))
 	}
 	pool, err := e.connect(ctx)
 	if err != nil {
@@ -46,9 +57,6 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	where := "schema " + printable(st.Schema)
-	if st.Schema == "" {
-		where = "the search_path"
-	}
 	switch {
 	case !st.SchemaExists:
 		fmt.Fprintf(e.stdout, "%s: no such schema (not migrated; `pgfence migrate up` creates it)\n", where)
@@ -81,13 +89,13 @@ func printable(s string) string {
 
 // leaseJSON is the --json shape of one lease (stable: scripts depend on it).
 type leaseJSON struct {
-	Name             string    `json:"name"`
-	Holder           string    `json:"holder"`
-	Token            int64     `json:"token"`
-	Held             bool      `json:"held"`
-	ExpiresAt        time.Time `json:"expires_at"`
-	ExpiresInSeconds float64   `json:"expires_in_seconds"`
-	HeldForSeconds   float64   `json:"held_for_seconds"`
+	Name             string      `json:"name"`
+	Holder           string      `json:"holder"`
+	Token            fence.Token `json:"token"` // a decimal string, as everywhere
+	Held             bool        `json:"held"`
+	ExpiresAt        time.Time   `json:"expires_at"`
+	ExpiresInSeconds float64     `json:"expires_in_seconds"`
+	HeldForSeconds   float64     `json:"held_for_seconds"`
 }
 
 func (e *env) client(ctx context.Context) (*lock.Client, func(), error) {
@@ -139,7 +147,7 @@ func cmdLeases(ctx context.Context, e *env, args []string) error {
 	if asJSON {
 		out := make([]leaseJSON, 0, len(infos))
 		for _, i := range infos {
-			out = append(out, leaseJSON{Name: i.Name, Holder: i.Holder, Token: int64(i.Token), Held: i.Held,
+			out = append(out, leaseJSON{Name: i.Name, Holder: i.Holder, Token: i.Token, Held: i.Held,
 				ExpiresAt: i.ExpiresAt, ExpiresInSeconds: i.ExpiresIn.Seconds(), HeldForSeconds: i.HeldFor.Seconds()})
 		}
 		return writeJSON(e.stdout, out)
@@ -202,13 +210,18 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	if found == nil {
 		return fail(exitNoLease, "no lease named %q", name)
 	}
-	if !yes {
-		who := "nobody (free)"
+	if !found.Held {
+		why := "free"
 		if found.Holder != "" {
-			who = found.Holder
+			why = "expired: " + printable(found.Holder) + " did not renew it"
 		}
+		fmt.Fprintf(e.stdout, "lease %s is not held (%s; last token %d): nothing to release; the next holder gets token %d or greater\n",
+			strconv.Quote(name), why, found.Token, found.Token+1)
+		return nil
+	}
+	if !yes {
 		fmt.Fprintf(e.stderr, "Force-release lease %s, held by %s with token %d?\n"+
-			"The holder loses it and its writes with token %d will be refused. [y/N] ", strconv.Quote(name), printable(who), found.Token, found.Token)
+			"The holder loses it and its writes with token %d will be refused. [y/N] ", strconv.Quote(name), printable(found.Holder), found.Token, found.Token)
 		var answer string
 		_, _ = fmt.Fscanln(e.stdin, &answer)
 		if a := strings.ToLower(strings.TrimSpace(answer)); a != "y" && a != "yes" {
@@ -318,8 +331,5 @@ func (e *env) explain(err error) error {
 		return err
 	}
 	where := "schema " + strconv.Quote(e.schema)
-	if e.schema == "" {
-		where = "the search_path"
-	}
 	return fmt.Errorf("%w\n(looked in %s: choose the schema with --schema or PGFENCE_SCHEMA, or run `pgfence migrate up`)", err, where)
 }

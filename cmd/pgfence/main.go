@@ -16,6 +16,8 @@
 //	                      recent runs from the runner's ledger
 //	jobs prune --older-than D
 //	                      delete finished runs older than D (the latest slot of each job is kept)
+//	grant app|operator ROLE [--print]
+//	                      give ROLE what an application (or this CLI) needs in the schema
 //	version               print the module version and the commit it was built from
 //
 // Global flags (also accepted after the command name):
@@ -23,7 +25,7 @@
 //	--database-url URL  the database (default $DATABASE_URL, else the libpq
 //	                    variables PGHOST, PGPORT, ..., else localhost:5432)
 //	--schema NAME       schema holding pgfence's tables (default $PGFENCE_SCHEMA, else
-//	                    the connection's search_path)
+//	                    pgfence, the default of every pgfence entry point)
 //
 // Exit codes:
 //
@@ -42,14 +44,19 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/signal"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/migrations"
 )
 
 // Exit codes; see the package documentation.
@@ -82,6 +89,7 @@ func main() {
 type env struct {
 	dbURL  string
 	schema string
+	target string // the database, user and address connected to, once known
 	stdin  io.Reader
 	stdout io.Writer
 	stderr io.Writer
@@ -97,21 +105,31 @@ func (f into) Set(s string) error { *f.p = s; return nil }
 
 func (e *env) flags(fs *flag.FlagSet) {
 	fs.Var(into{&e.dbURL}, "database-url", "database `URL` (default $DATABASE_URL, else the libpq variables)")
-	fs.Var(into{&e.schema}, "schema", "`schema` holding pgfence's tables (default $PGFENCE_SCHEMA, else the search_path)")
+	fs.Var(into{&e.schema}, "schema", "`schema` holding pgfence's tables (default $PGFENCE_SCHEMA, else pgfence)")
 }
+
+// schemaName is the schema the command works in.
+func (e *env) schemaName() string { return ident.Schema(e.schema) }
 
 func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	if err := ident.ValidateSchema(e.schema); err != nil {
 		return nil, fail(exitUsage, "--schema: %v", err)
 	}
+	e.schema = ident.Schema(e.schema)
 	url := e.dbURL
 	if url == "" {
 		url = os.Getenv("DATABASE_URL")
+	}
+	if scheme, _, ok := strings.Cut(url, "://"); ok && scheme != "postgres" && scheme != "postgresql" && !strings.ContainsAny(scheme, " =") {
+		return nil, fail(exitUsage, "--database-url: scheme %q: a URL starts with postgres:// or postgresql:// "+
+			"(or give keyword/value settings: host=... dbname=...)", scheme)
 	}
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fail(exitUsage, "--database-url: %v", err)
 	}
+	cc := cfg.ConnConfig
+	e.target = fmt.Sprintf("database %q as user %q at %s", cc.Database, cc.User, net.JoinHostPort(cc.Host, strconv.Itoa(int(cc.Port))))
 	if cfg.ConnConfig.ConnectTimeout == 0 { // the URL's connect_timeout wins
 		cfg.ConnConfig.ConnectTimeout = 5 * time.Second
 	}
@@ -124,9 +142,24 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 		if pool != nil {
 			pool.Close()
 		}
-		return nil, fail(exitError, "cannot reach the database at %s:%d: %v", cfg.ConnConfig.Host, cfg.ConnConfig.Port, err)
+		return nil, fail(exitError, "cannot reach %s: %s", e.target, distinctLines(err.Error()))
 	}
 	return pool, nil
+}
+
+// distinctLines drops the lines of s that repeat an earlier one: pgx names
+// each connection attempt, and with sslmode=prefer it makes two per host
+// (TLS, then plain) that fail alike.
+func distinctLines(s string) string {
+	seen := map[string]bool{}
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if !seen[l] {
+			seen[l] = true
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }
 
 const usage = `usage: pgfence [--database-url URL] [--schema NAME] COMMAND [flags] [args]
@@ -141,6 +174,8 @@ commands:
                         recent runs from the runner's ledger
   jobs prune --older-than D
                         delete finished runs older than D
+  grant app|operator ROLE [--print]
+                        give ROLE what an application (or this CLI) needs in the schema
   version               the module version and commit this binary was built from
 
 exit codes: 0 ok, 1 error, 2 usage, 3 no such lease, 75 lease held elsewhere,
@@ -178,6 +213,8 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		err = cmdRun(ctx, e, rest)
 	case "jobs":
 		err = cmdJobs(ctx, e, rest)
+	case "grant":
+		err = cmdGrant(ctx, e, rest)
 	case "version":
 		fmt.Fprintln(stdout, version())
 		return exitOK
@@ -191,6 +228,9 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	if err == nil {
 		return exitOK
 	}
+	if e.target != "" && fromDatabase(err) {
+		err = fmt.Errorf("%w\n(connected to %s)", err, e.target)
+	}
 	var ce *cliError
 	if errors.As(err, &ce) {
 		if ce.err.Error() != "" {
@@ -200,6 +240,14 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintln(stderr, "pgfence:", err)
 	return exitError
+}
+
+// fromDatabase reports whether err is the database's answer (an error the
+// server raised, or a schema found not migrated), which depends on the
+// database and role connected to.
+func fromDatabase(err error) bool {
+	var pg *pgconn.PgError
+	return errors.As(err, &pg) || errors.Is(err, migrations.ErrNotMigrated)
 }
 
 // parse parses a command's flags, with the global ones accepted too.

@@ -2,7 +2,9 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,6 +14,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
@@ -151,7 +155,9 @@ func TestLeasesReleaseAndLoss(t *testing.T) {
 	if got := strings.Join(keys, ","); got != "expires_at,expires_in_seconds,held,held_for_seconds,holder,name,token" {
 		t.Fatalf("JSON keys = %s", got)
 	}
-	if l := leases[0]; l["name"] != "nightly" || l["token"] != 1.0 || l["holder"] == "" || l["expires_in_seconds"].(float64) <= 0 {
+	// Tokens are decimal strings in every JSON output (exact for readers
+	// that hold numbers as doubles), as in pgfence jobs --json.
+	if l := leases[0]; l["name"] != "nightly" || l["token"] != "1" || l["holder"] == "" || l["expires_in_seconds"].(float64) <= 0 {
 		t.Fatalf("lease = %v", l)
 	}
 	if out, _ := c.run("", "leases"); !strings.Contains(out, "NAME") || !strings.Contains(out, "nightly") {
@@ -200,7 +206,7 @@ func TestBadInput(t *testing.T) {
 		{[]string{"release"}, 2, "exactly one lease name"},
 		{[]string{"frobnicate"}, 2, "unknown command"},
 		{[]string{"migrate", "sideways"}, 2, "up or status"},
-		{[]string{"--database-url", "postgres://postgres@127.0.0.1:1/none?connect_timeout=2", "leases"}, 1, "cannot reach the database"},
+		{[]string{"--database-url", "postgres://postgres@127.0.0.1:1/none?connect_timeout=2", "leases"}, 1, "cannot reach database \"none\" as user \"postgres\""},
 	}
 	for _, tc := range cases {
 		cmd := c.cmd("", tc.args...)
@@ -312,5 +318,125 @@ func TestVersionNamesTheCommit(t *testing.T) {
 	}
 	if want := "commit " + strings.TrimSpace(string(head)); !strings.Contains(string(out), want) {
 		t.Fatalf("pgfence version printed %q; want it to contain %q", out, want)
+	}
+}
+
+// Mistakes a newcomer makes get a message that says what happened and what
+// to do, and the database errors name the database and user connected as.
+func TestMessagesSayWhatToDo(t *testing.T) {
+	c := newCLI(t)
+	empty := pgtest.Database(t) // no pgfence tables
+	cases := []struct {
+		name string
+		env  []string
+		args []string
+		code int
+		want []string
+		not  []string
+	}{
+		{"migrate down", nil, []string{"migrate", "down"}, 2,
+			[]string{`"down"`, "up or status"}, []string{"takes one argument"}},
+		{"not migrated", []string{"DATABASE_URL=" + empty}, []string{"leases"}, 1,
+			[]string{`schema "pgfence"`, "migrate up", `database "` + empty[strings.LastIndex(empty, "/")+1:strings.Index(empty, "?")] + `"`, `user "postgres"`}, nil},
+		{"mistyped scheme", nil, []string{"--database-url", "postgress://postgres@127.0.0.1:5432/test", "leases"}, 2,
+			[]string{`"postgress"`, "postgres://"}, []string{"failed to parse"}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cmd := c.cmd("", tc.args...)
+			if tc.env != nil {
+				cmd = exec.Command(c.bin, tc.args...)
+				cmd.Env = append(os.Environ(), append([]string{"PGFENCE_SCHEMA="}, tc.env...)...)
+			}
+			out, _ := cmd.CombinedOutput()
+			if code := cmd.ProcessState.ExitCode(); code != tc.code {
+				t.Errorf("exit %d, want %d\n%s", code, tc.code, out)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(string(out), w) {
+					t.Errorf("output lacks %q:\n%s", w, out)
+				}
+			}
+			for _, n := range tc.not {
+				if strings.Contains(string(out), n) {
+					t.Errorf("output has %q:\n%s", n, out)
+				}
+			}
+		})
+	}
+
+	t.Run("connection refused once", func(t *testing.T) {
+		out, code := c.run("", "--database-url", "postgres://postgres@127.0.0.1:1/none?connect_timeout=2", "leases")
+		if code != 1 || strings.Count(out, "connection refused") != 1 {
+			t.Fatalf("exit %d; want 1 and one \"connection refused\":\n%s", code, out)
+		}
+	})
+	t.Run("release of a free lease", func(t *testing.T) {
+		if out, code := c.run("", "run", "--lease", "free-one", "--", "true"); code != 0 {
+			t.Fatalf("run: %d %s", code, out)
+		}
+		out, code := c.run("", "release", "free-one")
+		if code != 0 || !strings.Contains(out, "not held") || strings.Contains(out, "[y/N]") || strings.Contains(out, "nobody") {
+			t.Fatalf("release of a free lease: exit %d; want 0, \"not held\" and no confirmation:\n%s", code, out)
+		}
+	})
+	t.Run("jobs json tokens", func(t *testing.T) {
+		pool := pgtest.NewPool(t, "cli-jobs-json")
+		ctx := pgtest.Context(t, time.Minute)
+		if _, err := pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{c.schema, "pgfence_runs"}.Sanitize()+
+			` (job, shard, slot, attempt, token, status, holder, started_at) VALUES ('j', 0, now(), 1, 9007199254740993, 'running', 'h', now())`); err != nil {
+			t.Fatal(err)
+		}
+		out, code := c.run("", "jobs", "--json")
+		if code != 0 || !strings.Contains(out, `"token": "9007199254740993"`) {
+			t.Fatalf("jobs --json: %d\n%s", code, out)
+		}
+	})
+}
+
+// grant app gives a role what an application needs, so that it can list and
+// take leases; before it, the role's error names that grant.
+func TestGrantApp(t *testing.T) {
+	c := newCLI(t)
+	ctx := pgtest.Context(t, time.Minute)
+	admin := pgtest.NewPool(t, "cli-grant")
+	role := "pgfence_cli_" + strings.ToLower(pgtest.UniqueName("r")[2:])
+	if _, err := admin.Exec(ctx, "CREATE ROLE "+role+" LOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), "DROP OWNED BY "+role+"; DROP ROLE "+role) })
+	as := func(args ...string) (string, int) {
+		cmd := exec.Command(c.bin, append([]string{"--schema", c.schema}, args...)...)
+		u, err := url.Parse(pgtest.URL(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		u.User = url.User(role)
+		cmd.Env = append(os.Environ(), "DATABASE_URL="+u.String())
+		out, _ := cmd.CombinedOutput()
+		return string(out), cmd.ProcessState.ExitCode()
+	}
+	if out, code := as("leases"); code != 1 || !strings.Contains(out, "grant app "+role) {
+		t.Fatalf("leases without grants: %d; want 1 and the grant to run:\n%s", code, out)
+	}
+	if out, code := c.run("", "grant", "app", role, "--print"); code != 0 || !strings.Contains(out, "GRANT USAGE ON SCHEMA") {
+		t.Fatalf("grant --print: %d\n%s", code, out)
+	}
+	if out, code := as("leases"); code != 1 {
+		t.Fatalf("grant --print granted something: leases %d\n%s", code, out)
+	}
+	if out, code := c.run("", "grant", "app", role); code != 0 {
+		t.Fatalf("grant app: %d\n%s", code, out)
+	}
+	for _, args := range [][]string{{"leases"}, {"run", "--lease", "granted", "--", "true"}, {"migrate", "status"}, {"jobs"}} {
+		if out, code := as(args...); code != 0 {
+			t.Fatalf("%v with the app grants: %d\n%s", args, code, out)
+		}
+	}
+	if out, code := c.run("", "grant", "admin", role); code != 2 || !strings.Contains(out, "app") {
+		t.Fatalf("grant admin: %d\n%s", code, out)
+	}
+	if out, code := c.run("", "grant", "app", role+"_missing"); code != 1 || !strings.Contains(out, "CREATE ROLE") {
+		t.Fatalf("grant to a missing role: %d\n%s", code, out)
 	}
 }

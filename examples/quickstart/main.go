@@ -2,7 +2,8 @@
 // "nightly-billing" (waiting while another copy holds it) and, while it holds
 // it, records charges that carry the lease's fencing token, each in a guarded
 // transaction that the database refuses once another copy has taken over.
-// Run two copies: one charges, the other waits and takes over when it ends.
+// Each charge is decided and recorded in that transaction, so however many
+// copies run, one after the other or at once, each customer is charged once.
 //
 //	DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable' go run ./examples/quickstart
 package main
@@ -45,10 +46,6 @@ func run(ctx context.Context, pool *pgxpool.Pool, schema string, out io.Writer) 
 	if _, err := migrations.Up(ctx, pool, schema); err != nil {
 		return err
 	}
-	// The protected data: each charge carries the token it was made under.
-	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS charges (customer text, token bigint)`); err != nil {
-		return err
-	}
 	client, err := lock.New(pool, lock.Config{Schema: schema})
 	if err != nil {
 		return err
@@ -61,11 +58,23 @@ func run(ctx context.Context, pool *pgxpool.Pool, schema string, out io.Writer) 
 	}
 	defer lease.Release(ctx) // frees it at once for the next copy, even once ctx is cancelled
 
+	// The protected data: one charge per customer, with the token it was
+	// made under (a real billing run would key it by customer and period).
+	// Created under the lease, so that copies starting together do not race.
+	if _, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS charges (customer text PRIMARY KEY, token bigint NOT NULL)`); err != nil {
+		return err
+	}
 	for _, customer := range []string{"alice", "bob", "carol"} {
 		// Commits only if no greater token has been issued for the lease:
-		// a copy that froze past its lease cannot charge a second time.
+		// a copy that froze past its lease cannot charge. The fence refuses
+		// stale writes; charging once comes from recording the charge in
+		// the same transaction, so a customer an earlier copy charged is
+		// not charged again.
+		var charged bool
 		err := lease.RunTx(ctx, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, `INSERT INTO charges VALUES ($1, $2)`, customer, int64(lease.Token()))
+			tag, err := tx.Exec(ctx, `INSERT INTO charges VALUES ($1, $2) ON CONFLICT (customer) DO NOTHING`,
+				customer, int64(lease.Token()))
+			charged = tag.RowsAffected() == 1
 			return err
 		})
 		if errors.Is(err, fence.ErrFenced) {
@@ -74,7 +83,11 @@ func run(ctx context.Context, pool *pgxpool.Pool, schema string, out io.Writer) 
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(out, "charged %s under token %s\n", customer, lease.Token())
+		if charged {
+			fmt.Fprintf(out, "charged %s under token %s\n", customer, lease.Token())
+		} else {
+			fmt.Fprintf(out, "%s is already charged\n", customer)
+		}
 	}
 	return nil
 }

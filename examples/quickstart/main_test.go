@@ -2,7 +2,10 @@ package main
 
 import (
 	"bufio"
+	"bytes"
+	"context"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -29,6 +32,74 @@ func TestQuickStart(t *testing.T) {
 	if strings.Count(out.String(), "charged") != 3 {
 		t.Fatalf("output:\n%s", out.String())
 	}
+}
+
+// The quick start, as README runs it (its own database, no schema named),
+// charges each customer once however many copies run, one after the other
+// or at the same time; and the CLI then finds pgfence's tables with no
+// --schema.
+func TestQuickStartChargesEachCustomerOnce(t *testing.T) {
+	bin := pgtest.Build(t, ".")
+	cli := pgtest.Build(t, "../../cmd/pgfence")
+	charges := func(url string) (n, customers int) {
+		t.Helper()
+		conn, err := pgx.Connect(pgtest.Context(t, time.Minute), url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(context.Background())
+		if err := conn.QueryRow(context.Background(), `SELECT count(*), count(DISTINCT customer) FROM charges`).Scan(&n, &customers); err != nil {
+			t.Fatal(err)
+		}
+		return n, customers
+	}
+	start := func(url string) (*exec.Cmd, *bytes.Buffer) {
+		cmd := exec.Command(bin)
+		cmd.Env = append(os.Environ(), "DATABASE_URL="+url)
+		out := &bytes.Buffer{}
+		cmd.Stdout, cmd.Stderr = out, out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		return cmd, out
+	}
+	wait := func(cmd *exec.Cmd, out *bytes.Buffer) {
+		t.Helper()
+		if err := cmd.Wait(); err != nil {
+			t.Fatalf("quickstart: %v\n%s", err, out)
+		}
+	}
+
+	t.Run("one after the other", func(t *testing.T) {
+		url := pgtest.Database(t)
+		for range 2 {
+			wait(start(url))
+		}
+		if n, c := charges(url); n != 3 || c != 3 {
+			t.Fatalf("two runs left %d charges of %d customers; want 3 of 3", n, c)
+		}
+		for _, args := range [][]string{{"leases"}, {"jobs"}, {"migrate", "status"}} {
+			cmd := exec.Command(cli, args...)
+			cmd.Env = append(os.Environ(), "DATABASE_URL="+url, "PGFENCE_SCHEMA=")
+			out, err := cmd.CombinedOutput()
+			if err != nil {
+				t.Fatalf("pgfence %s after the quick start: %v\n%s", strings.Join(args, " "), err, out)
+			}
+			if args[0] == "leases" && !strings.Contains(string(out), "nightly-billing") {
+				t.Fatalf("pgfence leases does not list the quick start's lease:\n%s", out)
+			}
+		}
+	})
+	t.Run("at the same time", func(t *testing.T) {
+		url := pgtest.Database(t)
+		a, aOut := start(url)
+		b, bOut := start(url)
+		wait(a, aOut)
+		wait(b, bOut)
+		if n, c := charges(url); n != 3 || c != 3 {
+			t.Fatalf("two copies at once left %d charges of %d customers; want 3 of 3\n%s\n%s", n, c, aOut, bOut)
+		}
+	})
 }
 
 // Issue 14.1: every Go block in README.md is code that compiles: it stands,
@@ -107,5 +178,47 @@ func TestREADMEGoBlocksAreCompiledCode(t *testing.T) {
 		if !found {
 			t.Errorf("README Go block %d is not code of this repository (copy it from, or into, a compiled file):\n%s", i+1, strings.Join(b, "\n"))
 		}
+	}
+}
+
+// Every command README gives runs as written: a `go run` of an example or of
+// the CLI names its database (DATABASE_URL on the line, or exported earlier
+// in the same block), and no argument is a synopsis placeholder ([--flag],
+// a|b) that a shell would pass on literally.
+func TestREADMECommandsRunAsWritten(t *testing.T) {
+	readme, err := os.ReadFile(filepath.Join("..", "..", "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	exported, inFence := false, false
+	checked := 0
+	for i, line := range strings.Split(string(readme), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "```") {
+			inFence = !inFence
+			continue
+		}
+		if inFence || !strings.HasPrefix(line, "    ") {
+			if strings.TrimSpace(line) != "" {
+				exported = false // a block ends at the next paragraph
+			}
+			continue
+		}
+		cmd, _, _ := strings.Cut(strings.TrimSpace(line), " #") // a trailing comment
+		if strings.HasPrefix(cmd, "export DATABASE_URL=") {
+			exported = true
+		}
+		if !strings.Contains(cmd, "go run ./examples/") && !strings.Contains(cmd, "go run ./cmd/pgfence") {
+			continue
+		}
+		checked++
+		if !exported && !strings.Contains(cmd, "DATABASE_URL=") {
+			t.Errorf("README.md:%d: %q runs on libpq's defaults: set DATABASE_URL on the line or export it above", i+1, cmd)
+		}
+		if strings.ContainsAny(cmd, "[]|") {
+			t.Errorf("README.md:%d: %q has a synopsis placeholder, not a command", i+1, cmd)
+		}
+	}
+	if checked < 3 {
+		t.Fatalf("found %d commands in README.md; the check is not reading it", checked)
 	}
 }

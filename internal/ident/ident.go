@@ -19,8 +19,22 @@ var ErrInvalid = errors.New("invalid SQL identifier")
 // the server, which would make two configured schemas collide.
 const maxLen = 63
 
+// DefaultSchema is the schema every pgfence entry point uses when none is
+// named (lock.Config, runner.Config, fence.Guard, fence.Resource, the
+// migrations and the CLI): one default, so that a program and the operator
+// CLI find the same tables without being told.
+const DefaultSchema = "pgfence"
+
+// Schema returns schema, or DefaultSchema when it is empty.
+func Schema(schema string) string {
+	if schema == "" {
+		return DefaultSchema
+	}
+	return schema
+}
+
 // ValidateSchema checks a schema name from configuration. The empty string is
-// valid and means "the connection's search_path".
+// valid and means DefaultSchema.
 func ValidateSchema(schema string) error {
 	if schema == "" {
 		return nil
@@ -40,11 +54,19 @@ func ValidateSchema(schema string) error {
 	return nil
 }
 
-// Table returns the quoted, optionally schema-qualified name of a pgfence
-// object. schema must have passed ValidateSchema.
+// Table returns the quoted, schema-qualified name of a pgfence object
+// (schema "" is DefaultSchema). schema must have passed ValidateSchema.
 func Table(schema, name string) string {
-	if schema == "" {
-		return pgx.Identifier{name}.Sanitize()
+	return pgx.Identifier{Schema(schema), name}.Sanitize()
+}
+
+// ShellQuote quotes s for a POSIX shell, for the commands pgfence's messages
+// suggest; names made of letters, digits and _-. stay as they are.
+func ShellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r == '_' || r == '-' || r == '.' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9')
+	}) < 0 {
+		return s
 	}
-	return pgx.Identifier{schema, name}.Sanitize()
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }

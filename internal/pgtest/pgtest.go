@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -163,6 +164,34 @@ func New(tb testing.TB) *DB {
 		_, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
 	})
 	return &DB{Pool: pool, Schema: schema, URL: url}
+}
+
+// Database creates an empty database of its own on the test server, for
+// tests of what happens with no schema named (pgfence's default schema), and
+// returns its URL; it is dropped, with any connections left, when the test
+// ends. The test server's role needs CREATEDB.
+func Database(tb testing.TB) string {
+	tb.Helper()
+	name := "pgfence_test_" + strings.ToLower(randHex(6))
+	admin := NewPool(tb, "pgtest-database")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		tb.Fatalf("pgtest: create database %s: %v", name, err)
+	}
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := admin.Exec(ctx, "DROP DATABASE "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			tb.Errorf("pgtest: drop database %s: %v", name, err)
+		}
+	})
+	base := URL(tb)
+	if u, err := url.Parse(base); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		u.Path = "/" + name
+		return u.String()
+	}
+	return base + " dbname=" + name // keyword/value form: the last dbname wins
 }
 
 // NewPool opens a pool to the test server whose connections carry
