@@ -24,7 +24,7 @@ import (
 type Config struct {
 	// TTL is how long a lease stays valid at the database after it was
 	// acquired or last renewed, judged by the database's clock.
-	// Default 15s. Must be at least 2 x RenewInterval.
+	// Default 15s. At least MinTTL (200ms) and 2 x RenewInterval.
 	TTL time.Duration
 
 	// RenewInterval is how often the client renews all the leases it holds,
@@ -98,6 +98,12 @@ type Config struct {
 	SkewWarning time.Duration
 }
 
+// MinTTL is the shortest TTL accepted. A lease must outlive the renewal
+// round trip that keeps it, with room for a late one: below this, a busy
+// server's commit latency or a garbage-collection pause ends the lease at
+// once, and acquisitions race their own expiry.
+const MinTTL = 200 * time.Millisecond
+
 // MinPollInterval is the smallest PollInterval accepted: below it, blocked
 // acquirers would spend the database's time polling instead of waiting for
 // the release notification.
@@ -154,8 +160,8 @@ func (c Config) validate() error {
 		return &ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
 	}
 	switch {
-	case c.TTL < time.Millisecond:
-		return bad("TTL", "must be at least 1ms, got %v", c.TTL)
+	case c.TTL < MinTTL:
+		return bad("TTL", "must be at least %v (MinTTL), got %v", MinTTL, c.TTL)
 	case c.RenewInterval <= 0:
 		return bad("RenewInterval", "must be positive, got %v", c.RenewInterval)
 	case c.SafetyMargin < 0:

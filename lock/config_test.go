@@ -58,3 +58,35 @@ func TestNewChecksTheConnectionString(t *testing.T) {
 		})
 	}
 }
+
+// Timings that cannot work are refused, naming the field: below MinTTL a
+// lease cannot outlive the renewal round trip that keeps it.
+func TestNewRefusesTimingsBelowTheFloors(t *testing.T) {
+	pool, err := pgxpool.New(context.Background(), "postgres://u@127.0.0.1:5432/db?sslmode=disable")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	for _, tc := range []struct {
+		cfg   lock.Config
+		field string
+	}{
+		{lock.Config{TTL: time.Millisecond}, "TTL"},
+		{lock.Config{TTL: lock.MinTTL - time.Millisecond}, "TTL"},
+		{lock.Config{TTL: -time.Second}, "TTL"},
+	} {
+		c, err := lock.New(pool, tc.cfg)
+		var ce *lock.ConfigError
+		if !errors.As(err, &ce) || ce.Field != tc.field {
+			t.Errorf("New(%+v) = %v; want a *ConfigError for %s", tc.cfg, err, tc.field)
+		}
+		if c != nil {
+			_ = c.Close(context.Background())
+		}
+	}
+	c, err := lock.New(pool, lock.Config{TTL: lock.MinTTL})
+	if err != nil {
+		t.Fatalf("New with TTL = MinTTL: %v", err)
+	}
+	_ = c.Close(context.Background())
+}

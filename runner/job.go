@@ -18,7 +18,7 @@ type Job struct {
 	Name string
 
 	// Schedule says when the job runs, in one of these forms:
-	//   "@every 10m"                     a fixed interval; slots are multiples of it since the Unix epoch
+	//   "@every 10m"                     a fixed interval (at least MinEvery, 100ms); slots are multiples of it since the Unix epoch
 	//                                    (1970-01-01 00:00 UTC), so every replica computes the same slots
 	//   "0 2 * * *"                      a standard 5-field cron expression, in UTC whatever the
 	//                                    machine's local time zone

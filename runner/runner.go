@@ -123,7 +123,8 @@ var errShutdown = errors.New("runner: shutting down")
 // clean stop.
 //
 // Run first checks that the schema is migrated (a
-// *migrations.NotMigratedError if not). A permanent database error later
+// *migrations.NotMigratedError if not); if ctx ends before that check
+// completes, Run returns nil. A permanent database error later
 // (a dropped table, revoked privileges: see package lock for the
 // classification) stops every job the same graceful way and is returned;
 // transient errors are retried.
@@ -138,6 +139,9 @@ func (r *Runner) Run(ctx context.Context) error {
 	r.mu.Unlock()
 
 	if err := r.verify(ctx); err != nil {
+		if ctx.Err() != nil {
+			return nil // stopped while starting: a clean stop, as Election.Run's
+		}
 		return err
 	}
 	if reg, err := r.m.observe(); err == nil {

@@ -476,6 +476,26 @@ func TestRunEndsOnPermanentErrors(t *testing.T) {
 	}
 }
 
+// A service stopped while it starts (its context cancelled before or while
+// Run checks the schema) gets nil from Run, as from any clean stop, not the
+// cancellation dressed up as a migration error.
+func TestRunWithACancelledContextReturnsNil(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	r, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: quiet}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Register(runner.Job{Name: "j", Schedule: "@every 1s", Run: func(context.Context, *runner.Run) error { return nil }}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := r.Run(ctx); err != nil {
+		t.Fatalf("Run with a cancelled context: %v, want nil", err)
+	}
+}
+
 // Issue 10.13: one token type; 10.8: runner.ErrFenced is fenced.
 func TestEventTokenType(t *testing.T) {
 	var tok fence.Token = runner.Event{Token: 3}.Token

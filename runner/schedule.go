@@ -14,6 +14,11 @@ type Schedule interface {
 	Next(t time.Time) time.Time
 }
 
+// MinEvery is the shortest @every interval accepted: each slot takes a
+// lease and writes the ledger, and below this the bookkeeping of one slot
+// outlasts the slot.
+const MinEvery = 100 * time.Millisecond
+
 // every is an interval schedule aligned to the Unix epoch.
 type every time.Duration
 
@@ -75,8 +80,8 @@ func ParseSchedule(s string) (sched Schedule, err error) {
 		switch {
 		case err != nil || d <= 0:
 			return nil, bad("want @every and a positive duration such as 10m")
-		case d < time.Millisecond:
-			return nil, bad("the interval must be at least 1ms")
+		case d < MinEvery:
+			return nil, bad("the interval must be at least %v (MinEvery)", MinEvery)
 		}
 		return every(d), nil
 	}

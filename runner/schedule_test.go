@@ -50,7 +50,7 @@ func TestBadSchedulesAreErrors(t *testing.T) {
 	for _, spec := range []string{
 		"TZ=", "CRON_TZ=", "CRON_TZ=UTC", "CRON_TZ=Europe/Paris", "TZ=Mars/Olympus 0 2 * * *",
 		"CRON_TZ=Local 0 2 * * *", "CRON_TZ=UTC TZ=UTC 0 2 * * *", "0 0 30 2 *", "0 0 31 4 *",
-		"61 * * * *", "* * * *", "@every", "@every 0s", "@every -1m", "@every 1ns", "@fortnightly", "",
+		"61 * * * *", "* * * *", "@every", "@every 0s", "@every -1m", "@every 1ns", "@every 1ms", "@every 99ms", "@fortnightly", "",
 	} {
 		s, err := ParseSchedule(spec)
 		if err == nil || !errors.Is(err, ErrInvalidSchedule) || s != nil {

@@ -203,6 +203,7 @@ func TestBadInput(t *testing.T) {
 		{[]string{"run", "--", "true"}, 2, "--lease is required"},
 		{[]string{"run", "--lease", "x", "--ttl", "soon", "--", "true"}, 2, "invalid value"},
 		{[]string{"run", "--lease", "x", "--ttl", "-1s", "--", "true"}, 2, "--ttl must be positive"},
+		{[]string{"run", "--lease", "x", "--ttl", "1ms", "--", "true"}, 2, "TTL: must be at least"},
 		{[]string{"release"}, 2, "exactly one lease name"},
 		{[]string{"frobnicate"}, 2, "unknown command"},
 		{[]string{"migrate", "sideways"}, 2, "up or status"},
