@@ -347,6 +347,53 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 }
 
 // Acceptance 6: the schema refuses a token decrease, deletes and truncation.
+// Only the INSERT that just drew a token from the sequence may use it: a
+// session that acquired a lease (currval stays set for the whole session,
+// as on a pooled connection) cannot insert a row reusing that token, or
+// reusing one that an earlier row of the same INSERT drew; an INSERT that
+// lets the column draw its token is accepted, on that same session.
+func TestInsertCannotReuseTheSessionsLastToken(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	tbl := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
+	c := newClient(t, db, lock.Config{})
+	l, err := c.TryAcquire(ctx, "held")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = l.Release(ctx)
+	conn, err := pgx.Connect(ctx, db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	var drawn int64 // this session acquires "held", as the library does
+	if err := conn.QueryRow(ctx, "UPDATE "+tbl+" SET token = DEFAULT, holder = 'h', secret = 'x' WHERE name = 'held' RETURNING token").Scan(&drawn); err != nil {
+		t.Fatal(err)
+	}
+	for _, stmt := range []string{
+		fmt.Sprintf("INSERT INTO %s (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE VALUES ('reuse', %d, now(), now(), now())", tbl, drawn),
+		// The first row draws a token; the second reuses it.
+		"INSERT INTO " + tbl + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE" +
+			" SELECT 'row' || i, CASE i WHEN 1 THEN nextval(pg_get_serial_sequence('" + tbl + "', 'token'))" +
+			" ELSE currval(pg_get_serial_sequence('" + tbl + "', 'token')) END, now(), now(), now() FROM generate_series(1, 2) i",
+	} {
+		_, err := conn.Exec(ctx, stmt)
+		var pg *pgconn.PgError
+		if !errors.As(err, &pg) || pg.Code != "PF010" {
+			t.Errorf("%s: %v; want PF010", stmt, err)
+		}
+	}
+	var fresh int64
+	if err := conn.QueryRow(ctx, "INSERT INTO "+tbl+" (name, acquired_at, renewed_at, expires_at) VALUES ('fresh', now(), now(), now()) RETURNING token").Scan(&fresh); err != nil || fresh <= drawn {
+		t.Fatalf("INSERT drawing its own token on the same session: %d, %v; want a token above %d", fresh, err, drawn)
+	}
+	if _, err := conn.Exec(ctx, "INSERT INTO "+tbl+" (name, acquired_at, renewed_at, expires_at) SELECT 'many' || i, now(), now(), now() FROM generate_series(1, 3) i"); err != nil {
+		t.Fatalf("a multi-row INSERT drawing its tokens: %v", err)
+	}
+}
+
 // The token is an identity column, so an UPDATE can only draw the next value
 // of its sequence; an INSERT that overrides it with a value the sequence has
 // not issued yet is refused by a trigger; renaming a row is allowed but cannot

@@ -94,16 +94,19 @@ CREATE FUNCTION pgfence.pgfence_leases_check_insert() RETURNS trigger
     AS $$
 DECLARE
     fresh bigint;
+    mark  text := current_setting('pgfence.insert_mark', true);
 BEGIN
     BEGIN
         fresh := currval(pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
     EXCEPTION WHEN object_not_in_prerequisite_state THEN
         fresh := NULL; -- the sequence issued nothing in this session
     END;
-    IF NEW.token IS DISTINCT FROM fresh THEN
+    IF NEW.token IS DISTINCT FROM fresh OR mark IS NULL OR split_part(mark, ':', 1) <> TG_RELID::text
+       OR split_part(mark, ':', 2) = NEW.token::text THEN
         RAISE EXCEPTION 'pgfence: token % of lease % was not just issued by the token sequence', NEW.token, NEW.name
             USING ERRCODE = 'PF010';
     END IF;
+    PERFORM set_config('pgfence.insert_mark', TG_RELID::text || ':' || NEW.token::text, true);
     IF octet_length(NEW.name) NOT BETWEEN 1 AND 255 THEN
         RAISE EXCEPTION 'pgfence: a lease name must be 1 to 255 bytes long'
             USING ERRCODE = '23514';
@@ -113,6 +116,23 @@ BEGIN
             USING ERRCODE = '23514';
     END IF;
     RETURN NEW;
+END
+$$;
+
+CREATE FUNCTION pgfence.pgfence_leases_mark_insert() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+DECLARE
+    last bigint;
+BEGIN
+    BEGIN
+        last := currval(pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
+    EXCEPTION WHEN object_not_in_prerequisite_state THEN
+        last := NULL; -- the sequence issued nothing in this session
+    END;
+    PERFORM set_config('pgfence.insert_mark', TG_RELID::text || ':' || coalesce(last::text, ''), true);
+    RETURN NULL;
 END
 $$;
 
@@ -319,6 +339,8 @@ CREATE TRIGGER pgfence_fences_protect_truncate BEFORE TRUNCATE ON pgfence.pgfenc
 CREATE TRIGGER pgfence_fences_protect_update BEFORE UPDATE ON pgfence.pgfence_fences FOR EACH ROW WHEN (((new.token < old.token) OR (new.resource IS DISTINCT FROM old.resource))) EXECUTE FUNCTION pgfence.pgfence_fences_protect();
 
 CREATE TRIGGER pgfence_leases_check_insert BEFORE INSERT ON pgfence.pgfence_leases FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_leases_check_insert();
+
+CREATE TRIGGER pgfence_leases_mark_insert BEFORE INSERT ON pgfence.pgfence_leases FOR EACH STATEMENT EXECUTE FUNCTION pgfence.pgfence_leases_mark_insert();
 
 CREATE TRIGGER pgfence_leases_protect_delete BEFORE DELETE ON pgfence.pgfence_leases FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_leases_protect();
 

@@ -50,26 +50,52 @@ CREATE TRIGGER pgfence_leases_protect_truncate BEFORE TRUNCATE ON pgfence_leases
 
 -- A name's first acquisition inserts its row, with token = DEFAULT (a fresh
 -- nextval). An INSERT can override the token (OVERRIDING SYSTEM VALUE):
--- refuse any token other than the one the sequence just issued to this
--- session, so no INSERT can reuse a token already issued (later
--- acquisitions would go below it, or two holders would share it). SECURITY
--- DEFINER: currval needs a privilege on the sequence that the application
--- role need not have; it runs only on a name's first acquisition.
+-- refuse any token other than the one the sequence just issued to this row,
+-- so no INSERT can reuse a token already issued (later acquisitions would go
+-- below it, or two holders would share it). "Just issued" is currval, but
+-- currval stays set for the whole session: a pooled session that once
+-- acquired would pass it with its last token. So a statement trigger notes
+-- currval before the INSERT's rows are formed (pgfence.insert_mark, local to
+-- the transaction), and a row's token must differ from the noted one: drawn
+-- during this statement, for this row (each accepted row moves the mark).
+-- SECURITY DEFINER: currval needs a privilege on the sequence that the
+-- application role need not have; both run only on a name's first
+-- acquisition, off the hot path.
+-- +goose StatementBegin
+CREATE FUNCTION pgfence_leases_mark_insert() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    last bigint;
+BEGIN
+    BEGIN
+        last := currval(pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
+    EXCEPTION WHEN object_not_in_prerequisite_state THEN
+        last := NULL; -- the sequence issued nothing in this session
+    END;
+    PERFORM set_config('pgfence.insert_mark', TG_RELID::text || ':' || coalesce(last::text, ''), true);
+    RETURN NULL;
+END
+$$;
+-- +goose StatementEnd
+
 -- +goose StatementBegin
 CREATE FUNCTION pgfence_leases_check_insert() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     fresh bigint;
+    mark  text := current_setting('pgfence.insert_mark', true);
 BEGIN
     BEGIN
         fresh := currval(pg_get_serial_sequence(format('%I.%I', TG_TABLE_SCHEMA, TG_TABLE_NAME), 'token'));
     EXCEPTION WHEN object_not_in_prerequisite_state THEN
         fresh := NULL; -- the sequence issued nothing in this session
     END;
-    IF NEW.token IS DISTINCT FROM fresh THEN
+    IF NEW.token IS DISTINCT FROM fresh OR mark IS NULL OR split_part(mark, ':', 1) <> TG_RELID::text
+       OR split_part(mark, ':', 2) = NEW.token::text THEN
         RAISE EXCEPTION 'pgfence: token % of lease % was not just issued by the token sequence', NEW.token, NEW.name
             USING ERRCODE = 'PF010';
     END IF;
+    PERFORM set_config('pgfence.insert_mark', TG_RELID::text || ':' || NEW.token::text, true);
     IF octet_length(NEW.name) NOT BETWEEN 1 AND 255 THEN
         RAISE EXCEPTION 'pgfence: a lease name must be 1 to 255 bytes long'
             USING ERRCODE = '23514';
@@ -83,6 +109,8 @@ END
 $$;
 -- +goose StatementEnd
 
+CREATE TRIGGER pgfence_leases_mark_insert BEFORE INSERT ON pgfence_leases
+    FOR EACH STATEMENT EXECUTE FUNCTION pgfence_leases_mark_insert();
 CREATE TRIGGER pgfence_leases_check_insert BEFORE INSERT ON pgfence_leases
     FOR EACH ROW EXECUTE FUNCTION pgfence_leases_check_insert();
 
@@ -296,4 +324,5 @@ DROP TABLE pgfence_epoch;
 DROP FUNCTION pgfence_timeline();
 DROP TABLE pgfence_leases;
 DROP FUNCTION pgfence_leases_check_insert();
+DROP FUNCTION pgfence_leases_mark_insert();
 DROP FUNCTION pgfence_leases_protect();

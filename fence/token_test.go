@@ -1,0 +1,37 @@
+package fence_test
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/runner"
+)
+
+// Tokens are decimal strings in JSON, in every exported struct that holds
+// one: exact for readers that hold numbers as doubles (2^53 + 1 is not a
+// double), and read back to the same token.
+func TestTokensAreDecimalStringsInJSON(t *testing.T) {
+	const big = fence.Token(1<<53 + 1)
+	for _, v := range []any{
+		lock.Info{Name: "n", Token: big},
+		runner.RunInfo{Job: "j", Token: big, Slot: time.Unix(0, 0).UTC()},
+		runner.Event{Job: "j", Token: big},
+		struct{ Token fence.Token }{big},
+	} {
+		b, err := json.Marshal(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(b), `"9007199254740993"`) || strings.Contains(string(b), ":9007199254740993") {
+			t.Errorf("%T in JSON: %s; want the token as the string \"9007199254740993\"", v, b)
+		}
+	}
+	var back struct{ Token fence.Token }
+	if err := json.Unmarshal([]byte(`{"Token":"9007199254740993"}`), &back); err != nil || back.Token != big {
+		t.Fatalf("read back: %v, %v", back.Token, err)
+	}
+}
