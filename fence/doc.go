@@ -55,9 +55,13 @@
 //   - Retryable tells which errors of a guarded transaction mean it did not
 //     commit and may be run again (a failover's failed connects and
 //     read-only errors among them).
-//   - RunTx returns ErrOutcomeUnknown when the connection fails during
-//     COMMIT: the write may or may not have happened. (A connection lost
-//     before COMMIT was sent is retried, like 40001 and 40P01.)
+//   - When the connection fails during COMMIT, RunTx asks the server on
+//     another connection whether the transaction committed (its id is read
+//     in the first round trip): nil if it did; if it did not, it is run
+//     again like 40001, 40P01 and a connection lost before COMMIT was sent
+//     (ErrNotCommitted if that keeps happening). ErrOutcomeUnknown (the
+//     write may or may not have happened) is left for when the server
+//     cannot be asked.
 //
 // # Errors
 //

@@ -58,6 +58,13 @@ var (
 	// during COMMIT: the transaction may or may not have committed. Read the
 	// data back before retrying anything with side effects.
 	ErrOutcomeUnknown = errors.New("fence: commit outcome unknown")
+
+	// ErrNotCommitted is returned by RunTx when the connection failed
+	// during COMMIT and the server, asked on another connection, reports
+	// that the transaction aborted: nothing it did took effect, and it may
+	// be run again (Retryable). RunTx has already run it again, up to
+	// MaxAttempts times.
+	ErrNotCommitted = errors.New("fence: the transaction did not commit")
 )
 
 // StaleTokenError says which token was presented and which one is current.
@@ -169,6 +176,9 @@ func translateCheck(err error, g Guard, tx pgx.Tx) error {
 func Retryable(err error) bool {
 	if err == nil || errors.Is(err, ErrOutcomeUnknown) || errors.Is(err, ErrFenced) {
 		return false
+	}
+	if errors.Is(err, ErrNotCommitted) {
+		return true
 	}
 	return retry.Transient(err)
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // Guard fences writes with a lease's token. Used inside a transaction, it
@@ -64,6 +65,16 @@ func (g Guard) checkSQL() string {
 	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2)"
 }
 
+// checkTxSQL is the check of a transaction RunTx runs: it also returns the
+// transaction's id (the check's row lock has assigned one) and the server's
+// timeline, so that a COMMIT whose reply is lost can be looked up on another
+// connection (resolve). The check comes first: on a standby it fails before
+// the timeline is read.
+func (g Guard) checkTxSQL() string {
+	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2), pg_current_xact_id()::text, " +
+		ident.Table(g.Schema, "pgfence_timeline") + "()"
+}
+
 // Check fences tx: it returns nil if Token is the newest token issued for the
 // lease, and from then until tx ends no takeover can commit, so tx's commit is
 // fenced. Otherwise it returns a *StaleTokenError (or ErrUnknownLease,
@@ -77,8 +88,13 @@ func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
 		return err
 	}
 	var cur int64
+	return g.check(ctx, tx, g.checkSQL(), &cur)
+}
+
+// check runs a check statement (checkSQL or checkTxSQL) into dest.
+func (g Guard) check(ctx context.Context, tx pgx.Tx, sql string, dest ...any) error {
 	start := time.Now()
-	err := tx.QueryRow(ctx, g.checkSQL(), g.Lease, int64(g.Token)).Scan(&cur)
+	err := tx.QueryRow(ctx, sql, g.Lease, int64(g.Token)).Scan(dest...)
 	m := g.metrics()
 	m.checked(ctx, start)
 	if err != nil {
@@ -120,8 +136,13 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // If the transaction provably did not commit for a passing reason (40001,
 // 40P01, or the connection lost before COMMIT was sent), the whole
 // transaction, fn included, runs again, up to MaxAttempts times: fn must not
-// have effects outside the transaction. A connection lost during COMMIT
-// returns ErrOutcomeUnknown.
+// have effects outside the transaction. When the connection is lost during
+// COMMIT, RunTx asks the server, on another connection of db, whether the
+// transaction committed (its id was read with the check): nil if it did,
+// and if it did not, the transaction runs again like the cases above (the
+// last such failure is ErrNotCommitted). ErrOutcomeUnknown is left for when
+// the server cannot be asked: db is a single connection, the server is
+// unreachable for wait.CleanupTimeout (5s), or it has failed over since.
 func (g Guard) RunTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) error {
 	if err := g.validate(); err != nil {
 		return err
@@ -163,14 +184,15 @@ func (g Guard) runOnce(ctx context.Context, db Beginner, fn func(tx pgx.Tx) erro
 	if err := gtx.ensure(ctx); err != nil {
 		return false, err
 	}
-	return true, commit(ctx, tx)
+	return true, g.commit(ctx, db, gtx)
 }
 
 // commit classifies a failed COMMIT: a server error or a request that was
-// never sent means the transaction did not commit; anything else (the
-// connection broke while COMMIT was in flight) leaves the outcome unknown.
-func commit(ctx context.Context, tx pgx.Tx) error {
-	err := tx.Commit(ctx)
+// never sent means the transaction did not commit. When the connection
+// broke while COMMIT was in flight, the server is asked on another
+// connection what became of the transaction (resolve).
+func (g Guard) commit(ctx context.Context, db Beginner, t *guardedTx) error {
+	err := t.Tx.Commit(ctx)
 	if err == nil {
 		return nil
 	}
@@ -178,7 +200,60 @@ func commit(ctx context.Context, tx pgx.Tx) error {
 	if errors.As(err, &pg) || errors.Is(err, pgx.ErrTxCommitRollback) || pgconn.SafeToRetry(err) {
 		return err
 	}
-	return fmt.Errorf("%w: %w", ErrOutcomeUnknown, err)
+	return g.resolve(ctx, db, t, err)
+}
+
+// resolvePoll is how often resolve asks again while the server still has
+// the transaction in progress (its COMMIT not yet done).
+const resolvePoll = 20 * time.Millisecond
+
+// resolve finds out from the server whether the transaction whose COMMIT
+// reply was lost (cause) committed: pg_xact_status of its id, read in the
+// first round trip, on another connection of db (a pool; a single
+// connection broke with the COMMIT, and cannot be asked). It returns nil if
+// the transaction committed, ErrNotCommitted if it aborted, and
+// ErrOutcomeUnknown when the server cannot be asked within
+// wait.CleanupTimeout, or is no longer the one the transaction ran on (its
+// timeline changed: a promoted standby's transaction ids are not the old
+// primary's).
+func (g Guard) resolve(ctx context.Context, db Beginner, t *guardedTx, cause error) error {
+	unknown := func(why string) error { return fmt.Errorf("%w: %w (%s)", ErrOutcomeUnknown, cause, why) }
+	q, ok := db.(interface {
+		QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	})
+	switch {
+	case t.xid == "":
+		return unknown("the transaction's id was not read")
+	case !ok:
+		return unknown("no other connection to ask the server on")
+	}
+	if c, isConn := db.(*pgx.Conn); isConn && c.IsClosed() {
+		return unknown("its connection is closed and there is no other to ask the server on")
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
+	defer cancel()
+	for {
+		var (
+			status   *string
+			timeline int64
+		)
+		err := q.QueryRow(ctx, "SELECT pg_xact_status($1::xid8), "+ident.Table(g.Schema, "pgfence_timeline")+"()", t.xid).Scan(&status, &timeline)
+		switch {
+		case err != nil:
+			return unknown("asking the server failed: " + err.Error())
+		case timeline != t.timeline:
+			return unknown(fmt.Sprintf("the server changed timeline (%d, then %d) before it could be asked", t.timeline, timeline))
+		case status == nil:
+			return unknown("the server no longer knows the transaction")
+		case *status == "committed":
+			return nil
+		case *status == "aborted":
+			return fmt.Errorf("%w: %w (the server reports transaction %s aborted)", ErrNotCommitted, cause, t.xid)
+		}
+		if !wait.Sleep(ctx, resolvePoll) { // "in progress": the COMMIT is not done yet
+			return unknown("the server still had the transaction in progress")
+		}
+	}
 }
 
 // retryable reports a failure that provably left nothing committed and can
@@ -190,7 +265,7 @@ func retryable(err error, committing bool) bool {
 	if errors.As(err, &pg) && (pg.Code == "40001" || pg.Code == "40P01") {
 		return true
 	}
-	return !committing && retry.ConnectionLost(err)
+	return !committing && retry.ConnectionLost(err) || errors.Is(err, ErrNotCommitted)
 }
 
 // Folded is a guard's check as an SQL expression, for a statement that

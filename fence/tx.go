@@ -23,6 +23,11 @@ type guardedTx struct {
 	g       Guard
 	checked bool
 	bound   context.Context
+
+	// The transaction's id (xid8, as text) and the server's timeline, read
+	// with the check, for resolving a lost COMMIT reply.
+	xid      string
+	timeline int64
 }
 
 // bind returns a context that ends when ctx or t.bound ends, and the
@@ -76,7 +81,11 @@ func (t *guardedTx) ensure(ctx context.Context) error {
 	if t.checked {
 		return nil
 	}
-	if err := t.g.Check(ctx, t.Tx); err != nil {
+	if err := t.g.validate(); err != nil {
+		return err
+	}
+	var cur int64
+	if err := t.g.check(ctx, t.Tx, t.g.checkTxSQL(), &cur, &t.xid, &t.timeline); err != nil {
 		return err
 	}
 	t.checked = true
@@ -87,10 +96,11 @@ func (t *guardedTx) ensure(ctx context.Context) error {
 // open batch positioned at the statement's result.
 func (t *guardedTx) pipeline(ctx context.Context, sql string, args []any) (pgx.BatchResults, error) {
 	b := &pgx.Batch{}
-	b.Queue(t.g.checkSQL(), t.g.Lease, int64(t.g.Token))
+	b.Queue(t.g.checkTxSQL(), t.g.Lease, int64(t.g.Token))
 	b.Queue(sql, args...)
 	br := t.Tx.SendBatch(ctx, b)
-	if _, err := br.Exec(); err != nil {
+	var cur int64
+	if err := br.QueryRow().Scan(&cur, &t.xid, &t.timeline); err != nil {
 		_ = br.Close()
 		return nil, translateCheck(err, t.g, t.Tx)
 	}

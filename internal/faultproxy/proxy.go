@@ -22,6 +22,10 @@ const (
 	Blackhole
 	// Reset closes every connection and refuses new ones.
 	Reset
+	// HoldReplies forwards what clients send but holds what the server
+	// answers (until the mode changes): a request that arrives and whose
+	// reply is lost on the way back.
+	HoldReplies
 )
 
 // Proxy forwards connections from Addr to a target address.
@@ -131,8 +135,8 @@ func (p *Proxy) serve(client net.Conn) {
 	defer p.forget(server)
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { defer wg.Done(); p.pipe(server, client) }()
-	go func() { defer wg.Done(); p.pipe(client, server) }()
+	go func() { defer wg.Done(); p.pipe(server, client, false) }()
+	go func() { defer wg.Done(); p.pipe(client, server, true) }()
 	wg.Wait()
 }
 
@@ -145,14 +149,14 @@ func (p *Proxy) forget(c net.Conn) {
 
 // pipe copies src to dst, holding data while blackholed and delaying it when
 // a delay is set. Either side closing ends both.
-func (p *Proxy) pipe(dst, src net.Conn) {
+func (p *Proxy) pipe(dst, src net.Conn, reply bool) {
 	defer dst.Close()
 	defer src.Close()
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
-			if !p.gate() {
+			if !p.gate(reply) {
 				return
 			}
 			p.mu.Lock()
@@ -174,11 +178,12 @@ func (p *Proxy) pipe(dst, src net.Conn) {
 	}
 }
 
-// gate blocks while the proxy is blackholed and reports whether to go on.
-func (p *Proxy) gate() bool {
+// gate blocks while the proxy holds traffic in this direction (reply: from
+// the server) and reports whether to go on.
+func (p *Proxy) gate(reply bool) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for p.mode == Blackhole && !p.done {
+	for (p.mode == Blackhole || p.mode == HoldReplies && reply) && !p.done {
 		p.cond.Wait()
 	}
 	return !p.done && p.mode != Reset
