@@ -15,7 +15,7 @@ import (
 	"github.com/pgfence/pgfence/lock"
 )
 
-// Issue 10.6: losing the lease cancels the statements under it, whatever
+// Losing the lease cancels the statements under it, whatever
 // context the function passes them, at the server too (before the fix, a
 // pg_sleep ran on after the lease ended, holding the row lock and delaying
 // the next holder by as much). Both Lease.RunTx and Guard.RunTx given the
@@ -71,7 +71,7 @@ func TestLeaseEndCancelsStatements(t *testing.T) {
 	}
 }
 
-// Issue 10.10: a pooled connection the server killed between transactions
+// A pooled connection the server killed between transactions
 // (57P01) makes the next guarded transaction fail before anything was sent
 // for it to commit: RunTx runs it again on a fresh connection.
 func TestRunTxRetriesKilledConnection(t *testing.T) {
@@ -111,7 +111,7 @@ func TestRunTxRetriesKilledConnection(t *testing.T) {
 	}
 }
 
-// Issue 10.8: one errors.Is target for "no longer the holder". A REPEATABLE
+// One errors.Is target for "no longer the holder". A REPEATABLE
 // READ transaction whose snapshot predates a takeover fails the check with a
 // serialization failure (40001), not with the stale-token error: it is
 // reported as a *SnapshotError that matches fence.ErrFenced, and RunTx's
@@ -164,7 +164,7 @@ func TestFencedTargetCoversSnapshotFailure(t *testing.T) {
 	}
 }
 
-// Issue 14.6: errors read like pgfence, not like the driver's internals
+// Errors read like pgfence, not like the driver's internals
 // ("error preprocessing batch (prepare): ..."): a guard pointed at a schema
 // without pgfence's objects says what it was doing.
 func TestErrorsSayWhatPgfenceWasDoing(t *testing.T) {

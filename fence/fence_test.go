@@ -20,7 +20,7 @@ import (
 	"github.com/pgfence/pgfence/migrations"
 )
 
-// Acceptance 1: the seed scenario. A writes with n; A's lease expires; B
+// The seed scenario. A writes with n; A's lease expires; B
 // acquires n+1 and writes; A's write with n is refused and leaves nothing.
 func TestStaleLeaderIsRefused(t *testing.T) {
 	t.Parallel()
@@ -77,8 +77,8 @@ func TestStaleLeaderIsRefused(t *testing.T) {
 	}
 }
 
-// Acceptance 1, resource fence: the same story with the data and its fence
-// in a second schema, which knows nothing of the leases table.
+// The same story with a resource fence: the data and its fence
+// live in a second schema, which knows nothing of the leases table.
 func TestStaleLeaderIsRefusedByResourceFence(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -250,7 +250,7 @@ func TestResourceConcurrentAdmissions(t *testing.T) {
 	}
 }
 
-// Acceptance 2: a refused guarded transaction leaves no trace, even when the
+// A refused guarded transaction leaves no trace, even when the
 // caller ran statements before the check and tries to commit anyway.
 func TestRefusedTransactionLeavesNoTrace(t *testing.T) {
 	t.Parallel()
@@ -323,7 +323,7 @@ func TestRefusedTransactionLeavesNoTrace(t *testing.T) {
 	}
 }
 
-// Acceptance 3: a takeover waits for an open guarded transaction (seen in
+// A takeover waits for an open guarded transaction (seen in
 // pg_locks and by time), while the holder's renewals are not blocked.
 func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
 	t.Parallel()
@@ -472,7 +472,7 @@ func TestGuardWaitsForTakeoverInFlight(t *testing.T) {
 	}
 }
 
-// Acceptance 6: bad input gets the documented errors.
+// Bad input gets the documented errors.
 func TestBadInput(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -639,7 +639,7 @@ func TestFoldedCheck(t *testing.T) {
 	if got := rows(t, db, "SELECT string_agg(v::text, ',' ORDER BY v) FROM "+tbl); got[0] != "1,3" {
 		t.Fatalf("rows = %v", got)
 	}
-	// Issue 11.10: an invalid guard is an error, not an empty expression
+	// An invalid guard is an error, not an empty expression
 	// that becomes a syntax error at run time.
 	if f, err := (fence.Guard{Lease: "fold", Token: 0}).Fold(1); !errors.Is(err, fence.ErrInvalidToken) || f.Expr != "" {
 		t.Fatalf("Fold of an invalid guard = %q, %v; want ErrInvalidToken", f.Expr, err)
@@ -663,7 +663,7 @@ func newTaker(t *testing.T, db *pgtest.DB) (*lock.Client, *pgxpool.Pool, string)
 	return c, pool, app
 }
 
-// Issue 15: writers of one term do not queue on a shared resource fence
+// Writers of one term do not queue on a shared resource fence
 // (the mark does not move, so a shared lock is enough), while raising the
 // mark still waits for every open transaction that admitted the old one,
 // and the old token is refused after it.

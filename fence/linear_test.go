@@ -86,7 +86,7 @@ func staleWriteAccepted(t *testing.T, db *pgtest.DB, check checkFn) bool {
 	return commitErr == nil && tB.Before(commitSent)
 }
 
-// Acceptance 4: the harness catches the unsafe variant, and the guard passes it.
+// The harness catches the unsafe variant, and the guard passes it.
 func TestNegativeControlPlainSelectIsCaught(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -98,7 +98,7 @@ func TestNegativeControlPlainSelectIsCaught(t *testing.T) {
 	}
 }
 
-// Acceptance 5: a concurrent history of acquisitions, guarded writes (with
+// A concurrent history of acquisitions, guarded writes (with
 // random delays past the TTL and leases expired under their holders) and reads
 // is linearizable against the fenced-register model.
 func TestFencedRegisterIsLinearizable(t *testing.T) {

@@ -19,7 +19,7 @@ import (
 	"github.com/pgfence/pgfence/migrations"
 )
 
-// Issue 10.3: a wrong or missing schema is an error, not a retry loop.
+// A wrong or missing schema is an error, not a retry loop.
 // Acquire, TryAcquire and Election.Run against a schema that does not exist,
 // one at an old version, or a role without privileges return at once with a
 // typed error that says what to run (before the fix, Acquire logged a warning
@@ -77,7 +77,7 @@ func TestPermanentErrorsEndAcquire(t *testing.T) {
 	}
 }
 
-// Issue 10.3: transient errors are retried with backoff and logged once per
+// Transient errors are retried with backoff and logged once per
 // change of state, not once per poll.
 func TestTransientErrorsLoggedOnce(t *testing.T) {
 	t.Parallel()
@@ -108,7 +108,7 @@ func TestTransientErrorsLoggedOnce(t *testing.T) {
 	}
 }
 
-// Issue 10.4: configuration is checked before it reaches SQL.
+// Configuration is checked before it reaches SQL.
 func TestConfigChecks(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.NewPool(t, "config")
@@ -130,7 +130,7 @@ func TestConfigChecks(t *testing.T) {
 	}
 }
 
-// Issue 10.7: `defer lease.Release(ctx)` works at shutdown, when ctx is
+// `defer lease.Release(ctx)` works at shutdown, when ctx is
 // already cancelled: the lease is freed at once, not after a TTL.
 func TestReleaseWithCancelledContext(t *testing.T) {
 	t.Parallel()
@@ -152,7 +152,7 @@ func TestReleaseWithCancelledContext(t *testing.T) {
 	}
 }
 
-// Issue 10.9: a cancelled acquisition leaves nothing behind. TryAcquire calls
+// A cancelled acquisition leaves nothing behind. TryAcquire calls
 // that give up on a deadline of 0-5 ms, some while their statement is in
 // flight, must not leave leases held by nobody (before the fix, about one in
 // ten did, each until its TTL ran out).
@@ -199,7 +199,7 @@ func TestCancelledAcquisitionsLeaveNothingHeld(t *testing.T) {
 	}
 }
 
-// Issue 10.11: ForceRelease waits for open guarded transactions only as long
+// ForceRelease waits for open guarded transactions only as long
 // as its context allows, and then names the sessions it waited for.
 func TestForceReleaseBoundedAndNamesBlocker(t *testing.T) {
 	t.Parallel()
@@ -244,7 +244,7 @@ func TestForceReleaseBoundedAndNamesBlocker(t *testing.T) {
 	}
 }
 
-// Issue 10.8: one errors.Is target for "no longer the holder", and 10.13:
+// One errors.Is target for "no longer the holder", and 10.13:
 // one token type and one error prefix per package.
 func TestOneTargetForFenced(t *testing.T) {
 	t.Parallel()
@@ -260,7 +260,7 @@ func TestOneTargetForFenced(t *testing.T) {
 	}
 }
 
-// Issue 11.7: renewals never starve behind the pool's other users. Every
+// Renewals never starve behind the pool's other users. Every
 // pooled connection is held (by jobs, guarded transactions, waiting
 // acquirers) for three TTLs: the lease is still renewed and stays live (on
 // main the renewal waited for a pooled connection and the lease was lost).
@@ -299,7 +299,7 @@ func TestRenewalsDoNotStarve(t *testing.T) {
 	}
 }
 
-// Issue 13.4: a clock skew past SkewWarning is logged once per crossing, not
+// A clock skew past SkewWarning is logged once per crossing, not
 // at every renewal.
 func TestSkewWarningOncePerCrossing(t *testing.T) {
 	t.Parallel()
@@ -326,9 +326,9 @@ func TestSkewWarningOncePerCrossing(t *testing.T) {
 	}
 }
 
-// Issue 15 (connection churn): blocked acquirers share the client's one
+// Connection churn: blocked acquirers share the client's one
 // listening connection, and it is kept for a while after the last waiter, so
-// a stream of handovers does not open a server connection each (on main,
+// a stream of handovers does not open a server connection each (formerly,
 // 250 handovers opened 251).
 func TestHandoversDoNotChurnConnections(t *testing.T) {
 	t.Parallel()

@@ -19,7 +19,7 @@ import (
 	"github.com/pgfence/pgfence/lock"
 )
 
-// Acceptance 1: 64 goroutines race for one free lease; exactly one wins.
+// 64 goroutines race for one free lease; exactly one wins.
 func TestRaceExactlyOneWinner(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -77,7 +77,7 @@ func TestRaceExactlyOneWinner(t *testing.T) {
 	}
 }
 
-// Acceptance 1: over 1,000 acquire/release rounds by competing clients, the
+// Over 1,000 acquire/release rounds by competing clients, the
 // tokens handed out are strictly increasing with no repeats.
 func TestTokensStrictlyIncreaseUnderContention(t *testing.T) {
 	t.Parallel()
@@ -126,7 +126,7 @@ func TestTokensStrictlyIncreaseUnderContention(t *testing.T) {
 	t.Logf("%d rounds, tokens %d..%d", rounds, tokens[0], tokens[len(tokens)-1])
 }
 
-// Acceptance 2: renewal keeps the token; release then re-acquire yields a
+// Renewal keeps the token; release then re-acquire yields a
 // greater token; a stale handle's release does nothing to the new holder.
 func TestRenewReleaseReacquire(t *testing.T) {
 	t.Parallel()
@@ -198,7 +198,7 @@ func expire(t testing.TB, db *pgtest.DB, name string) {
 	}
 }
 
-// Acceptance 3 (renewals blocked): a holder whose renewals cannot get
+// Renewals blocked: a holder whose renewals cannot get
 // through ends its lease no later than its trust deadline, and before another
 // client can acquire it.
 func TestLeaseEndsBeforeTakeoverWhenRenewalsBlocked(t *testing.T) {
@@ -268,7 +268,7 @@ func TestLeaseEndsBeforeTakeoverWhenRenewalsBlocked(t *testing.T) {
 		killed, doneAt.Sub(trustDeadline), acquiredAt.Sub(doneAt))
 }
 
-// Acceptance 4: a waiter gets the lease promptly after a release, through
+// A waiter gets the lease promptly after a release, through
 // the notification (its polling interval is far longer than the bound).
 func TestWaiterWakesOnRelease(t *testing.T) {
 	t.Parallel()
@@ -307,7 +307,7 @@ func TestWaiterWakesOnRelease(t *testing.T) {
 	}
 }
 
-// Acceptance 5: expiry is judged by the database clock. The client sends no
+// Expiry is judged by the database clock. The client sends no
 // time at all; moving the row's expiry decides who may acquire.
 func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 	t.Parallel()
@@ -346,7 +346,7 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 	waitLost(t, l, 1500*time.Millisecond, "holder kept its lease after the database expired it")
 }
 
-// Acceptance 6: the schema refuses a token decrease, deletes and truncation.
+// The schema refuses a token decrease, deletes and truncation.
 // Only the INSERT that just drew a token from the sequence may use it: a
 // session that acquired a lease (currval stays set for the whole session,
 // as on a pooled connection) cannot insert a row reusing that token, or
@@ -368,7 +368,7 @@ func TestInsertCannotReuseTheSessionsLastToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(context.Background())
-	var drawn int64 // this session acquires "held", as the library does
+	var drawn int64 // this connection acquires "held", as the library does
 	if err := conn.QueryRow(ctx, "UPDATE "+tbl+" SET token = DEFAULT, holder = 'h', secret = 'x' WHERE name = 'held' RETURNING token").Scan(&drawn); err != nil {
 		t.Fatal(err)
 	}
@@ -455,7 +455,7 @@ func TestSchemaRefusesTokenDecrease(t *testing.T) {
 	}
 }
 
-// Acceptance 7: bad input returns the documented errors, never a panic.
+// Bad input returns the documented errors, never a panic.
 func TestBadInput(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -623,7 +623,7 @@ func TestLeasesAndForceRelease(t *testing.T) {
 	}
 }
 
-// Issue 10.5: Acquire returns only live leases. An acquisition that waits
+// Acquire returns only live leases. An acquisition that waits
 // behind an open guarded transaction for longer than the whole TTL comes back
 // with its trust window over (and, before the fix, with a database expiry
 // already past: now() is the statement start, before the wait). It is
@@ -810,7 +810,7 @@ func TestAcquireAdoptsItsLostAcquisition(t *testing.T) {
 	}
 }
 
-// Issue 15: a client whose Acquires wait for many leases spends one
+// A client whose Acquires wait for many leases spends one
 // statement per poll interval on all of them (before: an UPDATE and an
 // acquisition attempt per lease per interval), and its waiters still wake
 // at once on release.

@@ -29,7 +29,7 @@ const goldenHeader = `-- pgfence's schema as migrations.Up creates it: pg_dump -
 -- and review the difference.
 `
 
-// Issue 12.2: the migrations and the golden schema agree. A migration that
+// The migrations and the golden schema agree. A migration that
 // changes the schema fails this test until testdata/schema.sql is
 // regenerated (-update) and the change reviewed.
 func TestGoldenSchema(t *testing.T) {

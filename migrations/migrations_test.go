@@ -50,7 +50,7 @@ func migrateChild(schema string) int {
 	return 0
 }
 
-// Issue 10.1: replicas that migrate at start-up all succeed. 16 goroutines,
+// Replicas that migrate at start-up all succeed. 16 goroutines,
 // then 8 processes, each against a schema that does not exist yet, all call
 // Up at once: every one ends with a nil error at the latest version (before
 // the fix, most failed with 23505 from CREATE SCHEMA IF NOT EXISTS, and
@@ -105,7 +105,7 @@ func TestConcurrentUp(t *testing.T) {
 	}
 }
 
-// Issue 10.2: looking changes nothing. Status and Verify on a mistyped
+// Looking changes nothing. Status and Verify on a mistyped
 // schema report it missing and create nothing; on an existing but empty
 // schema, "not migrated"; on an old version, what was found and what is
 // needed, with the command to run.
@@ -166,7 +166,7 @@ func TestStatusAndVerifyOnlyRead(t *testing.T) {
 	}
 }
 
-// Issue 10.4: every schema name that validation accepts can be migrated, and
+// Every schema name that validation accepts can be migrated, and
 // names the migrations could not handle are refused up front.
 func TestSchemaNames(t *testing.T) {
 	ctx := pgtest.Context(t, 2*time.Minute)
@@ -243,7 +243,7 @@ func TestUpStatusAndQuoting(t *testing.T) {
 	}
 }
 
-// Issue 12.1: undoing the leases migration does not silently destroy the
+// Undoing the leases migration does not silently destroy the
 // token history: its Down refuses (PF011) unless the migrating session opts
 // in with pgfence.allow_token_reset = 'on'.
 func TestDownKeepsTheTokenHistory(t *testing.T) {

@@ -19,9 +19,9 @@ import (
 	"github.com/pgfence/pgfence/runner"
 )
 
-// Issue 12.3: an application role with exactly the documented grants
+// An application role with exactly the documented grants
 // (migrations.GrantApp) can do everything pgfence does, and the schema
-// refuses what it promises to refuse, naming what refused it. On main, a
+// refuses what it promises to refuse, naming what refused it. Formerly, a
 // role without SELECT on the token sequence could not acquire a new name
 // (42501 from the insert trigger), an INSERT reusing an issued token was
 // accepted, and the latest run of a job could be deleted (its slot would run

@@ -34,7 +34,7 @@ func moved(a, b []string) int {
 	return n
 }
 
-// Issue 11.6: 1,024 shards over 8 instances are balanced, every instance
+// 1,024 shards over 8 instances are balanced, every instance
 // computes the same assignment whatever the order it lists the members in,
 // and a membership change moves few shards.
 func TestAssignBalancedStableAndMinimal(t *testing.T) {
@@ -77,7 +77,7 @@ func TestAssignBalancedStableAndMinimal(t *testing.T) {
 		}
 	}
 
-	// On main, shard s went to live[s mod n] for every job alike.
+	// Formerly, shard s went to live[s mod n] for every job alike.
 	zero := map[string]bool{}
 	for j := range 16 {
 		zero[owners(fmt.Sprintf("job-%d", j), 4, ms)[0]] = true

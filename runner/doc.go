@@ -37,6 +37,10 @@
 //   - Slots missed while no replica ran: only the latest runs (RunLatest), or
 //     none (Skip). Slots that pass while a long run is still going are not
 //     queued; the latest due slot runs next.
+//   - A job's very first start (no slot of it in the ledger yet) runs no
+//     past slot under either policy, not even one that has just passed: its
+//     first run is its next slot. "Missed" means missed since the job last
+//     ran.
 //
 // # Sharded jobs
 //
@@ -55,7 +59,10 @@
 // # Leases and the ledger's upkeep
 //
 // Every job and shard campaigns through lock.Election, with the lease
-// settings of Config.Lock. Runs and Prune read and trim the ledger; every
+// settings of Config.Lock. The lease of a job is named "pgfence/job/" + its
+// name, and that of a shard "pgfence/job/" + name + "/" + shard (from 0), so
+// `pgfence leases` shows who leads each job and with which token; a
+// lease's holder is the leading instance's Config.Lock.Holder. Runs and Prune read and trim the ledger; every
 // runner prunes runs older than Config.Retention hourly. A permanent
 // database error stops Run (see package lock for which errors are
 // permanent); failed runs are logged at ERROR and fenced ones at WARN, with

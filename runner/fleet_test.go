@@ -65,12 +65,12 @@ func fleetMember() int {
 	return 0
 }
 
-// Issue 11, acceptance: two services with different sharded jobs share a
+// Two services with different sharded jobs share a
 // schema (service A: 3 processes, service B: 2); then a rolling restart of
 // A, then a SIGKILL of one of B. After each change the fleet converges
 // (every shard of both jobs runs again), and in each steady window every
 // one of the 16 shards runs; no (job, shard, slot) ever succeeds twice, and
-// the effects match the ledger one to one. On main, a quarter to half of
+// the effects match the ledger one to one. Formerly, a quarter to half of
 // such a fleet's shards never ran.
 func TestFleet(t *testing.T) {
 	db := pgtest.New(t)

@@ -82,7 +82,7 @@ func (c collected) value(name string, attrs ...attribute.KeyValue) (float64, boo
 	return total, found
 }
 
-// Issue 13: the instruments, read through the SDK after a scripted
+// The instruments, read through the SDK after a scripted
 // sequence: acquire, renew, a takeover, a stale refusal, a commit, release;
 // then runner runs that succeed, fail, and are fenced.
 func TestMetrics(t *testing.T) {

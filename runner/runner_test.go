@@ -31,7 +31,7 @@ func chargeJob(db *pgtest.DB, name, schedule string) runner.Job {
 	}}
 }
 
-// Acceptance 1: three instances, one interval job: every slot succeeds
+// Three instances, one interval job: every slot succeeds
 // exactly once, and the side effects match the ledger one to one.
 func TestEverySlotSucceedsExactlyOnce(t *testing.T) {
 	t.Parallel()
@@ -80,7 +80,7 @@ func TestEverySlotSucceedsExactlyOnce(t *testing.T) {
 	}
 }
 
-// Acceptance 2: the leader is stopped mid-run (its lease revoked while the
+// The leader is stopped mid-run (its lease revoked while the
 // run is stuck); another instance takes over within TTL + one poll interval;
 // the old run's later write and its late success are refused; the slot ends
 // with exactly one success.
@@ -184,7 +184,7 @@ func TestLeaderRevokedMidRun(t *testing.T) {
 	t.Logf("takeover %v after revocation (TTL %v, poll %v)", took, ttl, poll)
 }
 
-// Acceptance 3: graceful shutdown of the leader hands the job over within 1s
+// Graceful shutdown of the leader hands the job over within 1s
 // (the others poll every 10s, so only the release notification is fast).
 func TestGracefulShutdownHandsOver(t *testing.T) {
 	t.Parallel()
@@ -222,7 +222,7 @@ func TestGracefulShutdownHandsOver(t *testing.T) {
 	}
 }
 
-// Acceptance 5: bad registrations and configs are clear errors.
+// Bad registrations and configs are clear errors.
 func TestBadInput(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -232,9 +232,9 @@ func TestBadInput(t *testing.T) {
 	if _, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{TTL: time.Second}, RebalanceInterval: 2 * time.Second}); err == nil || !strings.Contains(err.Error(), "RebalanceInterval") {
 		t.Errorf("rebalance > TTL: %v", err)
 	}
-	// Issue 10.4: every config error names its own field and matches
+	// Every config error names its own field and matches
 	// runner.ErrInvalidConfig (a negative PollInterval was reported as
-	// "TTL" on main, and lease-timing errors only matched lock's).
+	// "TTL" formerly, and lease-timing errors only matched lock's).
 	for _, c := range []struct {
 		cfg   runner.Config
 		field string
@@ -437,9 +437,9 @@ func TestJobTimeout(t *testing.T) {
 	})
 }
 
-// Issue 10.3: a runner on a schema that is missing, or whose job table is
+// A runner on a schema that is missing, or whose job table is
 // gone, returns the error instead of running nothing until it is stopped
-// (on main, Run logged a warning every poll and returned nil).
+// (formerly, Run logged a warning every poll and returned nil).
 func TestRunEndsOnPermanentErrors(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -496,7 +496,7 @@ func TestRunWithACancelledContextReturnsNil(t *testing.T) {
 	}
 }
 
-// Issue 10.13: one token type; 10.8: runner.ErrFenced is fenced.
+// One token type; 10.8: runner.ErrFenced is fenced.
 func TestEventTokenType(t *testing.T) {
 	var tok fence.Token = runner.Event{Token: 3}.Token
 	if tok != 3 || !errors.Is(runner.ErrFenced, fence.ErrFenced) {
@@ -504,7 +504,7 @@ func TestEventTokenType(t *testing.T) {
 	}
 }
 
-// Issue 11.8 and 11.11: the ledger has a read API, and rows that are not
+// The ledger has a read API, and rows that are not
 // needed go away: Prune deletes old finished runs but keeps each job's
 // latest slot and anything running; heartbeats delete instance rows dead
 // for an hour.
@@ -555,7 +555,7 @@ func TestLedgerReadAndPrune(t *testing.T) {
 	in.stop(t)
 }
 
-// Issue 11.12: failures are visible in the log: a failed run at ERROR, a
+// Failures are visible in the log: a failed run at ERROR, a
 // fenced one at WARN, with job, shard, slot, attempt and token.
 func TestFailuresAreLogged(t *testing.T) {
 	t.Parallel()

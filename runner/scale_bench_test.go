@@ -16,7 +16,7 @@ import (
 	"github.com/pgfence/pgfence/runner"
 )
 
-// BenchmarkShardFleet measures a fleet at scale (issue 11.6-7): 8 instances
+// BenchmarkShardFleet measures a fleet at scale: 8 instances
 // in one process start together with 1,024 shards of one job and 5-connection
 // pools, default timings (TTL 15s, RebalanceInterval 5s, PollInterval 1s).
 // It reports the acquisitions per shard until every shard has run, leases

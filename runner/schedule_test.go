@@ -9,7 +9,7 @@ import (
 	"time"
 )
 
-// Issue 11.1: cron is UTC unless it names a zone, whatever time.Local is.
+// Cron is UTC unless it names a zone, whatever time.Local is.
 // The test runs itself again with TZ=America/New_York (time.Local is read
 // from TZ when a process starts).
 func TestCronIsUTCWhateverTheLocalZone(t *testing.T) {
@@ -44,7 +44,7 @@ func TestCronIsUTCWhateverTheLocalZone(t *testing.T) {
 	}
 }
 
-// Issue 11.2: no schedule can crash or spin the process: malformed and
+// No schedule can crash or spin the process: malformed and
 // never-firing schedules are errors.
 func TestBadSchedulesAreErrors(t *testing.T) {
 	for _, spec := range []string{
@@ -59,8 +59,8 @@ func TestBadSchedulesAreErrors(t *testing.T) {
 	}
 }
 
-// Issue 11.3: @every slots are multiples of the interval since the Unix
-// epoch (on main they were truncated from year 1: a weekly slot began on a
+// @every slots are multiples of the interval since the Unix
+// epoch (formerly they were truncated from year 1: a weekly slot began on a
 // Monday, not on the epoch's Thursday).
 func TestEveryIsAlignedToTheUnixEpoch(t *testing.T) {
 	for _, c := range []struct {
@@ -90,7 +90,7 @@ func TestEveryIsAlignedToTheUnixEpoch(t *testing.T) {
 	}
 }
 
-// Issue 11.4: constant backoff stays; capped exponential backoff with
+// Constant backoff stays; capped exponential backoff with
 // jitter is available.
 func TestRetryWaits(t *testing.T) {
 	constant := Retry{Backoff: time.Second}

@@ -41,7 +41,7 @@ func proxiedPool(t *testing.T, app string) (*pgxpool.Pool, *faultproxy.Proxy) {
 	return pool, p
 }
 
-// Acceptance 4: 64 shards over 4 instances, 16 each; one joins late and one
+// 64 shards over 4 instances, 16 each; one joins late and one
 // is killed; the others absorb its shards within TTL + one rebalance
 // interval; no shard ever runs on two instances at once. (Over 3 instances
 // the bounded-load assignment gives at most 22 each.)
@@ -171,9 +171,9 @@ func TestShardsSpreadAndRebalance(t *testing.T) {
 	}
 }
 
-// Issue 11.5: every shard runs, whoever else shares the schema. Service A
+// Every shard runs, whoever else shares the schema. Service A
 // runs a 4-shard job on 2 replicas, service B a different 4-shard job on 1
-// replica, in one schema. On main, shards went to live[s mod n] over all
+// replica, in one schema. Formerly, shards went to live[s mod n] over all
 // three instances whatever they had registered: job A ran shards 0, 1, 3
 // and job B only shard 2. Now each job's shards are spread over the
 // instances that registered it, and every shard of both jobs runs.
@@ -210,8 +210,8 @@ func TestTwoServicesShareASchema(t *testing.T) {
 	}
 }
 
-// Issue 11.7: a graceful leave hands its shards over at once, not after the
-// others' next heartbeat (on main: up to RebalanceInterval, 5 s by default,
+// A graceful leave hands its shards over at once, not after the
+// others' next heartbeat (formerly: up to RebalanceInterval, 5 s by default,
 // with the shards unowned). Here RebalanceInterval is 10 s; the survivor
 // holds every shard within a second of the other's Run returning.
 func TestGracefulLeaveHandsOverAtOnce(t *testing.T) {
@@ -239,7 +239,7 @@ func TestGracefulLeaveHandsOverAtOnce(t *testing.T) {
 	t.Logf("graceful leave handed over in %v (RebalanceInterval 10s)", time.Since(left))
 }
 
-// Issue 11.7: heartbeats never starve behind the pool's other users: with
+// Heartbeats never starve behind the pool's other users: with
 // every pooled connection held for three TTLs, the instance's liveness row
 // stays live.
 func TestHeartbeatsDoNotStarve(t *testing.T) {

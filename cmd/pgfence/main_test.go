@@ -59,7 +59,7 @@ func (c *cli) run(stdin string, args ...string) (string, int) {
 	return string(out), cmd.ProcessState.ExitCode()
 }
 
-// Acceptance 3: two concurrent invocations run the child one at a time, each
+// Two concurrent invocations run the child one at a time, each
 // with its own token.
 func TestRunOneAtATime(t *testing.T) {
 	c := newCLI(t)
@@ -92,7 +92,7 @@ func TestRunOneAtATime(t *testing.T) {
 	}
 }
 
-// Acceptance 3: the child sees its token and lease; exit codes pass through;
+// The child sees its token and lease; exit codes pass through;
 // a held lease without --wait exits 75.
 func TestRunEnvExitCodesAndHeld(t *testing.T) {
 	c := newCLI(t)
@@ -130,7 +130,7 @@ func waitHeld(t *testing.T, c *cli, name string) {
 	t.Fatalf("lease %s never held", name)
 }
 
-// Acceptance 3 and 4: leases --json, release with and without confirmation;
+// Leases --json, release with and without confirmation;
 // a force-released holder's command is terminated and pgfence exits 76.
 func TestLeasesReleaseAndLoss(t *testing.T) {
 	c := newCLI(t)
@@ -191,7 +191,7 @@ func TestLeasesReleaseAndLoss(t *testing.T) {
 	}
 }
 
-// Acceptance 5: bad input gets a message on stderr and a documented code.
+// Bad input gets a message on stderr and a documented code.
 func TestBadInput(t *testing.T) {
 	c := newCLI(t)
 	cases := []struct {
@@ -220,11 +220,11 @@ func TestBadInput(t *testing.T) {
 	}
 }
 
-// Issue 10.12: names and holders are printed with their control characters
+// Names and holders are printed with their control characters
 // escaped: a lease name with a newline cannot forge a line in the table.
-// Issue 10.11: release waits behind an open guarded transaction only for
+// Release waits behind an open guarded transaction only for
 // --timeout, and names the session that holds it up.
-// Issue 10.2: migrate status on a mistyped schema says so and creates nothing.
+// Migrate status on a mistyped schema says so and creates nothing.
 func TestOperatorSafety(t *testing.T) {
 	c := newCLI(t)
 	ctx := pgtest.Context(t, time.Minute)
@@ -275,7 +275,7 @@ func TestOperatorSafety(t *testing.T) {
 	}
 }
 
-// Issue 14.5: the CLI and the library agree on the schema: PGFENCE_SCHEMA
+// The CLI and the library agree on the schema: PGFENCE_SCHEMA
 // chooses it, and a missing table says which schema was searched and how
 // to choose another.
 func TestSchemaFromEnvironment(t *testing.T) {

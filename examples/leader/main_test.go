@@ -111,8 +111,8 @@ func TestLeaderFindsItsDatabase(t *testing.T) {
 	}
 }
 
-// Issue 14.3: the example is copyable: main.go alone, in a module of its own
-// that requires pgfence (replaced by this checkout), builds. (On main it
+// The example is copyable: main.go alone, in a module of its own
+// that requires pgfence (replaced by this checkout), builds. (Formerly it
 // imported pgfence/internal/devdb: "use of internal package not allowed".)
 func TestCopiesIntoItsOwnModule(t *testing.T) {
 	root, err := filepath.Abs(filepath.Join("..", ".."))

@@ -102,7 +102,7 @@ func TestQuickStartChargesEachCustomerOnce(t *testing.T) {
 	})
 }
 
-// Issue 14.1: every Go block in README.md is code that compiles: it stands,
+// Every Go block in README.md is code that compiles: it stands,
 // line for line (indentation aside), in a Go file of this repository that
 // the build or the tests compile. So README's code cannot rot.
 func TestREADMEGoBlocksAreCompiledCode(t *testing.T) {
