@@ -755,8 +755,8 @@ func waitLockWait(t *testing.T, db *pgtest.DB, pool *pgxpool.Pool) {
 	t.Fatal("the raising transaction never waited for a lock")
 }
 
-// With no schema named anywhere, the migrations, the lease client and a
-// Guard built by hand all use the default schema "pgfence"; a Guard pointed
+// A Guard built by hand with no Schema uses the default schema, "pgfence",
+// where the quick start puts pgfence's tables; a Guard pointed
 // at a schema without pgfence's functions says which schema it looked in.
 func TestGuardWithoutSchemaUsesTheDefault(t *testing.T) {
 	ctx := pgtest.Context(t, time.Minute)
@@ -765,10 +765,10 @@ func TestGuardWithoutSchemaUsesTheDefault(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	if _, err := migrations.Up(ctx, pool, ""); err != nil {
+	if _, err := migrations.Up(ctx, pool, "pgfence"); err != nil { // as the quick start does
 		t.Fatal(err)
 	}
-	lc, err := lock.New(pool, lock.Config{Logger: pgtest.Quiet})
+	lc, err := lock.New(pool, lock.Config{Schema: "pgfence", Logger: pgtest.Quiet})
 	if err != nil {
 		t.Fatal(err)
 	}

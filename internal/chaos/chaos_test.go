@@ -52,9 +52,9 @@ func TestFaultSuite(t *testing.T) {
 	case len(r.crashTokens) == 0:
 		t.Error("no lease was acquired both before and after a crash: the crash check saw nothing")
 	}
-	if r.staleAccepted != 0 || r.regressions != 0 || r.crashRegressions != 0 || r.duplicates != 0 || r.lost != 0 || r.phantoms != 0 {
-		t.Errorf("violations: stale_accepted=%d regressions=%d crash_regressions=%d duplicates=%d lost=%d phantom_acquisitions=%d",
-			r.staleAccepted, r.regressions, r.crashRegressions, r.duplicates, r.lost, r.phantoms)
+	if r.staleAccepted != 0 || r.failedApplied != 0 || r.regressions != 0 || r.crashRegressions != 0 || r.duplicates != 0 || r.lost != 0 || r.phantoms != 0 {
+		t.Errorf("violations: stale_accepted=%d failed_applied=%d regressions=%d crash_regressions=%d duplicates=%d lost=%d phantom_acquisitions=%d",
+			r.staleAccepted, r.failedApplied, r.regressions, r.crashRegressions, r.duplicates, r.lost, r.phantoms)
 	}
 	if r.linearizable != porcupine.Ok {
 		t.Errorf("history is not linearizable (%v)", r.linearizable)

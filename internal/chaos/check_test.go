@@ -18,6 +18,7 @@ import (
 type result struct {
 	attempted, accepted, staleRefused, unknown int
 	staleAccepted                              int
+	failed, failedApplied                      int // writes RunTx reported not committed, and those that were
 	regressions                                int
 	phantoms                                   int // tokens issued to a worker that no attempt of it explains
 	lostReplies                                int // acquisitions whose reply was lost inside a blocking Acquire
@@ -29,9 +30,9 @@ type result struct {
 
 func (s *suite) summary(r result) string {
 	lin := map[porcupine.CheckResult]string{porcupine.Ok: "yes", porcupine.Illegal: "NO", porcupine.Unknown: "unknown (timeout)"}[r.linearizable]
-	return fmt.Sprintf("faults: pauses=%d kills=%d proxy=%d clock=%d crashes=%d | writes: attempted=%d accepted=%d stale_refused=%d unknown=%d stale_accepted=%d | tokens: regressions=%d lost_replies=%d | ledger: nights=%d duplicates=%d lost=%d | linearizable=%s | seed=%d",
+	return fmt.Sprintf("faults: pauses=%d kills=%d proxy=%d clock=%d crashes=%d | writes: attempted=%d accepted=%d stale_refused=%d failed=%d unknown=%d stale_accepted=%d failed_applied=%d | tokens: regressions=%d lost_replies=%d | ledger: nights=%d duplicates=%d lost=%d | linearizable=%s | seed=%d",
 		s.f.pauses.Load(), s.f.kills.Load(), s.f.proxy.Load(), s.f.clock.Load(), s.f.crashes.Load(),
-		r.attempted, r.accepted, r.staleRefused, r.unknown, r.staleAccepted, r.regressions+r.crashRegressions, r.lostReplies,
+		r.attempted, r.accepted, r.staleRefused, r.failed, r.unknown, r.staleAccepted, r.failedApplied, r.regressions+r.crashRegressions, r.lostReplies,
 		r.slots, r.duplicates, r.lost, lin, s.cfg.seed)
 }
 
@@ -178,6 +179,12 @@ func (s *suite) check() result {
 				r.accepted++
 			case "refused":
 				r.staleRefused++
+			case "failed":
+				r.failed++
+				if applied[h.Value] {
+					r.failedApplied++
+				}
+				continue // did not commit: no effect
 			default:
 				r.unknown++
 				if !applied[h.Value] {

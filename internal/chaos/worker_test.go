@@ -41,7 +41,7 @@ type record struct {
 	Kind   string `json:"k"`   // acquire, write, read
 	Token  int64  `json:"tok"` // acquire: obtained; write: presented
 	Value  int64  `json:"val"` // write: written; read: read
-	Out    string `json:"out"` // ok, refused, unknown
+	Out    string `json:"out"` // ok, refused, failed (certainly not committed), unknown
 	Call   int64  `json:"call"`
 	Ret    int64  `json:"ret"`
 }
@@ -176,6 +176,8 @@ func write(pool *pgxpool.Pool, g fence.Guard, v int64, fenced bool, rec func(rec
 	switch {
 	case errors.Is(err, fence.ErrStaleToken):
 		out = "refused"
+	case fenced && fence.Retryable(err):
+		out = "failed" // RunTx says it did not commit: the checker holds it to that
 	case err != nil:
 		out = "unknown"
 	}
