@@ -17,8 +17,8 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
-	"github.com/pgfence/pgfence/migrations"
 )
 
 // Client acquires and renews leases. It is safe for concurrent use. A client
@@ -215,7 +215,7 @@ func (c *Client) verify(ctx context.Context) error {
 	if c.verified.Load() {
 		return nil
 	}
-	if err := migrations.Verify(ctx, c.pool, c.cfg.Schema); err != nil {
+	if err := schemaver.Verify(ctx, c.pool, c.cfg.Schema); err != nil {
 		return fmt.Errorf("lock: %w", err)
 	}
 	var synced bool

@@ -49,6 +49,7 @@ import (
 
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/schemaver"
 )
 
 //go:embed sql/*.sql
@@ -59,7 +60,7 @@ var embedded embed.FS
 var FS fs.FS = mustSub(embedded, "sql")
 
 // VersionTable is the name of pgfence's goose version table.
-const VersionTable = "pgfence_db_version"
+const VersionTable = schemaver.VersionTable
 
 // DefaultSchema is the schema pgfence uses when none is named, here and in
 // lock.Config, runner.Config, fence.Guard, fence.Resource and the CLI.
@@ -92,7 +93,7 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	if err := createSchema(ctx, pool, schema); err != nil {
 		return 0, err
 	}
-	if _, err := inspect(ctx, pool, schema); err != nil { // a schema the role may not use
+	if _, err := schemaver.Inspect(ctx, pool, schema); err != nil { // a schema the role may not use
 		return 0, err
 	}
 	p, err := NewProvider(pool, schema)
@@ -199,16 +200,16 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 		return nil, fmt.Errorf("migrations: %w", err)
 	}
 	schema = ident.Schema(schema)
-	st, err := inspect(ctx, pool, schema)
+	st, err := schemaver.Inspect(ctx, pool, schema)
 	if err != nil {
 		return nil, err
 	}
-	rep := &Report{Schema: schema, SchemaExists: st.schemaExists, Current: st.current, Latest: Latest}
+	rep := &Report{Schema: schema, SchemaExists: st.Exists, Current: st.Current, Latest: Latest}
 	for _, m := range sources {
-		m.AppliedAt = st.applied[m.Version]
+		m.AppliedAt = st.Applied[m.Version]
 		rep.Migrations = append(rep.Migrations, m)
 	}
-	if st.current >= 1 {
+	if st.Current >= 1 {
 		e := &Epoch{}
 		if err := pool.QueryRow(ctx, `SELECT timeline, started_at, first_token FROM `+ident.Table(schema, "pgfence_epoch")).Scan(&e.Timeline, &e.Started, &e.FirstToken); err != nil {
 			return nil, fmt.Errorf("migrations: read the token epoch of schema %q: %w", schema, hint.Wrap(err, schema, hint.Role(pool)))
@@ -220,115 +221,22 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 
 // Querier runs a query returning one row: a pool, a connection and a
 // transaction all satisfy it.
-type Querier interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
-
-type state struct {
-	schemaExists bool
-	current      int64
-	applied      map[int64]time.Time
-}
-
-// inspect reads the schema's migration state without writing anything.
-func inspect(ctx context.Context, q Querier, schema string) (state, error) {
-	st := state{applied: map[int64]time.Time{}}
-	var table *string
-	var (
-		usable bool
-		role   string
-	)
-	// to_regclass needs USAGE on the schema: without it, the version
-	// table would look missing, and the schema "not migrated".
-	err := q.QueryRow(ctx, `SELECT n.oid IS NOT NULL, coalesce(has_schema_privilege(n.oid, 'USAGE'), false), current_user,
-       CASE WHEN has_schema_privilege(n.oid, 'USAGE') THEN to_regclass(format('%I.%I', $1::text, $2::text))::text END
-  FROM (SELECT) AS one LEFT JOIN pg_namespace n ON n.nspname = $1`, schema, VersionTable).Scan(&st.schemaExists, &usable, &role, &table)
-	if err != nil {
-		return st, fmt.Errorf("migrations: read the state of schema %q: %w", schema, hint.Wrap(err, schema, ""))
-	}
-	if st.schemaExists && !usable {
-		denied := &pgconn.PgError{Severity: "ERROR", Code: hint.CodeNoPrivilege, Message: "permission denied for schema " + schema}
-		return st, fmt.Errorf("migrations: read the state of schema %q: %w", schema, hint.Wrap(denied, schema, role))
-	}
-	if table == nil {
-		return st, nil
-	}
-	rows, err := q.Query(ctx, `SELECT version_id, max(tstamp) FROM `+ident.Table(schema, VersionTable)+
-		` WHERE is_applied AND version_id > 0 GROUP BY version_id`)
-	if err != nil {
-		return st, fmt.Errorf("migrations: read the version of schema %q: %w", schema, hint.Wrap(err, schema, role))
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var (
-			v  int64
-			at time.Time
-		)
-		if err := rows.Scan(&v, &at); err != nil {
-			return st, err
-		}
-		st.applied[v] = at
-		st.current = max(st.current, v)
-	}
-	return st, rows.Err()
-}
+type Querier = schemaver.Querier
 
 // ErrNotMigrated is matched by every *NotMigratedError.
-var ErrNotMigrated = errors.New("migrations: schema not migrated")
+var ErrNotMigrated = schemaver.ErrNotMigrated
 
 // NotMigratedError says that a schema lacks pgfence's objects, or holds an
 // older version of them than this pgfence needs. It matches ErrNotMigrated.
-type NotMigratedError struct {
-	// Schema is the schema looked at.
-	Schema string
-	// SchemaExists is false when the schema does not exist at all.
-	SchemaExists bool
-	// Found is the applied version (0: none).
-	Found int64
-	// Required is the version this pgfence needs (Latest).
-	Required int64
-}
-
-// Error says what was found and what to run.
-func (e *NotMigratedError) Error() string {
-	where := "schema " + strconv.Quote(e.Schema)
-	flag := " --schema " + ident.ShellQuote(e.Schema)
-	if e.Schema == DefaultSchema {
-		flag = ""
-	}
-	var found string
-	switch {
-	case !e.SchemaExists:
-		found = where + " does not exist"
-	case e.Found == 0:
-		found = where + " has no pgfence tables (not migrated)"
-	default:
-		found = fmt.Sprintf("%s is at pgfence schema version %d, this pgfence needs %d", where, e.Found, e.Required)
-	}
-	return "migrations: " + found + ": run migrations.Up, or `pgfence" + flag + " migrate up`"
-}
-
-// Is makes errors.Is(err, ErrNotMigrated) true.
-func (e *NotMigratedError) Is(target error) bool { return target == ErrNotMigrated }
+type NotMigratedError = schemaver.NotMigratedError
 
 // Verify checks, without writing anything, that schema ("" means
-// DefaultSchema) holds pgfence's objects at version Latest or newer. It returns a
-// *NotMigratedError when it does not, and the database error when it cannot
-// tell (for instance, the role may not read the schema).
+// DefaultSchema) holds pgfence's objects at version Latest or newer. It
+// returns a *NotMigratedError when it does not, and the database error when
+// it cannot tell (for instance, the role may not use the schema: 42501,
+// with the grant to run).
 func Verify(ctx context.Context, q Querier, schema string) error {
-	if err := ident.ValidateSchema(schema); err != nil {
-		return fmt.Errorf("migrations: %w", err)
-	}
-	schema = ident.Schema(schema)
-	st, err := inspect(ctx, q, schema)
-	if err != nil {
-		return err
-	}
-	if !st.schemaExists || st.current < Latest {
-		return &NotMigratedError{Schema: schema, SchemaExists: st.schemaExists, Found: st.current, Required: Latest}
-	}
-	return nil
+	return schemaver.Verify(ctx, q, schema)
 }
 
 // sources lists the embedded migrations by version.
@@ -336,7 +244,7 @@ var sources = mustSources()
 
 // Latest is the newest version among the embedded migrations: the schema
 // version this pgfence needs.
-var Latest = sources[len(sources)-1].Version
+const Latest = schemaver.Latest
 
 func mustSources() []MigrationStatus {
 	names, err := fs.Glob(FS, "*.sql")
@@ -353,6 +261,9 @@ func mustSources() []MigrationStatus {
 		out = append(out, MigrationStatus{Version: v, Name: n})
 	}
 	slices.SortFunc(out, func(a, b MigrationStatus) int { return int(a.Version - b.Version) })
+	if newest := out[len(out)-1].Version; newest != schemaver.Latest {
+		panic(fmt.Sprintf("migrations: the newest embedded migration is %d; set schemaver.Latest to it", newest))
+	}
 	return out
 }
 
