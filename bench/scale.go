@@ -252,9 +252,10 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	type replica struct {
-		pool *pgxpool.Pool
-		sent *counter
-		done chan error
+		pool   *pgxpool.Pool
+		client *lock.Client
+		sent   *counter
+		done   chan error
 	}
 	fleet := make([]*replica, replicas)
 	defer func() {
@@ -262,6 +263,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 		for _, r := range fleet {
 			if r != nil {
 				<-r.done
+				_ = r.client.Close(context.Background())
 				r.pool.Close()
 			}
 		}
@@ -271,8 +273,13 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 		if err != nil {
 			return fleetCost{}, err
 		}
-		r := &replica{pool: pool, sent: sent, done: make(chan error, 1)}
-		run, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: schema, Holder: fmt.Sprintf("%s-%d", prefix, i), Logger: quiet}})
+		client, err := lock.New(pool, lock.Config{Schema: schema, Holder: fmt.Sprintf("%s-%d", prefix, i), Logger: quiet})
+		if err != nil {
+			pool.Close()
+			return fleetCost{}, err
+		}
+		r := &replica{pool: pool, client: client, sent: sent, done: make(chan error, 1)}
+		run, err := runner.New(client, runner.Config{})
 		if err == nil {
 			for j := range jobs {
 				job := runner.Job{Name: fmt.Sprintf("%s-%d", prefix, j), Schedule: "@every 1h", Missed: runner.Skip,
@@ -288,6 +295,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 			}
 		}
 		if err != nil {
+			_ = client.Close(context.Background())
 			pool.Close()
 			return fleetCost{}, err
 		}

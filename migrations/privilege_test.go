@@ -86,7 +86,12 @@ func TestLeastPrivilege(t *testing.T) {
 	if _, _, err := lc.ForceRelease(ctx, "billing"); err != nil {
 		t.Fatalf("ForceRelease: %v", err)
 	}
-	r, err := runner.New(app, runner.Config{Lock: lock.Config{Schema: schema, Logger: pgtest.Quiet}, RebalanceInterval: 100 * time.Millisecond})
+	rc, err := lock.New(app, lock.Config{Schema: schema, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rc.Close(ctx)
+	r, err := runner.New(rc, runner.Config{RebalanceInterval: 100 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

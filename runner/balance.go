@@ -146,7 +146,7 @@ func onlyLeft(before, view members) bool {
 func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers map[shardKey]*shardWorker, wg *sync.WaitGroup) {
 	for _, j := range jobs {
 		ids := view[j.Name]
-		me := slices.Index(ids, r.cfg.Lock.Holder)
+		me := slices.Index(ids, r.lcfg.Holder)
 		owner := assign(j.Name, j.shards, ids)
 		owned := 0
 		for _, o := range owner {
@@ -182,7 +182,7 @@ func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers m
 func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string) (members, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
 	defer cancel()
-	rows, err := own.Query(ctx, r.q.heartbeat, r.cfg.Lock.Holder, r.cfg.Lock.TTL.Microseconds(), jobs,
+	rows, err := own.Query(ctx, r.q.heartbeat, r.lcfg.Holder, r.lcfg.TTL.Microseconds(), jobs,
 		deadInstanceRetention.Microseconds())
 	if err != nil {
 		return nil, err

@@ -43,11 +43,15 @@ func BenchmarkRunOverhead(b *testing.B) {
 	}
 	ins := "INSERT INTO " + pgx.Identifier{db.Schema, "effects"}.Sanitize() + " VALUES (1)"
 	body := func(ctx context.Context, _ *Run) error { _, err := pool.Exec(ctx, ins); return err }
-	r, err := New(pool, Config{Lock: lock.Config{Schema: db.Schema, TTL: time.Minute, Logger: quietLogger()}})
+	lc, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: time.Minute, Logger: quietLogger()})
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer r.lc.Close(ctx)
+	defer lc.Close(ctx)
+	r, err := New(lc, Config{})
+	if err != nil {
+		b.Fatal(err)
+	}
 	j := Job{Name: "bench", Schedule: "@every 1h", Run: body}
 	sched, err := j.validate()
 	if err != nil {

@@ -11,19 +11,9 @@ import (
 
 // Config configures a Runner. Every field documents its default.
 type Config struct {
-	// Lock configures the leases of jobs and shards and names this
-	// instance: Lock.Holder is the instance's id (unique among live
-	// runners; default "host:pid:random"), Lock.Schema holds pgfence's
-	// tables, Lock.Logger receives the runner's log too, Lock.TTL is also
-	// the TTL of this instance's liveness row, and Lock.PollInterval is how
-	// often a replica that does not lead a job checks whether it can take
-	// it over when no release notification arrives (a leader that died
-	// sends none). Every field has lock.Config's default.
-	Lock lock.Config
-
 	// RebalanceInterval is how often this instance heartbeats and
-	// recomputes its share of sharded jobs. Default min(5s, Lock.TTL/2);
-	// must be < Lock.TTL.
+	// recomputes its share of sharded jobs. Default min(5s, TTL/2), with
+	// the client's TTL; must be below the TTL.
 	RebalanceInterval time.Duration
 
 	// ShutdownTimeout bounds how long Run waits, after its context ends,
@@ -102,21 +92,10 @@ func (c Config) checkSigns() error {
 	return nil
 }
 
-// fromLock names a lease-client configuration error as a field of Lock.
-func fromLock(err error) error {
-	var ce *lock.ConfigError
-	if !errors.As(err, &ce) {
-		return err
-	}
-	return &ConfigError{"Lock." + ce.Field, ce.Reason}
-}
-
-// withDefaults fills in defaults; lcfg is the lease client's configuration
-// with its own defaults filled in.
+// withDefaults fills in defaults; lcfg is the lease client's configuration.
 func (c Config) withDefaults(lcfg lock.Config) Config {
-	c.Lock = lcfg
 	if c.RebalanceInterval == 0 {
-		c.RebalanceInterval = min(5*time.Second, c.Lock.TTL/2)
+		c.RebalanceInterval = min(5*time.Second, lcfg.TTL/2)
 	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = 10 * time.Second
@@ -127,11 +106,11 @@ func (c Config) withDefaults(lcfg lock.Config) Config {
 	return c
 }
 
-func (c Config) validate() error {
+func (c Config) validate(lcfg lock.Config) error {
 	bad := func(f, format string, a ...any) error { return &ConfigError{f, fmt.Sprintf(format, a...)} }
 	switch {
-	case c.RebalanceInterval <= 0 || c.RebalanceInterval >= c.Lock.TTL:
-		return bad("RebalanceInterval", "%v must be positive and less than Lock.TTL (%v)", c.RebalanceInterval, c.Lock.TTL)
+	case c.RebalanceInterval <= 0 || c.RebalanceInterval >= lcfg.TTL:
+		return bad("RebalanceInterval", "%v must be positive and less than the lock client's TTL (%v)", c.RebalanceInterval, lcfg.TTL)
 	case c.ShutdownTimeout < 0:
 		return bad("ShutdownTimeout", "%v is negative", c.ShutdownTimeout)
 	}

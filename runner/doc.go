@@ -59,14 +59,15 @@
 // # Leases and the ledger's upkeep
 //
 // Every job and shard campaigns through lock.Election, with the lease
-// settings of Config.Lock. The lease of a job is named "pgfence/job/" + its
-// name, and that of a shard "pgfence/job/" + name + "/" + shard (from 0), so
-// `pgfence leases` shows who leads each job and with which token; a
-// lease's holder is the leading instance's Config.Lock.Holder. Runs and Prune read and trim the ledger; every
-// runner prunes runs older than Config.Retention hourly. A permanent
-// database error stops Run (see package lock for which errors are
-// permanent); failed runs are logged at ERROR and fenced ones at WARN, with
-// job, shard, slot, attempt and token. Metrics (runs by status, durations,
-// retries, leadership changes, shards owned, missed slots) go to
-// Config.Lock.MeterProvider, with the job as the only attribute.
+// settings of the lock client given to New. The lease of a job is named
+// "pgfence/job/" + its name, and that of a shard "pgfence/job/" + name + "/"
+// + shard (from 0), so `pgfence leases` shows who leads each job and with
+// which token; a lease's holder is the leading instance's id (the client's
+// Holder). Runs and Prune read and trim the ledger; every runner prunes runs
+// older than Config.Retention hourly. A permanent database error stops Run
+// (see package lock for which errors are permanent); failed runs are logged
+// at ERROR and fenced ones at WARN, with job, shard, slot, attempt and
+// token. Metrics (runs by status, durations, retries, leadership changes,
+// shards owned, missed slots) go to the client's MeterProvider, with the job
+// as the only attribute.
 package runner

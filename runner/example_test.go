@@ -26,7 +26,14 @@ func ExampleRunner() {
 		log.Fatal(err)
 	}
 
-	r, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: slog.New(slog.DiscardHandler)}})
+	// One lock client per process: the runner's jobs and the
+	// application's own leases share it.
+	client, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close(context.Background())
+	r, err := runner.New(client, runner.Config{})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -42,10 +42,13 @@ func fleetMember() int {
 		return 1
 	}
 	defer pool.Close()
-	r, err := runner.New(pool, runner.Config{
-		Lock:              lock.Config{Schema: schema, Holder: id, TTL: fleetTTL, PollInterval: 100 * time.Millisecond, Logger: quiet},
-		RebalanceInterval: 300 * time.Millisecond,
-	})
+	client, err := lock.New(pool, lock.Config{Schema: schema, Holder: id, TTL: fleetTTL, PollInterval: 100 * time.Millisecond, Logger: quiet})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "fleet:", err)
+		return 1
+	}
+	defer client.Close(context.Background())
+	r, err := runner.New(client, runner.Config{RebalanceInterval: 300 * time.Millisecond})
 	if err == nil {
 		err = r.RegisterSharded(runner.Job{Name: job, Schedule: "@every " + fleetSlot.String(), Run: func(ctx context.Context, run *runner.Run) error {
 			return run.CommitTx(ctx, func(tx pgx.Tx) error {

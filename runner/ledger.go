@@ -113,7 +113,7 @@ func (r *Runner) prune(ctx context.Context) {
 		return
 	}
 	for {
-		if n, err := Prune(ctx, r.pool, r.cfg.Lock.Schema, time.Now().Add(-r.cfg.Retention)); err != nil {
+		if n, err := Prune(ctx, r.pool, r.lcfg.Schema, time.Now().Add(-r.cfg.Retention)); err != nil {
 			if ctx.Err() != nil {
 				return
 			}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -78,13 +79,26 @@ func (ev *events) count(k runner.EventKind) int {
 	return n
 }
 
-// start builds and runs a runner; it is stopped when the test ends.
-func start(t testing.TB, pool *pgxpool.Pool, cfg runner.Config, register func(r *runner.Runner) error) *instance {
+// lockClient returns a lock client on pool (with a quiet logger unless cfg
+// names one), closed when the test ends, or fails the test.
+func lockClient(t testing.TB, pool *pgxpool.Pool, cfg lock.Config) *lock.Client {
 	t.Helper()
-	if cfg.Lock.Logger == nil {
-		cfg.Lock.Logger = quiet
+	if cfg.Logger == nil {
+		cfg.Logger = quiet
 	}
-	r, err := runner.New(pool, cfg)
+	c, err := lock.New(pool, cfg)
+	if err != nil {
+		t.Fatalf("lock.New: %v", err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	return c
+}
+
+// start builds and runs a runner on its own lock client; it is stopped
+// when the test ends.
+func start(t testing.TB, pool *pgxpool.Pool, lcfg lock.Config, cfg runner.Config, register func(r *runner.Runner) error) *instance {
+	t.Helper()
+	r, err := runner.New(lockClient(t, pool, lcfg), cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -104,6 +118,13 @@ func start(t testing.TB, pool *pgxpool.Pool, cfg runner.Config, register func(r 
 		}
 	})
 	return in
+}
+
+// startWith is start with the configurations cfg makes for instance who.
+func startWith(t testing.TB, pool *pgxpool.Pool, who string, cfg func(string) (lock.Config, runner.Config), register func(r *runner.Runner) error) *instance {
+	t.Helper()
+	lc, rc := cfg(who)
+	return start(t, pool, lc, rc, register)
 }
 
 func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {

@@ -206,7 +206,7 @@ func TestMetrics(t *testing.T) {
 			return run.CommitTx(ctx, func(pgx.Tx) error { return nil })
 		}},
 	}
-	in := start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, MeterProvider: runMP}}, func(r *runner.Runner) error {
+	in := start(t, db.Pool, lock.Config{Schema: db.Schema, MeterProvider: runMP}, runner.Config{}, func(r *runner.Runner) error {
 		for _, j := range jobs {
 			if err := r.Register(j); err != nil {
 				return err

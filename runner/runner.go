@@ -13,9 +13,9 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
-	"github.com/pgfence/pgfence/migrations"
 )
 
 // Runner runs registered jobs so that each slot of each job (and shard) runs
@@ -24,10 +24,14 @@ import (
 type Runner struct {
 	pool *pgxpool.Pool
 	cfg  Config
+	lcfg lock.Config // the client's, defaults filled in
 	q    queries
 	lc   *lock.Client
 	log  *slog.Logger
 	m    *metrics
+
+	heldMu sync.Mutex
+	held   map[*lock.Lease]struct{} // the leases of running terms
 
 	mu      sync.Mutex
 	jobs    []*job
@@ -43,37 +47,44 @@ type job struct {
 	shards int // 0: singleton
 }
 
-// ErrNilPool is returned by New for a nil pool.
-var ErrNilPool = errors.New("runner: nil pool")
+// ErrNilClient is returned by New for a nil client.
+var ErrNilClient = errors.New("runner: nil lock client")
 
-// New returns a runner on pool's database. It validates cfg (see Config for
-// the defaults) and returns a *ConfigError naming the bad field (it matches
-// ErrInvalidConfig). It does not touch the database: Run checks the schema.
-func New(pool *pgxpool.Pool, cfg Config) (*Runner, error) {
-	if pool == nil {
-		return nil, ErrNilPool
+// New returns a runner that leads its jobs with client's leases: the
+// client's schema holds the ledger, its Holder is this runner's instance id
+// (unique among live runners), its TTL is also the TTL of the instance's
+// liveness row, its PollInterval is how often a replica that does not lead
+// a job checks whether it can take it over when no release notification
+// arrives, and its Logger and MeterProvider receive the runner's logs and
+// metrics. One client serves the runner and the application's own leases,
+// with one renewer, one listener and one poller. The runner does not close
+// the client; close it after Run has returned.
+//
+// New validates cfg (see Config for the defaults) and returns a
+// *ConfigError naming the bad field (it matches ErrInvalidConfig). It does
+// not touch the database: Run checks the schema.
+func New(client *lock.Client, cfg Config) (*Runner, error) {
+	if client == nil {
+		return nil, ErrNilClient
 	}
 	if err := cfg.checkSigns(); err != nil {
 		return nil, err
 	}
-	lc, err := lock.New(pool, cfg.Lock)
-	if err != nil {
-		return nil, fromLock(err)
-	}
-	cfg = cfg.withDefaults(lc.Config())
-	if err := cfg.validate(); err != nil {
+	lcfg := client.Config()
+	cfg = cfg.withDefaults(lcfg)
+	if err := cfg.validate(lcfg); err != nil {
 		return nil, err
 	}
-	m, err := newMetrics(cfg.Lock.MeterProvider)
+	m, err := newMetrics(lcfg.MeterProvider)
 	if err != nil {
 		return nil, err
 	}
-	return &Runner{pool: pool, cfg: cfg, q: newQueries(cfg.Lock.Schema), lc: lc, log: cfg.Lock.Logger, m: m,
-		names: make(map[string]bool)}, nil
+	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: newQueries(lcfg.Schema), lc: client, log: lcfg.Logger, m: m,
+		names: make(map[string]bool), held: make(map[*lock.Lease]struct{})}, nil
 }
 
-// Instance returns this runner's instance identity (Config.Lock.Holder).
-func (r *Runner) Instance() string { return r.cfg.Lock.Holder }
+// Instance returns this runner's instance identity (its client's Holder).
+func (r *Runner) Instance() string { return r.lcfg.Holder }
 
 // Register adds a singleton job: each slot runs on exactly one replica, the
 // one that holds the job's lease (whichever took it first; it keeps it until
@@ -184,25 +195,59 @@ func (r *Runner) Run(ctx context.Context) error {
 	stopWork(errShutdown)
 	done := make(chan struct{})
 	go func() { wg.Wait(); close(done) }()
+	cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
+	defer cancel()
+	var err error
 	select {
 	case <-done:
 	case <-time.After(r.cfg.ShutdownTimeout):
 		r.log.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway")
+		err = r.releaseHeld(cctx)
 	}
-	cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
-	defer cancel()
-	_, _ = r.pool.Exec(cctx, r.q.leave, r.cfg.Lock.Holder, membersName)
-	if err := r.lc.Close(cctx); err != nil && fatalErr == nil {
-		return err
+	_, _ = r.pool.Exec(cctx, r.q.leave, r.lcfg.Holder, membersName)
+	if fatalErr != nil {
+		return fatalErr
 	}
-	return fatalErr
+	return err
+}
+
+// hold records the lease of a term that starts, and returns the function
+// that forgets it when the term ends.
+func (r *Runner) hold(l *lock.Lease) func() {
+	r.heldMu.Lock()
+	r.held[l] = struct{}{}
+	r.heldMu.Unlock()
+	return func() {
+		r.heldMu.Lock()
+		delete(r.held, l)
+		r.heldMu.Unlock()
+	}
+}
+
+// releaseHeld releases the leases of the terms still running after
+// ShutdownTimeout, so that another replica takes their jobs over at once
+// and the late writes of the jobs that did not stop are refused.
+func (r *Runner) releaseHeld(ctx context.Context) error {
+	r.heldMu.Lock()
+	leases := make([]*lock.Lease, 0, len(r.held))
+	for l := range r.held {
+		leases = append(leases, l)
+	}
+	r.heldMu.Unlock()
+	var errs []error
+	for _, l := range leases {
+		if err := l.Release(ctx); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // verify checks the schema, retrying transient errors until ctx ends.
 func (r *Runner) verify(ctx context.Context) error {
-	b := retry.Backoff{Base: r.cfg.Lock.PollInterval, Max: 10 * r.cfg.Lock.PollInterval}
+	b := retry.Backoff{Base: r.lcfg.PollInterval, Max: 10 * r.lcfg.PollInterval}
 	for n := 0; ; n++ {
-		err := migrations.Verify(ctx, r.pool, r.cfg.Lock.Schema)
+		err := schemaver.Verify(ctx, r.pool, r.lcfg.Schema)
 		if err == nil || !retry.Transient(err) {
 			if err != nil {
 				return fmt.Errorf("runner: %w", err)

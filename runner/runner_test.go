@@ -39,7 +39,7 @@ func TestEverySlotSucceedsExactlyOnce(t *testing.T) {
 	mustExec(t, db, "CREATE TABLE "+tbl(db, "effects")+" (slot timestamptz, token bigint)")
 	const interval = 300 * time.Millisecond
 	for i := range 3 {
-		start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: fmt.Sprintf("i%d", i), TTL: 3 * time.Second, PollInterval: 100 * time.Millisecond}}, func(r *runner.Runner) error {
+		start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: fmt.Sprintf("i%d", i), TTL: 3 * time.Second, PollInterval: 100 * time.Millisecond}, runner.Config{}, func(r *runner.Runner) error {
 			return r.Register(chargeJob(db, "tick", "@every 300ms"))
 		})
 	}
@@ -131,7 +131,7 @@ func TestLeaderRevokedMidRun(t *testing.T) {
 	}
 	for i := range 3 {
 		who := fmt.Sprintf("i%d", i)
-		start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: poll}, OnEvent: ev.hook(who)}, func(r *runner.Runner) error { return r.Register(job) })
+		start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: poll}, runner.Config{OnEvent: ev.hook(who)}, func(r *runner.Runner) error { return r.Register(job) })
 	}
 	select {
 	case <-stuck:
@@ -200,7 +200,7 @@ func TestGracefulShutdownHandsOver(t *testing.T) {
 	ins := map[string]*instance{}
 	for i := range 3 {
 		who := fmt.Sprintf("i%d", i)
-		ins[who] = start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second}, OnEvent: ev.hook(who)},
+		ins[who] = start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second}, runner.Config{OnEvent: ev.hook(who)},
 			func(r *runner.Runner) error { return r.Register(chargeJob(db, "handover", "@every 1h")) })
 	}
 	first := <-gainedAt
@@ -226,34 +226,31 @@ func TestGracefulShutdownHandsOver(t *testing.T) {
 func TestBadInput(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	if _, err := runner.New(nil, runner.Config{}); !errors.Is(err, runner.ErrNilPool) {
-		t.Errorf("nil pool: %v", err)
+	if _, err := runner.New(nil, runner.Config{}); !errors.Is(err, runner.ErrNilClient) {
+		t.Errorf("nil client: %v", err)
 	}
-	if _, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{TTL: time.Second}, RebalanceInterval: 2 * time.Second}); err == nil || !strings.Contains(err.Error(), "RebalanceInterval") {
+	// The lease settings are the client's: RebalanceInterval is checked
+	// against its TTL.
+	if _, err := runner.New(lockClient(t, db.Pool, lock.Config{TTL: time.Second}), runner.Config{RebalanceInterval: 2 * time.Second}); err == nil || !strings.Contains(err.Error(), "RebalanceInterval") {
 		t.Errorf("rebalance > TTL: %v", err)
 	}
 	// Every config error names its own field and matches
-	// runner.ErrInvalidConfig (a negative PollInterval was reported as
-	// "TTL" formerly, and lease-timing errors only matched lock's).
+	// runner.ErrInvalidConfig.
 	for _, c := range []struct {
 		cfg   runner.Config
 		field string
 	}{
-		{runner.Config{Lock: lock.Config{TTL: time.Second, RenewInterval: 900 * time.Millisecond}}, "Lock.RenewInterval"},
-		{runner.Config{Lock: lock.Config{PollInterval: -time.Second}}, "Lock.PollInterval"},
-		{runner.Config{Lock: lock.Config{PollInterval: time.Nanosecond}}, "Lock.PollInterval"},
 		{runner.Config{ShutdownTimeout: -1}, "ShutdownTimeout"},
 		{runner.Config{RebalanceInterval: -1}, "RebalanceInterval"},
-		{runner.Config{Lock: lock.Config{Holder: "a\x00b"}}, "Lock.Holder"},
-		{runner.Config{Lock: lock.Config{Schema: "a$b"}}, "Lock.Schema"},
+		{runner.Config{RebalanceInterval: time.Minute}, "RebalanceInterval"},
 	} {
-		_, err := runner.New(db.Pool, c.cfg)
+		_, err := runner.New(lockClient(t, db.Pool, lock.Config{}), c.cfg)
 		var ce *runner.ConfigError
 		if !errors.As(err, &ce) || ce.Field != c.field || !errors.Is(err, runner.ErrInvalidConfig) {
 			t.Errorf("New(%+v) = %v, want a runner.ConfigError for %s", c.cfg, err, c.field)
 		}
 	}
-	r, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: quiet}})
+	r, err := runner.New(lockClient(t, db.Pool, lock.Config{Schema: db.Schema, Logger: quiet}), runner.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -307,7 +304,7 @@ func TestRetriesAndFailures(t *testing.T) {
 			return nil
 		}}
 	ev := &events{}
-	start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema}, OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
+	start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
 	waitFor(t, 10*time.Second, "a slot to succeed on its third attempt", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE status = 'succeeded' AND attempt = 3") >= 1
 	})
@@ -360,7 +357,7 @@ func TestMissedSlotPolicy(t *testing.T) {
 			}
 			job := runner.Job{Name: "hourly", Schedule: "@every 1h", Missed: tc.policy,
 				Run: func(context.Context, *runner.Run) error { return nil }}
-			start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema}, OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
+			start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
 			var got []time.Time
 			timeout := time.After(2 * time.Second)
 		collect:
@@ -407,7 +404,7 @@ func TestShutdownRecordsFinishedRuns(t *testing.T) {
 				<-ctx.Done() // works until told to stop
 				return tc.result(ctx)
 			}}
-			in := start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema}}, func(r *runner.Runner) error { return r.Register(job) })
+			in := start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{}, func(r *runner.Runner) error { return r.Register(job) })
 			<-started
 			in.stop(t)
 			var status string
@@ -431,7 +428,7 @@ func TestJobTimeout(t *testing.T) {
 			<-ctx.Done()
 			return ctx.Err()
 		}}
-	start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema}}, func(r *runner.Runner) error { return r.Register(job) })
+	start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{}, func(r *runner.Runner) error { return r.Register(job) })
 	waitFor(t, 10*time.Second, "a failed run", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE status = 'failed' AND error LIKE '%deadline exceeded%'") >= 1
 	})
@@ -447,7 +444,7 @@ func TestRunEndsOnPermanentErrors(t *testing.T) {
 	ok := func(context.Context, *runner.Run) error { return nil }
 
 	missing := pgtest.Schema(t, "nojobs")
-	r, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: missing, Logger: quiet, PollInterval: 10 * time.Millisecond}})
+	r, err := runner.New(lockClient(t, db.Pool, lock.Config{Schema: missing, Logger: quiet, PollInterval: 10 * time.Millisecond}), runner.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -462,7 +459,7 @@ func TestRunEndsOnPermanentErrors(t *testing.T) {
 	if _, err := db.Pool.Exec(ctx, "DROP TABLE "+tbl(db, "pgfence_runs")); err != nil {
 		t.Fatal(err)
 	}
-	r, err = runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: quiet, PollInterval: 10 * time.Millisecond}})
+	r, err = runner.New(lockClient(t, db.Pool, lock.Config{Schema: db.Schema, Logger: quiet, PollInterval: 10 * time.Millisecond}), runner.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -482,7 +479,7 @@ func TestRunEndsOnPermanentErrors(t *testing.T) {
 func TestRunWithACancelledContextReturnsNil(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	r, err := runner.New(db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: quiet}})
+	r, err := runner.New(lockClient(t, db.Pool, lock.Config{Schema: db.Schema, Logger: quiet}), runner.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -542,7 +539,7 @@ func TestLedgerReadAndPrune(t *testing.T) {
 	mustExec(t, db, "INSERT INTO "+inst+` (id, started_at, heartbeat_at, expires_at) VALUES
 		('long-dead', now() - interval '3 hours', now() - interval '2 hours', now() - interval '2 hours'),
 		('just-dead', now() - interval '3 minutes', now() - interval '2 minutes', now() - interval '1 minute')`)
-	in := start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: "alive"}, RebalanceInterval: 100 * time.Millisecond},
+	in := start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "alive"}, runner.Config{RebalanceInterval: 100 * time.Millisecond},
 		func(r *runner.Runner) error {
 			return r.RegisterSharded(runner.Job{Name: "s", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}, 1)
 		})
@@ -564,7 +561,7 @@ func TestFailuresAreLogged(t *testing.T) {
 	job := runner.Job{Name: "flaky", Schedule: "@every 100ms", Run: func(ctx context.Context, run *runner.Run) error {
 		return errors.New("disk full")
 	}}
-	in := start(t, db.Pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Logger: slog.New(rec)}},
+	in := start(t, db.Pool, lock.Config{Schema: db.Schema, Logger: slog.New(rec)}, runner.Config{},
 		func(r *runner.Runner) error { return r.Register(job) })
 	waitFor(t, 10*time.Second, "a failed run to be logged", func() bool { return len(rec.Find(slog.LevelError, "run failed")) > 0 })
 	in.stop(t)
@@ -578,5 +575,58 @@ func TestFailuresAreLogged(t *testing.T) {
 	}
 	if attrs["job"] != "flaky" || !strings.Contains(attrs["err"], "disk full") {
 		t.Errorf("the failed-run record: %v", attrs)
+	}
+}
+
+// The runner leads its jobs with the application's own lock client: one
+// process, one listener connection, however many jobs wait and whatever
+// the application waits for itself; and the client outlives the runner.
+func TestRunnerSharesTheApplicationsClient(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	app := pgtest.UniqueName("shared")
+	pool := pgtest.NewPool(t, app)
+	client := lockClient(t, pool, lock.Config{Schema: db.Schema, TTL: 2 * time.Second})
+	other := lockClient(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "other"})
+	if _, err := other.TryAcquire(ctx, "held-elsewhere"); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"j1", "j2"} { // another replica leads both jobs
+		if _, err := other.TryAcquire(ctx, "pgfence/job/"+name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r, err := runner.New(client, runner.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"j1", "j2"} {
+		if err := r.Register(runner.Job{Name: name, Schedule: "@every 1s", Run: func(context.Context, *runner.Run) error { return nil }}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	waited := make(chan error, 1)
+	actx, cancelWait := context.WithCancel(ctx)
+	go func() { _, err := client.Acquire(actx, "held-elsewhere"); waited <- err }() // the application waits too
+	listeners := func() int {
+		return queryInt(t, db, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'", app)
+	}
+	waitFor(t, 10*time.Second, "a listener for the waiting acquisitions", func() bool { return listeners() >= 1 })
+	time.Sleep(300 * time.Millisecond) // a second listener, if there were one, would be up by now
+	if n := listeners(); n != 1 {
+		t.Fatalf("%d LISTEN connections for the application and its runner; want 1", n)
+	}
+	stop()
+	if err := <-done; err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	cancelWait()
+	<-waited
+	if _, err := client.TryAcquire(ctx, "after-the-runner"); err != nil {
+		t.Fatalf("the client after Run returned: %v", err)
 	}
 }

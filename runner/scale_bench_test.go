@@ -58,7 +58,7 @@ func shardFleet(b *testing.B, stagger time.Duration) {
 	}}
 	launch := func(who string) *instance {
 		pool := pgtest.NewPool(b, "fleet-"+who, func(c *pgxpool.Config) { c.MaxConns = 5 })
-		return start(b, pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who}, OnEvent: onEvent},
+		return start(b, pool, lock.Config{Schema: db.Schema, Holder: who}, runner.Config{OnEvent: onEvent},
 			func(r *runner.Runner) error { return r.RegisterSharded(job, shards) })
 	}
 	holders := func() map[int]string {

@@ -79,7 +79,7 @@ func TestShardsSpreadAndRebalance(t *testing.T) {
 	launch := func(who string) {
 		pool, p := proxiedPool(t, "shard-"+who)
 		proxies[who] = p
-		ins[who] = start(t, pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: 200 * time.Millisecond}, RebalanceInterval: rebalance}, func(r *runner.Runner) error { return r.RegisterSharded(job(who), shards) })
+		ins[who] = start(t, pool, lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: 200 * time.Millisecond}, runner.Config{RebalanceInterval: rebalance}, func(r *runner.Runner) error { return r.RegisterSharded(job(who), shards) })
 	}
 	held := func() map[string]int {
 		r, err := db.Pool.Query(context.Background(), "SELECT holder, count(*) FROM "+tbl(db, "pgfence_leases")+
@@ -189,14 +189,14 @@ func TestTwoServicesShareASchema(t *testing.T) {
 			})
 		}}
 	}
-	cfg := func(who string) runner.Config {
-		return runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: 2 * time.Second, PollInterval: 100 * time.Millisecond}, RebalanceInterval: 300 * time.Millisecond}
+	cfg := func(who string) (lock.Config, runner.Config) {
+		return lock.Config{Schema: db.Schema, Holder: who, TTL: 2 * time.Second, PollInterval: 100 * time.Millisecond}, runner.Config{RebalanceInterval: 300 * time.Millisecond}
 	}
 	var ins []*instance
 	for _, who := range []string{"a1", "a2"} {
-		ins = append(ins, start(t, db.Pool, cfg(who), func(r *runner.Runner) error { return r.RegisterSharded(job("svc-a"), 4) }))
+		ins = append(ins, startWith(t, db.Pool, who, cfg, func(r *runner.Runner) error { return r.RegisterSharded(job("svc-a"), 4) }))
 	}
-	ins = append(ins, start(t, db.Pool, cfg("b1"), func(r *runner.Runner) error { return r.RegisterSharded(job("svc-b"), 4) }))
+	ins = append(ins, startWith(t, db.Pool, "b1", cfg, func(r *runner.Runner) error { return r.RegisterSharded(job("svc-b"), 4) }))
 	ran := func() int {
 		return queryInt(t, db, "SELECT count(DISTINCT (job, shard)) FROM "+tbl(db, "effects"))
 	}
@@ -218,18 +218,17 @@ func TestGracefulLeaveHandsOverAtOnce(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	job := runner.Job{Name: "handover", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}
-	cfg := func(who string) runner.Config {
-		return runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second},
-			RebalanceInterval: 10 * time.Second}
+	cfg := func(who string) (lock.Config, runner.Config) {
+		return lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second}, runner.Config{RebalanceInterval: 10 * time.Second}
 	}
 	held := func(who string) int {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_leases")+
 			" WHERE name LIKE 'pgfence/job/handover/%' AND holder = $1 AND expires_at > now()", who)
 	}
-	a := start(t, db.Pool, cfg("a"), func(r *runner.Runner) error { return r.RegisterSharded(job, 8) })
+	a := startWith(t, db.Pool, "a", cfg, func(r *runner.Runner) error { return r.RegisterSharded(job, 8) })
 	waitFor(t, 15*time.Second, "a to hold all 8 shards", func() bool { return held("a") == 8 })
 	joined := time.Now()
-	start(t, db.Pool, cfg("b"), func(r *runner.Runner) error { return r.RegisterSharded(job, 8) })
+	startWith(t, db.Pool, "b", cfg, func(r *runner.Runner) error { return r.RegisterSharded(job, 8) })
 	waitFor(t, 5*time.Second, "the join to be rebalanced without waiting for a heartbeat",
 		func() bool { return held("a") == 4 && held("b") == 4 })
 	t.Logf("join rebalanced in %v (RebalanceInterval 10s)", time.Since(joined))
@@ -248,8 +247,7 @@ func TestHeartbeatsDoNotStarve(t *testing.T) {
 	ctx := pgtest.Context(t, time.Minute)
 	pool := pgtest.NewPool(t, "starve-hb", func(c *pgxpool.Config) { c.MaxConns = 2 })
 	job := runner.Job{Name: "hb", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}
-	in := start(t, pool, runner.Config{Lock: lock.Config{Schema: db.Schema, Holder: "hb", TTL: 600 * time.Millisecond},
-		RebalanceInterval: 100 * time.Millisecond}, func(r *runner.Runner) error { return r.RegisterSharded(job, 2) })
+	in := start(t, pool, lock.Config{Schema: db.Schema, Holder: "hb", TTL: 600 * time.Millisecond}, runner.Config{RebalanceInterval: 100 * time.Millisecond}, func(r *runner.Runner) error { return r.RegisterSharded(job, 2) })
 	live := func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_instances")+" WHERE id = 'hb' AND expires_at > now()") == 1
 	}

@@ -81,6 +81,7 @@ func (w *worker) loop(ctx context.Context) {
 		Client: w.r.lc,
 		Name:   w.leaseName(),
 		Lead: func(ctx context.Context, l *lock.Lease) error {
+			defer w.r.hold(l)()
 			log.Info("pgfence runner: leading", "token", l.Token())
 			w.event(LeadershipGained, time.Time{}, l, 0, nil)
 			return w.lead(ctx, l)
@@ -163,7 +164,7 @@ func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
 				return
 			}
 			w.log().Warn("pgfence runner: claim failed; retrying", "slot", slot, "err", err)
-			wait.Sleep(ctx, w.r.cfg.Lock.PollInterval)
+			wait.Sleep(ctx, w.r.lcfg.PollInterval)
 			continue
 		}
 		if !claimed {
@@ -256,7 +257,7 @@ func (w *worker) claim(ctx context.Context, t *term, slot time.Time) (attempt in
 		return 0, false, err
 	}
 	err = w.r.pool.QueryRow(ctx, t.claim, t.args(w.j.Name, w.shard, slot, int64(l.Token()),
-		w.r.cfg.Lock.Holder, w.j.Retry.MaxAttempts)...).Scan(&attempt)
+		w.r.lcfg.Holder, w.j.Retry.MaxAttempts)...).Scan(&attempt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, false, nil
 	}

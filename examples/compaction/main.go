@@ -73,7 +73,14 @@ func run(schema string, duration time.Duration, replicas int) error {
 	defer stopReplicas()
 	var wg sync.WaitGroup
 	for i := 1; i <= replicas; i++ {
-		r, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: schema, Holder: fmt.Sprintf("replica-%d", i), TTL: 2 * time.Second, PollInterval: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, OnEvent: func(e runner.Event) {
+		// Each replica has one lock client, which its runner uses.
+		client, err := lock.New(pool, lock.Config{Schema: schema, Holder: fmt.Sprintf("replica-%d", i), TTL: 2 * time.Second,
+			PollInterval: 100 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		if err != nil {
+			return err
+		}
+		defer client.Close(context.Background())
+		r, err := runner.New(client, runner.Config{OnEvent: func(e runner.Event) {
 			switch e.Kind {
 			case runner.RunSucceeded:
 				succeeded.Add(1)

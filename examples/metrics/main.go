@@ -76,7 +76,7 @@ func run(ctx context.Context, pool *pgxpool.Pool, schema string, out io.Writer) 
 		return err
 	}
 
-	r, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: schema, MeterProvider: mp}})
+	r, err := runner.New(c, runner.Config{}) // the same client: one renewer, one listener
 	if err != nil {
 		return err
 	}

@@ -262,8 +262,13 @@ func TestPatroniFailovers(t *testing.T) {
 	}
 	var replicas sync.WaitGroup
 	for i := range 2 {
-		rn, err := runner.New(connect(t, pc.URL()), runner.Config{Lock: lock.Config{Schema: "pgfence", TTL: haLeaseTTL,
-			Holder: fmt.Sprintf("runner-%d", i), Logger: pgtest.Quiet}})
+		rc, err := lock.New(connect(t, pc.URL()), lock.Config{Schema: "pgfence", TTL: haLeaseTTL,
+			Holder: fmt.Sprintf("runner-%d", i), Logger: pgtest.Quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = rc.Close(context.Background()) })
+		rn, err := runner.New(rc, runner.Config{})
 		if err != nil {
 			t.Fatal(err)
 		}

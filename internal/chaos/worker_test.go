@@ -92,7 +92,9 @@ func workerMain() int {
 		fmt.Fprintln(os.Stderr, "worker:", err)
 		return 1
 	}
-	r, err := runner.New(pool, runner.Config{Lock: lock.Config{Schema: "pgfence", Holder: holder, TTL: leaseTTL, RenewInterval: leaseTTL / 4, PollInterval: 50 * time.Millisecond, Logger: quiet}, RebalanceInterval: 200 * time.Millisecond, ShutdownTimeout: 2 * time.Second})
+	// One client for the register's lease and the runner's jobs, as in an
+	// application.
+	r, err := runner.New(lc, runner.Config{RebalanceInterval: 200 * time.Millisecond, ShutdownTimeout: 2 * time.Second})
 	if err == nil {
 		err = r.Register(runner.Job{Name: chargeJob, Schedule: "@every 1s", Run: chargeFn(pool, fenced, rand.New(rand.NewPCG(seed, uint64(id)+100)))})
 	}

@@ -29,7 +29,7 @@ import (
 )
 
 // ErrMissing is returned when Patroni or etcd is not installed.
-var ErrMissing = errors.New("patroni: the patroni and etcd binaries are needed; " +
+var ErrMissing = errors.New("patroni: patroni and etcd are not on PATH; " +
 	"install them (Debian: apt-get install patroni etcd-server)")
 
 // TTL and LoopWait are the cluster's Patroni timings: a crashed primary is
@@ -68,15 +68,11 @@ type Node struct {
 	waitDone   chan struct{}
 }
 
+// lookPath finds a tool on PATH, as every test that needs one does, so
+// that taking it off PATH is how a test run does without it.
 func lookPath(name string) (string, error) {
 	if p, err := exec.LookPath(name); err == nil {
 		return p, nil
-	}
-	for _, d := range []string{"/usr/bin", "/usr/sbin", "/usr/local/bin"} {
-		p := filepath.Join(d, name)
-		if _, err := os.Stat(p); err == nil {
-			return p, nil
-		}
 	}
 	return "", ErrMissing
 }
