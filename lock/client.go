@@ -21,11 +21,19 @@ import (
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
-// Client acquires and renews leases. It is safe for concurrent use. A client
-// runs one background goroutine while it holds leases (the renewer) and one
-// while some Acquire is waiting (the release listener); both stop on their own
-// when idle (the renewer after one RenewInterval without leases), and Close
-// stops them at once.
+// Client acquires and renews leases. It is safe for concurrent use. Its
+// background goroutines, each started when needed and stopped on its own
+// when idle:
+//   - the renewer, while it holds leases (it stops after one RenewInterval
+//     without any), on a connection of its own;
+//   - the release listener, while an Acquire waits or a Watch is open (it
+//     lingers briefly after the last one ends), on a connection taken out of
+//     the pool;
+//   - the poller, while an Acquire waits;
+//   - one per acquisition given up with its outcome unknown, which frees the
+//     lease once the server has let go of it (at most 5s).
+//
+// Close stops them all and waits for them.
 type Client struct {
 	pool *pgxpool.Pool
 	cfg  Config
@@ -38,8 +46,11 @@ type Client struct {
 	renewing bool
 	kick     chan struct{} // wakes the renewer on Close
 	closed   bool
-	wg       sync.WaitGroup
-	stats    stats
+	wg       sync.WaitGroup // every background goroutine
+
+	closeOnce sync.Once
+	closeErr  error
+	stats     stats
 
 	verified atomic.Bool   // the schema version was checked
 	backoff  retry.Backoff // after transient errors
@@ -494,9 +505,16 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 }
 
 // Close releases every lease the client holds (their contexts are cancelled
-// with ErrReleased) and stops its goroutines. Later acquisitions fail with
-// ErrClosed. It returns the first release error.
+// with ErrReleased) and stops its goroutines, then waits for them. Later
+// acquisitions fail with ErrClosed. It returns the first release error. It
+// runs once: later and concurrent calls wait for the first and return its
+// result.
 func (c *Client) Close(ctx context.Context) error {
+	c.closeOnce.Do(func() { c.closeErr = c.close(ctx) })
+	return c.closeErr
+}
+
+func (c *Client) close(ctx context.Context) error {
 	c.mu.Lock()
 	c.closed = true
 	leases := make([]*Lease, 0, len(c.held))

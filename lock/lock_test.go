@@ -872,3 +872,37 @@ func TestWaitersPollOncePerInterval(t *testing.T) {
 		}
 	}
 }
+
+// Close runs once: concurrent and later calls wait for the first and return
+// its result, and the client refuses acquisitions afterwards.
+func TestCloseIsIdempotent(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := c.TryAcquire(ctx, "closing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 4)
+	for range 4 {
+		go func() { errs <- c.Close(ctx) }()
+	}
+	for range 4 {
+		if err := <-errs; err != nil {
+			t.Errorf("concurrent Close: %v", err)
+		}
+	}
+	if err := c.Close(ctx); err != nil {
+		t.Errorf("Close again: %v", err)
+	}
+	if !errors.Is(l.Err(), lock.ErrReleased) {
+		t.Errorf("the lease after Close: %v, want ErrReleased", l.Err())
+	}
+	if _, err := c.TryAcquire(ctx, "after-close"); !errors.Is(err, lock.ErrClosed) {
+		t.Errorf("TryAcquire after Close: %v, want ErrClosed", err)
+	}
+}

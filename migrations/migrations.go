@@ -66,6 +66,25 @@ const VersionTable = schemaver.VersionTable
 // lock.Config, runner.Config, fence.Guard, fence.Resource and the CLI.
 const DefaultSchema = ident.DefaultSchema
 
+// MinServerVersion is the oldest PostgreSQL pgfence runs on, as
+// server_version_num: 13, the first with pg_current_xact_id and
+// pg_xact_status on 64-bit transaction ids (how a lost COMMIT reply is
+// resolved). The tests run on 15.
+const MinServerVersion = 130000
+
+// ErrUnsupportedServer is returned by Up for a server older than
+// MinServerVersion.
+var ErrUnsupportedServer = errors.New("migrations: unsupported PostgreSQL version")
+
+// checkServer refuses a server_version_num below MinServerVersion.
+func checkServer(num int) error {
+	if num < MinServerVersion {
+		return fmt.Errorf("%w: the server's server_version_num is %d; pgfence needs PostgreSQL %d or newer (%d)",
+			ErrUnsupportedServer, num, MinServerVersion/10000, MinServerVersion)
+	}
+	return nil
+}
+
 // ErrNilPool is returned when a nil pool is passed.
 var ErrNilPool = errors.New("migrations: nil pool")
 
@@ -90,6 +109,13 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 		return 0, fmt.Errorf("migrations: %w", err)
 	}
 	schema = ident.Schema(schema)
+	var version int
+	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version); err != nil {
+		return 0, fmt.Errorf("migrations: read the server version: %w", err)
+	}
+	if err := checkServer(version); err != nil {
+		return 0, err
+	}
 	if err := createSchema(ctx, pool, schema); err != nil {
 		return 0, err
 	}

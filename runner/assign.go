@@ -16,8 +16,9 @@ import (
 // highest-ranked member that has fewer than ceil(shards/len(members)) shards
 // already, shards taken in a fixed order. Plain rendezvous hashing moves only
 // the shards of a member that joins or leaves (about 1/n) but leaves loads
-// uneven (1,024 shards over 8 members: about 105 to 150); the bound makes
-// them even (at most one apart from the mean's ceiling) at the cost of a few
+// uneven (1,024 shards over 8 members: about 105 to 150); the bound caps
+// every member at ceil(shards/n), and the members below the cap share what
+// is left (1,024 over 7: six of 147 and one of 142), at the cost of a few
 // more moves per change (BENCHMARKS.md). Hashing the job name in means that
 // shard 0 of every job does not land on the same instance.
 func assign(job string, shards int, members []string) []int {
