@@ -5,7 +5,6 @@ import (
 	cryptorand "crypto/rand"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -569,14 +568,6 @@ func (c *Client) poke() {
 	case c.kick <- struct{}{}:
 	default:
 	}
-}
-
-// jitter spreads d by ±25% so that many waiters do not retry in lockstep.
-func (c *Client) jitter(d time.Duration) time.Duration {
-	if d <= 0 {
-		return d
-	}
-	return d*3/4 + time.Duration(rand.Int64N(int64(d)/2+1))
 }
 
 // explain adds what to do to a database error caused by the deployment: a

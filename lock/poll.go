@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/retry"
 )
 
 // poller keeps watch over every lease this client's blocked Acquires wait
@@ -170,7 +172,7 @@ func (p *poller) run() {
 // when to poll next (the next interval, or just after the soonest expiry).
 func (p *poller) poll(ctx context.Context, names []string) (time.Duration, []string, error) {
 	iv := p.c.cfg.PollInterval
-	next := p.c.jitter(iv)
+	next := retry.Spread(iv)
 	rows, err := p.c.pool.Query(ctx, p.c.q.pollWaited, names, (4 * iv).Microseconds(), (2 * iv).Microseconds())
 	if err != nil {
 		return next, nil, err

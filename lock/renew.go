@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ownconn"
+	"github.com/pgfence/pgfence/internal/retry"
 )
 
 // renewLoop renews every held lease once per RenewInterval, in one statement,
@@ -26,7 +27,10 @@ func (c *Client) renewLoop() {
 	own := ownconn.New(c.pool)
 	defer own.Close()
 	wait := c.cfg.RenewInterval
+	// A failed renewal is retried sooner: after a quarter interval, at most.
+	again := retry.Backoff{Base: c.cfg.RenewInterval / 4, Max: c.cfg.RenewInterval / 4}
 	failing := false // log once per change between healthy and failing
+	failures := 0
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
@@ -61,12 +65,14 @@ func (c *Client) renewLoop() {
 			}
 			failing = true
 			c.failing.Store(true)
-			wait = c.jitter(c.cfg.RenewInterval / 4)
+			wait = again.Wait(failures)
+			failures++
 		} else {
 			if failing {
 				c.cfg.Logger.Info("pgfence: renewals healthy again", "leases", len(batch))
 			}
 			failing = false
+			failures = 0
 			c.failing.Store(false)
 			wait = c.cfg.RenewInterval
 		}

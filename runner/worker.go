@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
 )
@@ -153,7 +154,8 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 // runSlot claims slot and runs it, with retries, while the lease holds.
 func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
 	l := t.lease
-	for ctx.Err() == nil {
+	again := retry.Backoff{Base: w.r.lcfg.PollInterval, Max: 10 * w.r.lcfg.PollInterval}
+	for failures := 0; ctx.Err() == nil; {
 		attempt, claimed, err := w.claim(ctx, t, slot)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, fence.ErrFenced) {
@@ -164,7 +166,8 @@ func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
 				return
 			}
 			w.log().Warn("pgfence runner: claim failed; retrying", "slot", slot, "err", err)
-			wait.Sleep(ctx, w.r.lcfg.PollInterval)
+			wait.Sleep(ctx, again.Wait(failures))
+			failures++
 			continue
 		}
 		if !claimed {

@@ -140,6 +140,15 @@ func (b Backoff) Ceiling(n int) time.Duration {
 	return min(d, b.Max)
 }
 
+// Spread returns d spread by ±25%, for a fixed interval that many clients
+// keep (polling), so that they do not act in lockstep.
+func Spread(d time.Duration) time.Duration {
+	if d <= 0 {
+		return d
+	}
+	return d*3/4 + time.Duration(rand.Int64N(int64(d)/2+1))
+}
+
 // Wait returns the n-th wait, jittered.
 func (b Backoff) Wait(n int) time.Duration {
 	d := b.Ceiling(n)

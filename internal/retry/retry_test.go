@@ -97,3 +97,22 @@ func TestBackoff(t *testing.T) {
 		t.Errorf("Ceiling of a huge attempt = %v, want the cap", got)
 	}
 }
+
+// Spread keeps a fixed interval within ±25%, and varies it.
+func TestSpread(t *testing.T) {
+	const d = 100 * time.Millisecond
+	seen := map[time.Duration]bool{}
+	for range 1000 {
+		got := Spread(d)
+		if got < d*3/4 || got > d*5/4 {
+			t.Fatalf("Spread(%v) = %v, outside ±25%%", d, got)
+		}
+		seen[got] = true
+	}
+	if len(seen) < 10 {
+		t.Fatalf("Spread gave %d distinct values in 1000 calls", len(seen))
+	}
+	if Spread(0) != 0 || Spread(-time.Second) != -time.Second {
+		t.Fatal("Spread of a non-positive interval changed it")
+	}
+}
