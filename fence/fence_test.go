@@ -623,7 +623,7 @@ func TestFoldedCheck(t *testing.T) {
 			return err
 		}
 		_, err = db.Pool.Exec(ctx, "INSERT INTO "+tbl+" SELECT $1 FROM (SELECT "+f.Expr+") f", append([]any{v}, f.Args...)...)
-		return g.Err(err)
+		return f.Err(err)
 	}
 	if err := insert(old, 1); err != nil {
 		t.Fatal(err)

@@ -276,6 +276,20 @@ type Folded struct {
 	// Args are the values of Expr's two parameters, to append after the
 	// statement's own arguments.
 	Args []any
+
+	lease string
+	token Token
+}
+
+// Err turns the errors the check raises in a statement built with the
+// folded expression into this package's typed errors (a *StaleTokenError,
+// ErrUnknownLease, ErrTokenNotIssued), and returns any other error, and nil,
+// as it is.
+func (f Folded) Err(err error) error {
+	if err == nil {
+		return nil
+	}
+	return translate(err, f.lease, f.token)
 }
 
 // Fold returns the guard's check as an SQL expression for a statement that
@@ -289,7 +303,7 @@ type Folded struct {
 //	}
 //	_, err = pool.Exec(ctx, `UPDATE jobs SET state = $1 FROM (SELECT `+f.Expr+`) f WHERE id = $2`,
 //		append([]any{state, id}, f.Args...)...)
-//	err = g.Err(err)
+//	err = f.Err(err) // a *StaleTokenError when no longer the holder
 //
 // The expression must be evaluated before the statement writes (a FROM
 // subquery or a CTE referenced in FROM is), and the statement's transaction
@@ -304,20 +318,13 @@ func (g Guard) Fold(n int) (Folded, error) {
 		return Folded{}, fmt.Errorf("fence: Fold: %d parameters", n)
 	}
 	return Folded{
-		Expr: fmt.Sprintf("%s($%d::text, $%d::bigint)", ident.Table(g.Schema, "pgfence_check"), n+1, n+2),
-		Args: []any{g.Lease, int64(g.Token)},
+		Expr:  fmt.Sprintf("%s($%d::text, $%d::bigint)", ident.Table(g.Schema, "pgfence_check"), n+1, n+2),
+		Args:  []any{g.Lease, int64(g.Token)},
+		lease: g.Lease,
+		token: g.Token,
 	}, nil
 }
 
 // Validate reports whether the guard's fields are usable (name, token >= 1,
 // schema), with the same errors Check returns.
 func (g Guard) Validate() error { return g.validate() }
-
-// Err turns the errors the database's fence raises (in a statement built with
-// Fold) into this package's typed errors, and returns any other error as is.
-func (g Guard) Err(err error) error {
-	if err == nil {
-		return nil
-	}
-	return translate(err, g.Lease, g.Token)
-}

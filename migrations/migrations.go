@@ -5,8 +5,9 @@
 // version table (pgfence_db_version) so it never touches the goose table of the
 // application that imports pgfence. Applications that run their own goose
 // migrations keep doing so for their own schema and call [Up] (or use
-// [NewProvider] for goose's full API) for pgfence's: do not fold [FS] into
-// your own goose run, whose version numbers would collide with pgfence's.
+// [NewProvider] for goose's full API) for pgfence's: do not fold the files
+// of [FS] into your own goose run, whose version numbers would collide with
+// pgfence's.
 //
 // The history is one migration per area (leases, fences, runner), each the
 // complete definition of its objects; releases add migrations after them.
@@ -55,9 +56,14 @@ import (
 //go:embed sql/*.sql
 var embedded embed.FS
 
-// FS is the migrations directory: goose SQL files at its root, for reading
-// (and for tools that inspect them). Apply them with Up or NewProvider.
-var FS fs.FS = mustSub(embedded, "sql")
+// files is the migrations directory: goose SQL files at its root.
+var files = mustSub(embedded, "sql")
+
+// FS returns the migrations directory (goose SQL files at its root), for
+// reading and for tools that inspect them. Apply them with Up or
+// NewProvider. It is a function, not a variable, so that nothing can swap
+// the migrations Up applies.
+func FS() fs.FS { return files }
 
 // VersionTable is the name of pgfence's goose version table.
 const VersionTable = schemaver.VersionTable
@@ -273,7 +279,7 @@ var sources = mustSources()
 const Latest = schemaver.Latest
 
 func mustSources() []MigrationStatus {
-	names, err := fs.Glob(FS, "*.sql")
+	names, err := fs.Glob(files, "*.sql")
 	if err != nil {
 		panic(err)
 	}
@@ -313,7 +319,7 @@ func NewProvider(pool *pgxpool.Pool, schema string) (*goose.Provider, error) {
 	cfg.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
 	db := stdlib.OpenDB(*cfg)
 	db.SetMaxOpenConns(2)
-	p, err := goose.NewProvider(goose.DialectPostgres, db, FS,
+	p, err := goose.NewProvider(goose.DialectPostgres, db, files,
 		goose.WithTableName(VersionTable),
 		goose.WithDisableGlobalRegistry(true),
 		goose.WithSessionLocker(sessionLocker(lockID(schema))),

@@ -36,8 +36,9 @@ type TB interface {
 	Cleanup(func())
 }
 
-// EnvURL lists the environment variables New reads, in order.
-var EnvURL = []string{"PGFENCE_TEST_DATABASE_URL", "TEST_DATABASE_URL", "DATABASE_URL"}
+// envURL lists the environment variables New reads, in order (see the
+// package documentation).
+var envURL = []string{"PGFENCE_TEST_DATABASE_URL", "TEST_DATABASE_URL", "DATABASE_URL"}
 
 // DB is one test's pgfence schema.
 type DB struct {
@@ -70,7 +71,7 @@ var ErrNoDatabase = errors.New("no database: set PGFENCE_TEST_DATABASE_URL (or T
 // returns the fresh schema and a function that drops it and closes the pool.
 func Open(ctx context.Context) (*DB, func(), error) {
 	var url string
-	for _, v := range EnvURL {
+	for _, v := range envURL {
 		if url = os.Getenv(v); url != "" {
 			break
 		}

@@ -147,7 +147,7 @@ func TestExpireCatchesALoopThatIgnoresItsLease(t *testing.T) {
 // New without a database fails the test with a message that says how to
 // provide one.
 func TestNewWithoutADatabase(t *testing.T) {
-	for _, v := range pgfencetest.EnvURL {
+	for _, v := range []string{"PGFENCE_TEST_DATABASE_URL", "TEST_DATABASE_URL", "DATABASE_URL"} { // the documented ones
 		t.Setenv(v, "")
 	}
 	r := &recorder{T: t}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/pgfence/pgfence/fence"
@@ -84,12 +85,13 @@ const (
 )
 
 var (
-	// ErrInvalidJob is returned by Register for a job that cannot run: no
-	// name, no Run function, negative values, a bad shard count. The
-	// error's text names the field.
+	// ErrInvalidJob is matched by every *JobError: Register refused a job
+	// that cannot run (no name, no Run function, negative values, a bad
+	// shard count, a bad schedule).
 	ErrInvalidJob = errors.New("runner: invalid job")
-	// ErrInvalidSchedule is returned by Register for a schedule that does
-	// not parse. It also matches ErrInvalidJob.
+	// ErrInvalidSchedule is returned by ParseSchedule for a schedule that
+	// does not parse, and matched by a *JobError for the Schedule field.
+	// It also matches ErrInvalidJob.
 	ErrInvalidSchedule = fmt.Errorf("%w: schedule", ErrInvalidJob)
 	// ErrDuplicateJob is returned by Register when the name is taken.
 	ErrDuplicateJob = errors.New("runner: duplicate job name")
@@ -101,28 +103,55 @@ var (
 	ErrFenced error = runFenced{}
 )
 
+// JobError says which field of a job Register refused, and why, as
+// ConfigError does for Config. It matches ErrInvalidJob, and
+// ErrInvalidSchedule too when the Schedule is at fault.
+type JobError struct {
+	// Job is the job's name (as given; it may be the invalid field).
+	Job string
+	// Field is the Job field at fault: Name, Run, Schedule, Timeout,
+	// Retry, Missed, or "shards" for RegisterSharded's count.
+	Field string
+	// Reason says what is wrong.
+	Reason string
+	// Err is the schedule's parse error (Field "Schedule"), else nil.
+	Err error
+}
+
+// Error names the job, the field and the problem.
+func (e *JobError) Error() string {
+	return fmt.Sprintf("runner: invalid job %q: %s: %s", e.Job, e.Field, e.Reason)
+}
+
+// Is makes errors.Is(err, ErrInvalidJob) true.
+func (e *JobError) Is(target error) bool { return target == ErrInvalidJob }
+
+// Unwrap returns the schedule's parse error, which matches
+// ErrInvalidSchedule.
+func (e *JobError) Unwrap() error { return e.Err }
+
 func (j *Job) validate() (Schedule, error) {
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("%w: %s", ErrInvalidJob, fmt.Sprintf(format, args...))
+	bad := func(field, format string, args ...any) error {
+		return &JobError{Job: j.Name, Field: field, Reason: fmt.Sprintf(format, args...)}
 	}
 	if err := fence.ValidateName(j.Name); err != nil || len(j.Name) > 200 {
-		return nil, bad("Name %q: 1-200 bytes of UTF-8 without NUL", j.Name)
+		return nil, bad("Name", "1-200 bytes of UTF-8 without NUL")
 	}
 	if j.Run == nil {
-		return nil, bad("job %q: Run is nil", j.Name)
+		return nil, bad("Run", "nil")
 	}
 	if j.Timeout < 0 {
-		return nil, bad("job %q: Timeout %v is negative", j.Name, j.Timeout)
+		return nil, bad("Timeout", "%v is negative", j.Timeout)
 	}
 	if j.Retry.MaxAttempts < 0 || j.Retry.Backoff < 0 || j.Retry.MaxBackoff < 0 {
-		return nil, bad("job %q: Retry has a negative value", j.Name)
+		return nil, bad("Retry", "a negative value")
 	}
 	if j.Missed != RunLatest && j.Missed != Skip {
-		return nil, bad("job %q: unknown Missed policy %d", j.Name, j.Missed)
+		return nil, bad("Missed", "unknown policy %d", j.Missed)
 	}
 	sched, err := ParseSchedule(j.Schedule)
 	if err != nil {
-		return nil, fmt.Errorf("job %q: %w", j.Name, err)
+		return nil, &JobError{Job: j.Name, Field: "Schedule", Reason: strings.TrimPrefix(err.Error(), ErrInvalidSchedule.Error()+": "), Err: err}
 	}
 	if j.Retry.MaxAttempts == 0 {
 		j.Retry.MaxAttempts = 1

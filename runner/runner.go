@@ -91,8 +91,9 @@ func (r *Runner) Instance() string { return r.lcfg.Holder }
 // it stops or loses it, so one replica may lead many singleton jobs). To
 // spread many jobs over the replicas, register each with RegisterSharded(j,
 // 1) instead, at the price of a slower takeover after a crash (the TTL plus
-// up to one RebalanceInterval). It returns ErrInvalidJob /
-// ErrInvalidSchedule (naming the problem), ErrDuplicateJob, or ErrRunning.
+// up to one RebalanceInterval). It returns a *JobError naming the field at
+// fault (it matches ErrInvalidJob, and ErrInvalidSchedule for the
+// schedule), ErrDuplicateJob, or ErrRunning.
 func (r *Runner) Register(j Job) error { return r.register(j, 0) }
 
 // RegisterSharded adds a job with shards shards: each shard has its own lease
@@ -101,7 +102,7 @@ func (r *Runner) Register(j Job) error { return r.register(j, 0) }
 // shards must be at least 1.
 func (r *Runner) RegisterSharded(j Job, shards int) error {
 	if shards < 1 || shards > 1<<16 {
-		return fmt.Errorf("%w: job %q: shards must be between 1 and 65536, got %d", ErrInvalidJob, j.Name, shards)
+		return &JobError{Job: j.Name, Field: "shards", Reason: fmt.Sprintf("must be between 1 and 65536, got %d", shards)}
 	}
 	return r.register(j, shards)
 }

@@ -255,23 +255,28 @@ func TestBadInput(t *testing.T) {
 		t.Fatal(err)
 	}
 	ok := func(context.Context, *runner.Run) error { return nil }
+	// Each refusal is a *JobError naming the field, as ConfigError does.
 	cases := []struct {
-		name string
-		err  error
-		want error
+		name  string
+		err   error
+		want  error
+		field string
 	}{
-		{"bad cron", r.Register(runner.Job{Name: "a", Schedule: "61 * * * *", Run: ok}), runner.ErrInvalidSchedule},
-		{"bad cron tz", r.Register(runner.Job{Name: "a", Schedule: "CRON_TZ=Mars/Olympus 0 2 * * *", Run: ok}), runner.ErrInvalidSchedule},
-		{"bad every", r.Register(runner.Job{Name: "a", Schedule: "@every -5m", Run: ok}), runner.ErrInvalidSchedule},
-		{"empty schedule", r.Register(runner.Job{Name: "a", Run: ok}), runner.ErrInvalidJob},
-		{"nil run", r.Register(runner.Job{Name: "a", Schedule: "@every 1m"}), runner.ErrInvalidJob},
-		{"no name", r.Register(runner.Job{Schedule: "@every 1m", Run: ok}), runner.ErrInvalidJob},
-		{"zero shards", r.RegisterSharded(runner.Job{Name: "s", Schedule: "@every 1m", Run: ok}, 0), runner.ErrInvalidJob},
-		{"negative timeout", r.Register(runner.Job{Name: "a", Schedule: "@every 1m", Run: ok, Timeout: -1}), runner.ErrInvalidJob},
+		{"bad cron", r.Register(runner.Job{Name: "a", Schedule: "61 * * * *", Run: ok}), runner.ErrInvalidSchedule, "Schedule"},
+		{"bad cron tz", r.Register(runner.Job{Name: "a", Schedule: "CRON_TZ=Mars/Olympus 0 2 * * *", Run: ok}), runner.ErrInvalidSchedule, "Schedule"},
+		{"bad every", r.Register(runner.Job{Name: "a", Schedule: "@every -5m", Run: ok}), runner.ErrInvalidSchedule, "Schedule"},
+		{"every below the floor", r.Register(runner.Job{Name: "a", Schedule: "@every 1ms", Run: ok}), runner.ErrInvalidSchedule, "Schedule"},
+		{"empty schedule", r.Register(runner.Job{Name: "a", Run: ok}), runner.ErrInvalidJob, "Schedule"},
+		{"nil run", r.Register(runner.Job{Name: "a", Schedule: "@every 1m"}), runner.ErrInvalidJob, "Run"},
+		{"no name", r.Register(runner.Job{Schedule: "@every 1m", Run: ok}), runner.ErrInvalidJob, "Name"},
+		{"zero shards", r.RegisterSharded(runner.Job{Name: "s", Schedule: "@every 1m", Run: ok}, 0), runner.ErrInvalidJob, "shards"},
+		{"negative timeout", r.Register(runner.Job{Name: "a", Schedule: "@every 1m", Run: ok, Timeout: -1}), runner.ErrInvalidJob, "Timeout"},
+		{"unknown missed policy", r.Register(runner.Job{Name: "a", Schedule: "@every 1m", Run: ok, Missed: 9}), runner.ErrInvalidJob, "Missed"},
 	}
 	for _, tc := range cases {
-		if !errors.Is(tc.err, tc.want) {
-			t.Errorf("%s: err = %v, want %v", tc.name, tc.err, tc.want)
+		var je *runner.JobError
+		if !errors.Is(tc.err, tc.want) || !errors.As(tc.err, &je) || je.Field != tc.field {
+			t.Errorf("%s: err = %v, want %v naming field %s", tc.name, tc.err, tc.want, tc.field)
 		}
 	}
 	if err := r.Register(runner.Job{Name: "dup", Schedule: "CRON_TZ=Europe/Paris 0 2 * * *", Run: ok}); err != nil {

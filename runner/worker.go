@@ -34,7 +34,7 @@ type worker struct {
 type term struct {
 	lease                *lock.Lease
 	claim, succeed, fail string
-	fence                []any // the fold's arguments, after each statement's own
+	fold                 fence.Folded // its Args follow each statement's own
 }
 
 // newTerm builds the term's fenced statements.
@@ -50,13 +50,13 @@ func (w *worker) newTerm(l *lock.Lease) (*term, error) {
 		if err != nil {
 			return nil, err
 		}
-		*st.sql, t.fence = st.build(f.Expr), f.Args
+		*st.sql, t.fold = st.build(f.Expr), f
 	}
 	return t, nil
 }
 
 // args are a statement's own arguments followed by the fold's.
-func (t *term) args(own ...any) []any { return append(own, t.fence...) }
+func (t *term) args(own ...any) []any { return append(own, t.fold.Args...) }
 
 func (w *worker) leaseName() string {
 	if w.j.shards == 0 {
@@ -207,12 +207,11 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 	// has begun; the folded fence, not the context, decides whether it may.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
 	defer cancel()
-	g := l.Guard()
 	var err error
 	if runErr == nil {
 		var tag pgconn.CommandTag
 		tag, err = w.r.pool.Exec(ctx, t.succeed, t.args(w.j.Name, w.shard, slot, int64(l.Token()))...)
-		if err = g.Err(err); err == nil && tag.RowsAffected() != 1 {
+		if err = t.fold.Err(err); err == nil && tag.RowsAffected() != 1 {
 			err = ErrFenced
 		}
 		if err == nil {
@@ -221,7 +220,7 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 		}
 	} else {
 		_, err = w.r.pool.Exec(ctx, t.fail, t.args(w.j.Name, w.shard, slot, int64(l.Token()), runErr.Error())...)
-		if err = g.Err(err); err == nil {
+		if err = t.fold.Err(err); err == nil {
 			retry := attempt < w.j.Retry.MaxAttempts
 			w.log().Error("pgfence runner: run failed", "slot", slot, "attempt", attempt, "token", l.Token(),
 				"retry", retry, "err", runErr)
@@ -264,7 +263,7 @@ func (w *worker) claim(ctx context.Context, t *term, slot time.Time) (attempt in
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, false, nil
 	}
-	return attempt, err == nil, l.Guard().Err(err)
+	return attempt, err == nil, t.fold.Err(err)
 }
 
 // call runs the job function with its timeout, turning a panic into an error.
