@@ -39,10 +39,14 @@ type Guard struct {
 	Metrics *Metrics
 }
 
-// Beginner starts transactions: *pgxpool.Pool, *pgx.Conn and pgx.Tx (for a
-// savepoint) all satisfy it.
-type Beginner interface {
+// DB is the database handle pgfence's functions take: *pgxpool.Pool,
+// *pgx.Conn and pgx.Tx (a savepoint for Begin) all satisfy it. It is the one
+// executor interface of pgfence's packages (fence, runner, migrations).
+type DB interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
 // MaxAttempts is how many times RunTx runs a transaction that provably did
@@ -143,7 +147,7 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // last such failure is ErrNotCommitted). ErrOutcomeUnknown is left for when
 // the server cannot be asked: db is a single connection, the server is
 // unreachable for wait.CleanupTimeout (5s), or it has failed over since.
-func (g Guard) RunTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) error {
+func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error {
 	if err := g.validate(); err != nil {
 		return err
 	}
@@ -167,7 +171,7 @@ func (g Guard) RunTx(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error)
 
 // runOnce runs one attempt; committing reports that COMMIT was sent (its
 // error, if any, is final).
-func (g Guard) runOnce(ctx context.Context, db Beginner, fn func(tx pgx.Tx) error) (committing bool, err error) {
+func (g Guard) runOnce(ctx context.Context, db DB, fn func(tx pgx.Tx) error) (committing bool, err error) {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return false, err
@@ -191,7 +195,7 @@ func (g Guard) runOnce(ctx context.Context, db Beginner, fn func(tx pgx.Tx) erro
 // never sent means the transaction did not commit. When the connection
 // broke while COMMIT was in flight, the server is asked on another
 // connection what became of the transaction (resolve).
-func (g Guard) commit(ctx context.Context, db Beginner, t *guardedTx) error {
+func (g Guard) commit(ctx context.Context, db DB, t *guardedTx) error {
 	err := t.Tx.Commit(ctx)
 	if err == nil {
 		return nil
@@ -216,16 +220,10 @@ const resolvePoll = 20 * time.Millisecond
 // wait.CleanupTimeout, or is no longer the one the transaction ran on (its
 // timeline changed: a promoted standby's transaction ids are not the old
 // primary's).
-func (g Guard) resolve(ctx context.Context, db Beginner, t *guardedTx, cause error) error {
+func (g Guard) resolve(ctx context.Context, db DB, t *guardedTx, cause error) error {
 	unknown := func(why string) error { return fmt.Errorf("%w: %w (%s)", ErrOutcomeUnknown, cause, why) }
-	q, ok := db.(interface {
-		QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-	})
-	switch {
-	case t.xid == "":
+	if t.xid == "" {
 		return unknown("the transaction's id was not read")
-	case !ok:
-		return unknown("no other connection to ask the server on")
 	}
 	if c, isConn := db.(*pgx.Conn); isConn && c.IsClosed() {
 		return unknown("its connection is closed and there is no other to ask the server on")
@@ -237,7 +235,7 @@ func (g Guard) resolve(ctx context.Context, db Beginner, t *guardedTx, cause err
 			status   *string
 			timeline int64
 		)
-		err := q.QueryRow(ctx, "SELECT pg_xact_status($1::xid8), "+ident.Table(g.Schema, "pgfence_timeline")+"()", t.xid).Scan(&status, &timeline)
+		err := db.QueryRow(ctx, "SELECT pg_xact_status($1::xid8), "+ident.Table(g.Schema, "pgfence_timeline")+"()", t.xid).Scan(&status, &timeline)
 		switch {
 		case err != nil:
 			return unknown("asking the server failed: " + err.Error())

@@ -112,19 +112,13 @@ func (r Resource) translate(err error, t Token, tx pgx.Tx) error {
 	return fmt.Errorf("fence: admit token %d to resource %q: %w", t, r.Name, hint.Wrap(err, r.Schema, hint.Role(tx)))
 }
 
-// Querier runs a query returning one row: a pool, a connection and a
-// transaction all satisfy it.
-type Querier interface {
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
-
 // Current returns the highest token the resource has admitted, or 0 if it has
 // admitted none.
-func (r Resource) Current(ctx context.Context, q Querier) (Token, error) {
+func (r Resource) Current(ctx context.Context, db DB) (Token, error) {
 	if err := r.validate(1); err != nil {
 		return 0, err
 	}
 	var cur int64
-	err := q.QueryRow(ctx, "SELECT coalesce(max(token), 0) FROM "+ident.Table(r.Schema, "pgfence_fences")+" WHERE resource = $1", r.Name).Scan(&cur)
+	err := db.QueryRow(ctx, "SELECT coalesce(max(token), 0) FROM "+ident.Table(r.Schema, "pgfence_fences")+" WHERE resource = $1", r.Name).Scan(&cur)
 	return Token(cur), err
 }

@@ -5,16 +5,10 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ident"
 )
-
-// Execer runs a statement: a pool, a connection and a transaction all
-// satisfy it.
-type Execer interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-}
 
 // AppGrants returns the statements that give role exactly what an
 // application needs to use pgfence in schema ("" means DefaultSchema; after
@@ -60,43 +54,32 @@ func OperatorGrants(schema, role string) ([]string, error) {
 	}, nil
 }
 
-// GrantApp runs AppGrants on db, in one transaction when db can begin one.
-func GrantApp(ctx context.Context, db Execer, schema, role string) error {
+// GrantApp runs AppGrants on db, in one transaction.
+func GrantApp(ctx context.Context, db fence.DB, schema, role string) error {
 	return grant(ctx, db, AppGrants, schema, role)
 }
 
-// GrantOperator runs OperatorGrants on db.
-func GrantOperator(ctx context.Context, db Execer, schema, role string) error {
+// GrantOperator runs OperatorGrants on db, in one transaction.
+func GrantOperator(ctx context.Context, db fence.DB, schema, role string) error {
 	return grant(ctx, db, OperatorGrants, schema, role)
 }
 
-func grant(ctx context.Context, db Execer, stmts func(string, string) ([]string, error), schema, role string) error {
+func grant(ctx context.Context, db fence.DB, stmts func(string, string) ([]string, error), schema, role string) error {
 	list, err := stmts(schema, role)
 	if err != nil {
 		return err
 	}
-	run := func(e Execer) error {
-		for _, st := range list {
-			if _, err := e.Exec(ctx, st); err != nil {
-				return fmt.Errorf("migrations: grant to %q: %w", role, err)
-			}
-		}
-		return nil
+	tx, err := db.Begin(ctx) // a savepoint when db is a transaction
+	if err != nil {
+		return fmt.Errorf("migrations: grant to %q: %w", role, err)
 	}
-	if b, ok := db.(interface {
-		Begin(context.Context) (pgx.Tx, error)
-	}); ok {
-		tx, err := b.Begin(ctx)
-		if err != nil {
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	for _, st := range list {
+		if _, err := tx.Exec(ctx, st); err != nil {
 			return fmt.Errorf("migrations: grant to %q: %w", role, err)
 		}
-		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
-		if err := run(tx); err != nil {
-			return err
-		}
-		return tx.Commit(ctx)
 	}
-	return run(db)
+	return tx.Commit(ctx)
 }
 
 // quoted validates and quotes the schema and role names.

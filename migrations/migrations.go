@@ -48,6 +48,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/schemaver"
@@ -251,10 +252,6 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 	return rep, nil
 }
 
-// Querier runs a query returning one row: a pool, a connection and a
-// transaction all satisfy it.
-type Querier = schemaver.Querier
-
 // ErrNotMigrated is matched by every *NotMigratedError.
 var ErrNotMigrated = schemaver.ErrNotMigrated
 
@@ -267,8 +264,8 @@ type NotMigratedError = schemaver.NotMigratedError
 // returns a *NotMigratedError when it does not, and the database error when
 // it cannot tell (for instance, the role may not use the schema: 42501,
 // with the grant to run).
-func Verify(ctx context.Context, q Querier, schema string) error {
-	return schemaver.Verify(ctx, q, schema)
+func Verify(ctx context.Context, db fence.DB, schema string) error {
+	return schemaver.Verify(ctx, db, schema)
 }
 
 // sources lists the embedded migrations by version.

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/hint"
@@ -51,15 +50,9 @@ type RunFilter struct {
 	Limit int
 }
 
-// Querier runs queries: a pool, a connection and a transaction all satisfy it.
-type Querier interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-}
-
 // Runs returns recent runs from the ledger in schema ("" means "pgfence"),
 // newest first: for dashboards, and for `pgfence jobs`.
-func Runs(ctx context.Context, q Querier, schema string, f RunFilter) ([]RunInfo, error) {
+func Runs(ctx context.Context, db fence.DB, schema string, f RunFilter) ([]RunInfo, error) {
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
@@ -69,9 +62,9 @@ func Runs(ctx context.Context, q Querier, schema string, f RunFilter) ([]RunInfo
 	if f.Limit < 0 {
 		return nil, fmt.Errorf("runner: RunFilter.Limit %d is negative", f.Limit)
 	}
-	rows, err := q.Query(ctx, newQueries(schema).runs, f.Job, string(f.Status), f.Limit)
+	rows, err := db.Query(ctx, newQueries(schema).runs, f.Job, string(f.Status), f.Limit)
 	if err != nil {
-		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(q)))
+		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
 	runs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (RunInfo, error) {
 		var (
@@ -83,7 +76,7 @@ func Runs(ctx context.Context, q Querier, schema string, f RunFilter) ([]RunInfo
 		return ri, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(q)))
+		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
 	return runs, nil
 }
@@ -92,13 +85,13 @@ func Runs(ctx context.Context, q Querier, schema string, f RunFilter) ([]RunInfo
 // schema ("" means "pgfence"), except the latest slot of each job and shard (a new leader
 // resumes from it), and returns how many it deleted. Runners call it hourly
 // with Config.Retention; `pgfence jobs prune` calls it on demand.
-func Prune(ctx context.Context, q Querier, schema string, before time.Time) (int64, error) {
+func Prune(ctx context.Context, db fence.DB, schema string, before time.Time) (int64, error) {
 	if err := ident.ValidateSchema(schema); err != nil {
 		return 0, fmt.Errorf("runner: %w", err)
 	}
-	tag, err := q.Exec(ctx, newQueries(schema).prune, before)
+	tag, err := db.Exec(ctx, newQueries(schema).prune, before)
 	if err != nil {
-		return 0, fmt.Errorf("runner: prune the ledger: %w", hint.Wrap(err, schema, hint.Role(q)))
+		return 0, fmt.Errorf("runner: prune the ledger: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
 	return tag.RowsAffected(), nil
 }
