@@ -191,20 +191,35 @@ func (g Guard) runOnce(ctx context.Context, db DB, fn func(tx pgx.Tx) error) (co
 	return true, g.commit(ctx, db, gtx)
 }
 
-// commit classifies a failed COMMIT: a server error or a request that was
-// never sent means the transaction did not commit. When the connection
-// broke while COMMIT was in flight, the server is asked on another
-// connection what became of the transaction (resolve).
+// commit classifies a failed COMMIT (aborted): when the server answered
+// COMMIT with an error or a rollback, or the request was never sent, the
+// transaction did not commit. Otherwise (the connection broke while COMMIT
+// was in flight, or the server ended the session: a FATAL error can follow
+// a commit that went through) the server is asked on another connection
+// what became of the transaction (resolve).
 func (g Guard) commit(ctx context.Context, db DB, t *guardedTx) error {
 	err := t.Tx.Commit(ctx)
-	if err == nil {
-		return nil
-	}
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) || errors.Is(err, pgx.ErrTxCommitRollback) || pgconn.SafeToRetry(err) {
+	if err == nil || aborted(err) {
 		return err
 	}
 	return g.resolve(ctx, db, t, err)
+}
+
+// aborted reports a failed COMMIT that certainly did not commit: the server
+// refused it with an ERROR (a serialization failure, a deferred constraint),
+// answered ROLLBACK, or never got it. A FATAL or PANIC (the session
+// terminated, the server shutting down) is not one: it can arrive after the
+// commit record was written, before the reply was sent.
+func aborted(err error) bool {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		sev := pg.SeverityUnlocalized
+		if sev == "" {
+			sev = pg.Severity
+		}
+		return sev != "FATAL" && sev != "PANIC"
+	}
+	return errors.Is(err, pgx.ErrTxCommitRollback) || pgconn.SafeToRetry(err)
 }
 
 // resolvePoll is how often resolve asks again while the server still has

@@ -183,6 +183,7 @@ func (s *suite) check() result {
 				r.failed++
 				if applied[h.Value] {
 					r.failedApplied++
+					s.t.Logf("write %d reported not committed but committed: %s", h.Value, h.Err)
 				}
 				continue // did not commit: no effect
 			default:

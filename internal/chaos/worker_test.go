@@ -44,6 +44,7 @@ type record struct {
 	Out    string `json:"out"` // ok, refused, failed (certainly not committed), unknown
 	Call   int64  `json:"call"`
 	Ret    int64  `json:"ret"`
+	Err    string `json:"err,omitempty"` // write: the error of a failed one
 }
 
 func workerMain() int {
@@ -183,7 +184,11 @@ func write(pool *pgxpool.Pool, g fence.Guard, v int64, fenced bool, rec func(rec
 	case err != nil:
 		out = "unknown"
 	}
-	rec(record{Kind: "write", Token: int64(g.Token), Value: v, Out: out, Call: call, Ret: now()})
+	r := record{Kind: "write", Token: int64(g.Token), Value: v, Out: out, Call: call, Ret: now()}
+	if out == "failed" {
+		r.Err = err.Error()
+	}
+	rec(r)
 }
 
 func read(pool *pgxpool.Pool, rec func(record)) {

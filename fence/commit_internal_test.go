@@ -1,0 +1,36 @@
+package fence
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// A failed COMMIT is taken as certainly not committed only when the server
+// refused it with an ERROR, answered ROLLBACK, or never got it; a FATAL (a
+// terminated session) or a broken connection is looked up on the server.
+func TestAbortedCommits(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"serialization failure at commit", &pgconn.PgError{Severity: "ERROR", SeverityUnlocalized: "ERROR", Code: "40001"}, true},
+		{"deferred constraint", &pgconn.PgError{Severity: "ERROR", SeverityUnlocalized: "ERROR", Code: "23505"}, true},
+		{"answered ROLLBACK", pgx.ErrTxCommitRollback, true},
+		{"session terminated (may follow the commit)", &pgconn.PgError{Severity: "FATAL", SeverityUnlocalized: "FATAL", Code: "57P01"}, false},
+		{"FATAL, localized severity only", &pgconn.PgError{Severity: "FATAL", Code: "57P01"}, false},
+		{"server crash", &pgconn.PgError{Severity: "PANIC", SeverityUnlocalized: "PANIC", Code: "XX000"}, false},
+		{"connection broken mid-flight", fmt.Errorf("commit: %w", io.ErrUnexpectedEOF), false},
+		{"wrapped FATAL", fmt.Errorf("x: %w", &pgconn.PgError{SeverityUnlocalized: "FATAL", Code: "57P01"}), false},
+		{"some other error", errors.New("boom"), false},
+	} {
+		if got := aborted(tc.err); got != tc.want {
+			t.Errorf("%s: aborted(%v) = %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+}
