@@ -168,11 +168,17 @@ func translateCheck(err error, g Guard, tx pgx.Tx) error {
 // transaction did not commit and the same work may be tried again in a new
 // transaction: the connect failed on every host (refused, timed out, read
 // only: a failover in progress), the server ended the session or refused a
-// write as read only before COMMIT, a serialization failure or a deadlock.
-// It is false when the outcome is not known (ErrOutcomeUnknown: read the
-// data back first), when the writer is no longer the holder (ErrFenced:
-// stop acting), and for permanent errors (a missing schema, privileges,
-// invalid data).
+// write as read only before COMMIT, a serialization failure or a deadlock,
+// a COMMIT the server reports aborted (ErrNotCommitted). It is false when
+// the outcome is not known (ErrOutcomeUnknown: read the data back first),
+// when the writer is no longer the holder (ErrFenced: stop acting), and for
+// permanent errors (a missing schema, privileges, invalid data).
+//
+// It judges RunTx's errors, which have the COMMIT's own failures resolved.
+// For a transaction the caller commits itself, an error from its Commit
+// other than the server's ERROR (a broken connection, a FATAL: the session
+// was terminated, perhaps after the commit went through) leaves the outcome
+// unknown whatever Retryable says: read back first.
 func Retryable(err error) bool {
 	if err == nil || errors.Is(err, ErrOutcomeUnknown) || errors.Is(err, ErrFenced) {
 		return false
