@@ -145,8 +145,8 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // transaction committed (its id was read with the check): nil if it did,
 // and if it did not, the transaction runs again like the cases above (the
 // last such failure is ErrNotCommitted). ErrOutcomeUnknown is left for when
-// the server cannot be asked: db is a single connection, the server is
-// unreachable for wait.CleanupTimeout (5s), or it has failed over since.
+// the server cannot be asked: db is a single connection, the server does
+// not answer within wait.CleanupTimeout (5s), or it has failed over since.
 func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error {
 	if err := g.validate(); err != nil {
 		return err
@@ -245,13 +245,16 @@ func (g Guard) resolve(ctx context.Context, db DB, t *guardedTx, cause error) er
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
 	defer cancel()
-	for {
+	again := retry.Backoff{Base: resolvePoll, Max: time.Second}
+	for n := 0; ; n++ {
 		var (
 			status   *string
 			timeline int64
 		)
 		err := db.QueryRow(ctx, "SELECT pg_xact_status($1::xid8), "+ident.Table(g.Schema, "pgfence_timeline")+"()", t.xid).Scan(&status, &timeline)
 		switch {
+		case err != nil && retry.Transient(err) && wait.Sleep(ctx, again.Wait(n)):
+			continue // the server restarting, a failover: ask again
 		case err != nil:
 			return unknown("asking the server failed: " + err.Error())
 		case timeline != t.timeline:
