@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
@@ -43,9 +44,8 @@ type Client struct {
 	mu       sync.Mutex
 	held     map[*Lease]struct{}
 	renewing bool
-	kick     chan struct{} // wakes the renewer on Close
 	closed   bool
-	wg       sync.WaitGroup // every background goroutine
+	bg       *bg.Group // every background goroutine
 
 	closeOnce sync.Once
 	closeErr  error
@@ -76,7 +76,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		cfg:     cfg,
 		q:       newQueries(cfg.Schema),
 		held:    make(map[*Lease]struct{}),
-		kick:    make(chan struct{}, 1),
+		bg:      bg.New(context.Background()),
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 	}
 	c.lis = newListener(c)
@@ -182,18 +182,11 @@ func (c *Client) abandon(name string, secret []byte, pid uint32) {
 				"lease", name, "err", err)
 		}
 	}
-	c.mu.Lock()
-	if c.closed {
-		c.mu.Unlock()
+	// It must run even if Close has begun (it frees a lease): it ignores
+	// the group's cancellation, and Close waits for it.
+	if !c.bg.Go(func(context.Context) { run() }) {
 		run()
-		return
 	}
-	c.wg.Add(1)
-	c.mu.Unlock()
-	go func() {
-		defer c.wg.Done()
-		run()
-	}()
 }
 
 // afterBackend waits until backend pid has exited.
@@ -527,10 +520,9 @@ func (c *Client) close(ctx context.Context) error {
 			first = err
 		}
 	}
-	c.poke()
 	c.lis.stop()
 	c.poll.close()
-	c.wg.Wait()
+	c.bg.Stop() // cancel, then wait for every goroutine
 	_ = c.m.observed.Unregister()
 	return first
 }
@@ -550,9 +542,7 @@ func (c *Client) track(l *Lease) bool {
 	}
 	c.held[l] = struct{}{}
 	if !c.renewing {
-		c.renewing = true
-		c.wg.Add(1)
-		go c.renewLoop()
+		c.renewing = c.bg.Go(c.renewLoop)
 	}
 	return true
 }
@@ -561,13 +551,6 @@ func (c *Client) untrack(l *Lease) {
 	c.mu.Lock()
 	delete(c.held, l)
 	c.mu.Unlock()
-}
-
-func (c *Client) poke() {
-	select {
-	case c.kick <- struct{}{}:
-	default:
-	}
 }
 
 // explain adds what to do to a database error caused by the deployment: a

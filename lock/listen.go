@@ -57,11 +57,15 @@ func (li *listener) subscribe(name string) *subscription {
 	}
 	li.subs[name][s] = struct{}{}
 	if li.cancel == nil && !li.stopped {
-		ctx, cancel := context.WithCancel(context.Background())
-		li.cancel = cancel
-		li.ready = make(chan struct{})
-		li.c.wg.Add(1)
-		go li.run(ctx, li.ready)
+		// Its own cancel stops it when idle; the client's group stops it
+		// at Close.
+		ctx, cancel := context.WithCancel(li.c.bg.Context())
+		ready := make(chan struct{})
+		if li.c.bg.Go(func(context.Context) { li.run(ctx, ready) }) {
+			li.cancel, li.ready = cancel, ready
+		} else {
+			cancel()
+		}
 	}
 	s.ready = li.ready
 	if s.ready == nil { // client closed: never ready, the waiter polls
@@ -131,7 +135,6 @@ func (li *listener) wake(name string) {
 // (a failover takes many). The connection is hijacked from the pool so it
 // never goes back with LISTEN still active.
 func (li *listener) run(ctx context.Context, ready chan struct{}) {
-	defer li.c.wg.Done()
 	readyOnce := sync.OnceFunc(func() { close(ready) })
 	defer readyOnce() // waiters never hang on ready, even if LISTEN failed
 	backoff := retry.Backoff{Base: 50 * time.Millisecond, Max: li.c.cfg.PollInterval}

@@ -27,8 +27,6 @@ type poller struct {
 	running bool
 	stopped bool
 	kick    chan struct{} // cap 1: a waiter arrived, poll now
-	ctx     context.Context
-	cancel  context.CancelFunc // by Close: ends the statement in flight and the loop
 }
 
 // waiter is one blocked Acquire's registration.
@@ -41,8 +39,7 @@ type waiter struct {
 }
 
 func newPoller(c *Client) *poller {
-	ctx, cancel := context.WithCancel(context.Background())
-	return &poller{c: c, waiters: make(map[string]map[*waiter]struct{}), kick: make(chan struct{}, 1), ctx: ctx, cancel: cancel}
+	return &poller{c: c, waiters: make(map[string]map[*waiter]struct{}), kick: make(chan struct{}, 1)}
 }
 
 // add registers a waiter for name and makes the poller cover it at once.
@@ -63,9 +60,7 @@ func (p *poller) add(name string) *waiter {
 	default:
 	}
 	if !p.running {
-		p.running = true
-		p.c.wg.Add(1)
-		go p.run()
+		p.running = p.c.bg.Go(p.run)
 	}
 	return w
 }
@@ -80,8 +75,9 @@ func (p *poller) remove(w *waiter) {
 	}
 }
 
-// close stops the poller (Close waits for it on the client's WaitGroup)
-// and wakes every waiter, whose next attempt reports ErrClosed.
+// close refuses new waiters and wakes every waiter, whose next attempt
+// reports ErrClosed; the client's group then stops the loop (it cancels the
+// statement in flight) and waits for it.
 func (p *poller) close() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -89,7 +85,6 @@ func (p *poller) close() {
 		return
 	}
 	p.stopped = true
-	p.cancel()
 	for _, ws := range p.waiters {
 		for w := range ws {
 			wake(w)
@@ -104,15 +99,13 @@ func wake(w *waiter) {
 	}
 }
 
-func (p *poller) run() {
-	defer p.c.wg.Done()
-	ctx := p.ctx
+func (p *poller) run(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	failures := 0
 	for {
 		p.mu.Lock()
-		if len(p.waiters) == 0 || p.stopped {
+		if len(p.waiters) == 0 || p.stopped || ctx.Err() != nil {
 			p.running = false
 			p.mu.Unlock()
 			return

@@ -22,8 +22,7 @@ import (
 // outside it), so that renewals never wait behind the pool's other users: a
 // pool kept busy by jobs, guarded transactions or waiting acquirers must not
 // cost a lease.
-func (c *Client) renewLoop() {
-	defer c.wg.Done()
+func (c *Client) renewLoop(ctx context.Context) {
 	own := ownconn.New(c.pool)
 	defer own.Close()
 	wait := c.cfg.RenewInterval
@@ -36,10 +35,10 @@ func (c *Client) renewLoop() {
 	for {
 		select {
 		case <-t.C:
-		case <-c.kick:
+		case <-ctx.Done():
 		}
 		c.mu.Lock()
-		if len(c.held) == 0 || c.closed {
+		if len(c.held) == 0 || ctx.Err() != nil {
 			c.renewing = false
 			c.mu.Unlock()
 			return
@@ -55,7 +54,7 @@ func (c *Client) renewLoop() {
 			batch = append(batch, l)
 		}
 		c.mu.Unlock()
-		if err := c.renew(own, batch); err != nil {
+		if err := c.renew(ctx, own, batch); err != nil {
 			c.stats.failures.Add(1)
 			if !failing {
 				c.cfg.Logger.Warn("pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
@@ -88,7 +87,7 @@ type renewKey struct {
 
 // renew renews batch in one statement on q. Leases the database did not
 // renew (taken over, freed, or expired there) are lost.
-func (c *Client) renew(q querier, batch []*Lease) error {
+func (c *Client) renew(ctx context.Context, q querier, batch []*Lease) error {
 	names := make([]string, len(batch))
 	tokens := make([]int64, len(batch))
 	secrets := make([][]byte, len(batch))
@@ -103,7 +102,7 @@ func (c *Client) renew(q querier, batch []*Lease) error {
 	for _, l := range batch {
 		budget = max(budget, time.Until(l.TrustedUntil()))
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), budget)
+	ctx, cancel := context.WithTimeout(ctx, budget) // Close cancels it: the leases are released by then
 	defer cancel()
 	sent := time.Now()
 	got, err := c.renewRows(ctx, q, names, tokens, secrets)

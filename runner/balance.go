@@ -5,9 +5,9 @@ import (
 	"fmt"
 	"maps"
 	"slices"
-	"sync"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/ownconn"
 )
 
@@ -17,8 +17,7 @@ type shardKey struct {
 }
 
 type shardWorker struct {
-	cancel context.CancelFunc
-	done   chan struct{}
+	cancel context.CancelFunc // stops it (the balancer's group waits for it)
 }
 
 // membersName is the pseudo-lease whose "release" announces a change of
@@ -62,13 +61,8 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 	own := ownconn.New(r.pool)
 	defer own.Close()
 	workers := make(map[shardKey]*shardWorker)
-	var wg sync.WaitGroup
-	defer func() {
-		for _, w := range workers {
-			w.cancel()
-		}
-		wg.Wait()
-	}()
+	g := bg.New(ctx) // the shard workers
+	defer g.Stop()
 	names := make([]string, len(jobs))
 	for i, j := range jobs {
 		names[i] = j.Name
@@ -98,7 +92,7 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 		case applied != nil && onlyLeft(applied, view),
 			pending != nil && sameMembers(view, pending) && now.Sub(pendingSince) >= settle,
 			pending != nil && now.Sub(changing) >= r.cfg.RebalanceInterval:
-			r.apply(ctx, jobs, view, workers, &wg)
+			r.apply(g, jobs, view, workers)
 			applied, pending = view, nil
 		default: // joined, or not settled yet: wait for the view to hold still
 			if pending == nil {
@@ -143,7 +137,7 @@ func onlyLeft(before, view members) bool {
 }
 
 // apply starts and stops shard workers to match the assignment in view.
-func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers map[shardKey]*shardWorker, wg *sync.WaitGroup) {
+func (r *Runner) apply(g *bg.Group, jobs []*job, view members, workers map[shardKey]*shardWorker) {
 	for _, j := range jobs {
 		ids := view[j.Name]
 		me := slices.Index(ids, r.lcfg.Holder)
@@ -161,17 +155,16 @@ func (r *Runner) apply(ctx context.Context, jobs []*job, view members, workers m
 			w, have := workers[k]
 			switch {
 			case mine && !have:
-				wctx, cancel := context.WithCancel(ctx)
-				w = &shardWorker{cancel: cancel, done: make(chan struct{})}
-				workers[k] = w
+				wctx, cancel := context.WithCancel(g.Context())
 				sw := &worker{r: r, j: j, shard: s}
-				wg.Add(1)
-				go func() { defer wg.Done(); defer close(w.done); sw.loop(wctx) }()
+				if g.Go(func(context.Context) { sw.loop(wctx) }) {
+					workers[k] = &shardWorker{cancel: cancel}
+				} else {
+					cancel()
+				}
 			case !mine && have:
 				w.cancel()
 				delete(workers, k)
-				wg.Add(1)
-				go func() { defer wg.Done(); <-w.done }()
 			}
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -171,7 +172,9 @@ func (r *Runner) Run(ctx context.Context) error {
 			stopWork(err)
 		})
 	}
-	var wg sync.WaitGroup
+	// The workers, the balancer and the pruner: one group, stopped by
+	// cancelling work (with the cause errShutdown), then waited for.
+	g := bg.New(work)
 	var sharded []*job
 	for _, j := range jobs {
 		if j.shards > 0 {
@@ -179,15 +182,12 @@ func (r *Runner) Run(ctx context.Context) error {
 			continue
 		}
 		w := &worker{r: r, j: j}
-		wg.Add(1)
-		go func() { defer wg.Done(); w.loop(work) }()
+		g.Go(w.loop)
 	}
 	if len(sharded) > 0 {
-		wg.Add(1)
-		go func() { defer wg.Done(); r.balance(work, sharded) }()
+		g.Go(func(ctx context.Context) { r.balance(ctx, sharded) })
 	}
-	wg.Add(1)
-	go func() { defer wg.Done(); r.prune(work) }()
+	g.Go(r.prune)
 
 	select {
 	case <-ctx.Done():
@@ -195,7 +195,7 @@ func (r *Runner) Run(ctx context.Context) error {
 	}
 	stopWork(errShutdown)
 	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
+	go func() { g.Stop(); close(done) }() // so that ShutdownTimeout can bound the wait
 	cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
 	defer cancel()
 	var err error

@@ -1,0 +1,68 @@
+package bg
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+// Stop cancels every goroutine's context and returns only when all have
+// returned; Go after Stop runs nothing; Stop runs once however often and
+// from however many goroutines it is called.
+func TestStopCancelsThenWaits(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	g := New(context.Background())
+	var running, returned atomic.Int32
+	for range 5 {
+		if !g.Go(func(ctx context.Context) {
+			running.Add(1)
+			<-ctx.Done()
+			time.Sleep(10 * time.Millisecond) // cleanup after the cancel
+			returned.Add(1)
+		}) {
+			t.Fatal("Go before Stop did not start the goroutine")
+		}
+	}
+	for running.Load() < 5 {
+		time.Sleep(time.Millisecond)
+	}
+	done := make(chan struct{})
+	for range 3 {
+		go func() { g.Stop(); done <- struct{}{} }()
+	}
+	for range 3 {
+		<-done
+		if n := returned.Load(); n != 5 {
+			t.Fatalf("Stop returned with %d of 5 goroutines done", n)
+		}
+	}
+	if g.Go(func(context.Context) { t.Error("ran after Stop") }) {
+		t.Fatal("Go after Stop reported true")
+	}
+	if g.Context().Err() == nil {
+		t.Fatal("the group's context is live after Stop")
+	}
+}
+
+// A goroutine may end on its own before Stop; the group's context follows
+// its parent's cancellation.
+func TestGoroutinesEndOnTheirOwnAndWithTheParent(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	parent, cancel := context.WithCancel(context.Background())
+	g := New(parent)
+	ended := make(chan struct{})
+	g.Go(func(context.Context) { close(ended) })
+	<-ended
+	stopped := make(chan struct{})
+	g.Go(func(ctx context.Context) { <-ctx.Done(); close(stopped) })
+	cancel()
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the parent's cancellation did not reach the group's goroutines")
+	}
+	g.Stop()
+}
