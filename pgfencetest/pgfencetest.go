@@ -85,18 +85,45 @@ func Open(ctx context.Context) (*DB, func(), error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("connect: %w", err)
 	}
+	db, drop, err := create(ctx, pool)
+	if err != nil {
+		pool.Close()
+		return nil, nil, err
+	}
+	return db, func() { drop(); pool.Close() }, nil
+}
+
+// NewIn is New on a pool the caller provides and keeps (it is not
+// closed): for a test suite with a database set-up of its own.
+func NewIn(tb TB, pool *pgxpool.Pool) *DB {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	db, drop, err := create(ctx, pool)
+	if err != nil {
+		tb.Fatalf("pgfencetest: %v", err)
+		return nil
+	}
+	tb.Cleanup(drop)
+	return db
+}
+
+// create makes a fresh migrated schema on pool and returns it with the
+// function that drops it.
+func create(ctx context.Context, pool *pgxpool.Pool) (*DB, func(), error) {
 	b := make([]byte, 6)
 	_, _ = rand.Read(b)
 	schema := "pgfencetest_" + hex.EncodeToString(b)
-	cleanup := func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-		pool.Close()
+	drop := func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
 	}
 	if _, err := migrations.Up(ctx, pool, schema); err != nil {
-		cleanup()
+		drop()
 		return nil, nil, fmt.Errorf("migrate: %w", err)
 	}
-	return &DB{Pool: pool, Schema: schema}, cleanup, nil
+	return &DB{Pool: pool, Schema: schema}, drop, nil
 }
 
 // Client returns a lock client on the test's schema (cfg.Schema is set; a

@@ -27,7 +27,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/pgfence/pgfence/lock"
-	"github.com/pgfence/pgfence/migrations"
+	"github.com/pgfence/pgfence/pgfencetest"
 )
 
 // EnvURL names the environment variable that points the tests at a server.
@@ -144,35 +144,21 @@ func URL(tb testing.TB) string {
 	return baseURL
 }
 
-// DB is one test's isolated database area.
+// DB is one test's isolated database area: pgfencetest's (a fresh migrated
+// schema on a pool of the test server), and the server's URL.
 type DB struct {
-	// Pool connects to the server; its search_path is left alone, so code
-	// under test must be given Schema.
-	Pool *pgxpool.Pool
-	// Schema holds this test's pgfence objects (migrations applied).
-	Schema string
+	*pgfencetest.DB
 	// URL is the server URL.
 	URL string
 }
 
-// New creates a fresh schema, applies the migrations in it and returns a pool.
-// The schema and pool are removed when the test ends.
+// New creates a fresh schema, applies the migrations in it and returns it
+// with a pool whose search_path is left alone (code under test must be
+// given Schema). The schema and pool are removed when the test ends.
 func New(tb testing.TB) *DB {
 	tb.Helper()
 	url := URL(tb)
-	schema := "t_" + strings.ToLower(randHex(6))
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	pool := NewPool(tb, "pgfence-test")
-	if _, err := migrations.Up(ctx, pool, schema); err != nil {
-		tb.Fatalf("pgtest: migrate schema %s: %v", schema, err)
-	}
-	tb.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		_, _ = pool.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
-	})
-	return &DB{Pool: pool, Schema: schema, URL: url}
+	return &DB{DB: pgfencetest.NewIn(tb, NewPool(tb, "pgfence-test")), URL: url}
 }
 
 // Database creates an empty database of its own on the test server, for
