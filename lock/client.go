@@ -432,7 +432,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 			c.abandon(name, secret, pid)
 		}
 	}()
-	failures := 0
+	var failing retry.Failing
 	for {
 		attemptAt := time.Now()
 		l, err := c.tryAcquire(ctx, name, secret, since)
@@ -446,9 +446,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		if !errors.As(err, &held) {
 			switch {
 			case err == nil:
-				if failures > 0 {
-					c.cfg.Logger.Info("pgfence: acquire recovered", "lease", name, "failures", failures)
-				}
+				failing.Recover(c.cfg.Logger, "pgfence: acquire recovered", "lease", name)
 				c.m.waitTime.Record(ctx, time.Since(began).Seconds())
 				return l, nil
 			case ctx.Err() != nil:
@@ -456,21 +454,13 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 			case errors.Is(err, ErrClosed) || !(retry.Transient(err) || errors.Is(err, errRowChanging)):
 				return nil, err
 			}
-			if failures == 0 {
-				c.cfg.Logger.Warn("pgfence: acquire failing; retrying with backoff", "lease", name, "err", err)
-			} else {
-				c.cfg.Logger.Debug("pgfence: acquire still failing", "lease", name, "failures", failures, "err", err)
-			}
-			failures++
-			if !wait.Sleep(ctx, c.backoff.Wait(failures-1)) {
+			failing.Fail(c.cfg.Logger, "pgfence: acquire failing; retrying with backoff", err, "lease", name)
+			if !wait.Sleep(ctx, c.backoff.Wait(failing.Count()-1)) {
 				return nil, ctx.Err()
 			}
 			continue
 		}
-		if failures > 0 {
-			c.cfg.Logger.Info("pgfence: acquire recovered", "lease", name, "failures", failures)
-			failures = 0
-		}
+		failing.Recover(c.cfg.Logger, "pgfence: acquire recovered", "lease", name)
 		// Waiting: subscribe to releases (once), then register with the
 		// poller, which asks the holder's release to send a NOTIFY and
 		// wakes w once that is done: the next attempt catches a release

@@ -138,25 +138,18 @@ func (li *listener) run(ctx context.Context, ready chan struct{}) {
 	readyOnce := sync.OnceFunc(func() { close(ready) })
 	defer readyOnce() // waiters never hang on ready, even if LISTEN failed
 	backoff := retry.Backoff{Base: 50 * time.Millisecond, Max: li.c.cfg.PollInterval}
-	failures := 0
+	var failing retry.Failing
+	log := li.c.cfg.Logger
 	for ctx.Err() == nil {
 		err := li.listen(ctx, func() {
 			readyOnce()
-			if failures > 0 {
-				li.c.cfg.Logger.Info("pgfence: release listener listening again", "failures", failures)
-				failures = 0
-			}
+			failing.Recover(log, "pgfence: release listener listening again")
 		})
 		if ctx.Err() != nil {
 			return
 		}
-		if failures == 0 {
-			li.c.cfg.Logger.Warn("pgfence: release listener failed, reconnecting; waiters poll meanwhile", "err", err)
-		} else {
-			li.c.cfg.Logger.Debug("pgfence: release listener still failing", "failures", failures, "err", err)
-		}
-		failures++
-		if !wait.Sleep(ctx, backoff.Wait(failures-1)) {
+		failing.Fail(log, "pgfence: release listener failed, reconnecting; waiters poll meanwhile", err)
+		if !wait.Sleep(ctx, backoff.Wait(failing.Count()-1)) {
 			return
 		}
 	}

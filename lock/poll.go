@@ -102,7 +102,8 @@ func wake(w *waiter) {
 func (p *poller) run(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
-	failures := 0
+	var failing retry.Failing
+	log := p.c.cfg.Logger
 	for {
 		p.mu.Lock()
 		if len(p.waiters) == 0 || p.stopped || ctx.Err() != nil {
@@ -128,14 +129,10 @@ func (p *poller) run(ctx context.Context) {
 			if ctx.Err() != nil {
 				continue // stopped: the loop ends above
 			}
-			if failures == 0 {
-				p.c.cfg.Logger.Warn("pgfence: polling for released leases failing; waiters still wake on release", "err", err)
-			}
-			failures++
-			next = p.c.backoff.Wait(failures - 1)
-		} else if failures > 0 {
-			p.c.cfg.Logger.Info("pgfence: polling for released leases recovered", "failures", failures)
-			failures = 0
+			failing.Fail(log, "pgfence: polling for released leases failing; waiters still wake on release", err)
+			next = p.c.backoff.Wait(failing.Count() - 1)
+		} else {
+			failing.Recover(log, "pgfence: polling for released leases recovered")
 		}
 		p.mu.Lock()
 		for _, w := range fresh {

@@ -28,8 +28,7 @@ func (c *Client) renewLoop(ctx context.Context) {
 	wait := c.cfg.RenewInterval
 	// A failed renewal is retried sooner: after a quarter interval, at most.
 	again := retry.Backoff{Base: c.cfg.RenewInterval / 4, Max: c.cfg.RenewInterval / 4}
-	failing := false // log once per change between healthy and failing
-	failures := 0
+	var failing retry.Failing // logs once per failure period
 	t := time.NewTimer(wait)
 	defer t.Stop()
 	for {
@@ -56,22 +55,12 @@ func (c *Client) renewLoop(ctx context.Context) {
 		c.mu.Unlock()
 		if err := c.renew(ctx, own, batch); err != nil {
 			c.stats.failures.Add(1)
-			if !failing {
-				c.cfg.Logger.Warn("pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
-					"leases", len(batch), "err", err)
-			} else {
-				c.cfg.Logger.Debug("pgfence: renewal failed again", "leases", len(batch), "err", err)
-			}
-			failing = true
+			failing.Fail(c.cfg.Logger, "pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
+				err, "leases", len(batch))
 			c.failing.Store(true)
-			wait = again.Wait(failures)
-			failures++
+			wait = again.Wait(failing.Count() - 1)
 		} else {
-			if failing {
-				c.cfg.Logger.Info("pgfence: renewals healthy again", "leases", len(batch))
-			}
-			failing = false
-			failures = 0
+			failing.Recover(c.cfg.Logger, "pgfence: renewals healthy again", "leases", len(batch))
 			c.failing.Store(false)
 			wait = c.cfg.RenewInterval
 		}

@@ -9,6 +9,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"io"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"time"
@@ -157,3 +158,35 @@ func (b Backoff) Wait(n int) time.Duration {
 	}
 	return d/2 + time.Duration(rand.Int64N(int64(d/2)+1))
 }
+
+// Failing tracks a failure period of a loop that retries (renewals,
+// polling, the release listener, an acquisition) so that it logs once per
+// period: a warning at the first failure, debug lines for the repeats, and
+// a note when it succeeds again. The zero value is ready; it is not safe
+// for concurrent use (one loop owns it).
+type Failing struct {
+	n int
+}
+
+// Fail records a failure: the first of a period is logged at warn with msg
+// and err, the others at debug.
+func (f *Failing) Fail(log *slog.Logger, msg string, err error, args ...any) {
+	if f.n == 0 {
+		log.Warn(msg, append(args, "err", err)...)
+	} else {
+		log.Debug(msg+" (still failing)", append(args, "failures", f.n, "err", err)...)
+	}
+	f.n++
+}
+
+// Recover ends a failure period, if there is one, with a note saying how
+// many failures it had.
+func (f *Failing) Recover(log *slog.Logger, msg string, args ...any) {
+	if f.n > 0 {
+		log.Info(msg, append(args, "failures", f.n)...)
+		f.n = 0
+	}
+}
+
+// Count is the number of failures of the current period (0: healthy).
+func (f *Failing) Count() int { return f.n }

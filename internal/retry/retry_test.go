@@ -1,11 +1,14 @@
 package retry
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -114,5 +117,28 @@ func TestSpread(t *testing.T) {
 	}
 	if Spread(0) != 0 || Spread(-time.Second) != -time.Second {
 		t.Fatal("Spread of a non-positive interval changed it")
+	}
+}
+
+// A failure period is logged once: a warning at its first failure, debug
+// for the repeats, one note when it ends; a success outside a period logs
+// nothing.
+func TestFailingLogsOncePerPeriod(t *testing.T) {
+	var buf bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	var f Failing
+	f.Recover(log, "recovered")
+	for range 3 {
+		f.Fail(log, "failing", errors.New("boom"))
+	}
+	if f.Count() != 3 {
+		t.Fatalf("Count = %d, want 3", f.Count())
+	}
+	f.Recover(log, "recovered")
+	f.Recover(log, "recovered")
+	out := buf.String()
+	if strings.Count(out, "level=WARN") != 1 || strings.Count(out, "level=DEBUG") != 2 ||
+		strings.Count(out, "level=INFO") != 1 || !strings.Contains(out, "failures=3") || f.Count() != 0 {
+		t.Fatalf("log:\n%s", out)
 	}
 }
