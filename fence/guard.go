@@ -243,7 +243,7 @@ func (g Guard) resolve(ctx context.Context, db DB, t *guardedTx, cause error) er
 	if c, isConn := db.(*pgx.Conn); isConn && c.IsClosed() {
 		return unknown("its connection is closed and there is no other to ask the server on")
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
+	ctx, cancel := wait.Detached(ctx)
 	defer cancel()
 	again := retry.Backoff{Base: resolvePoll, Max: time.Second}
 	for n := 0; ; n++ {

@@ -75,12 +75,9 @@ func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args
 	if err := r.validate(t); err != nil {
 		return pgconn.CommandTag{}, err
 	}
-	b := &pgx.Batch{}
-	b.Queue(r.admitSQL(), r.Name, int64(t))
-	b.Queue(sql, args...)
-	br := tx.SendBatch(ctx, b)
-	if _, err := br.Exec(); err != nil {
-		_ = br.Close()
+	var cur int64
+	br, err := pipelined(ctx, tx, r.admitSQL(), []any{r.Name, int64(t)}, []any{&cur}, sql, args)
+	if err != nil {
 		err = r.translate(err, t, tx)
 		if errors.Is(err, ErrFenced) {
 			Guard{Metrics: r.Metrics}.metrics().outcome(ctx, err, false)

@@ -95,16 +95,30 @@ func (t *guardedTx) ensure(ctx context.Context) error {
 // pipeline sends the check and one statement in one batch and returns the
 // open batch positioned at the statement's result.
 func (t *guardedTx) pipeline(ctx context.Context, sql string, args []any) (pgx.BatchResults, error) {
-	b := &pgx.Batch{}
-	b.Queue(t.g.checkTxSQL(), t.g.Lease, int64(t.g.Token))
-	b.Queue(sql, args...)
-	br := t.Tx.SendBatch(ctx, b)
 	var cur int64
-	if err := br.QueryRow().Scan(&cur, &t.xid, &t.timeline); err != nil {
-		_ = br.Close()
+	br, err := pipelined(ctx, t.Tx, t.g.checkTxSQL(), []any{t.g.Lease, int64(t.g.Token)}, []any{&cur, &t.xid, &t.timeline}, sql, args)
+	if err != nil {
 		return nil, translateCheck(err, t.g, t.Tx)
 	}
 	t.checked = true
+	return br, nil
+}
+
+// pipelined sends a fence (check, or admission) and one statement in one
+// batch, the fence first, and scans the fence's row into into. It returns
+// the open batch positioned at the statement's result, or the fence's
+// error (the batch closed, the statement not run: its transaction is
+// aborted). The one round trip of Guard.Exec, RunTx's first statement and
+// Resource.Exec.
+func pipelined(ctx context.Context, tx pgx.Tx, fence string, fenceArgs, into []any, sql string, args []any) (pgx.BatchResults, error) {
+	b := &pgx.Batch{}
+	b.Queue(fence, fenceArgs...)
+	b.Queue(sql, args...)
+	br := tx.SendBatch(ctx, b)
+	if err := br.QueryRow().Scan(into...); err != nil {
+		_ = br.Close()
+		return nil, err
+	}
 	return br, nil
 }
 

@@ -171,7 +171,7 @@ func inDoubt(err error) (pid uint32, ok bool) {
 // the rest. It runs in the background, owned by the client (Close waits).
 func (c *Client) abandon(name string, secret []byte, pid uint32) {
 	run := func() {
-		ctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
+		ctx, cancel := wait.Detached(context.Background())
 		defer cancel()
 		wctx, wcancel := context.WithTimeout(ctx, wait.CleanupTimeout*4/5)
 		_ = c.afterBackend(wctx, pid)
@@ -291,7 +291,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		if err != nil {
 			// Ours at the database, but not trustworthy: free it now
 			// (synchronously, since a later attempt may use this secret).
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
+			rctx, cancel := wait.Detached(ctx)
 			_, _ = c.pool.Exec(rctx, c.q.releaseSecret, name, secret)
 			cancel()
 			return nil, fmt.Errorf("lock: acquire %q: renew the late acquisition: %w", name, err)

@@ -104,7 +104,7 @@ func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, 
 	select {
 	case r = <-done:
 	case <-ctx.Done():
-		bctx, bcancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
+		bctx, bcancel := wait.Detached(ctx)
 		backends, berr := c.blockers(bctx, pid)
 		// Cancel the statement at the server: closing the connection
 		// (what cancelling its context does) would leave the backend

@@ -196,7 +196,7 @@ func (r *Runner) Run(ctx context.Context) error {
 	stopWork(errShutdown)
 	done := make(chan struct{})
 	go func() { g.Stop(); close(done) }() // so that ShutdownTimeout can bound the wait
-	cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
+	cctx, cancel := wait.Detached(context.Background())
 	defer cancel()
 	var err error
 	select {

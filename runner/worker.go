@@ -205,7 +205,7 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 	}
 	// A run that finished must have its outcome recorded even if shutdown
 	// has begun; the folded fence, not the context, decides whether it may.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), wait.CleanupTimeout)
+	ctx, cancel := wait.Detached(ctx)
 	defer cancel()
 	var err error
 	if runErr == nil {
@@ -240,7 +240,7 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 // fenced marks this attempt's own row as fenced (only if no newer attempt has
 // claimed it) and reports the event.
 func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
-	ctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
+	ctx, cancel := wait.Detached(context.Background())
 	defer cancel()
 	msg := "fenced"
 	if cause != nil {

@@ -23,6 +23,14 @@ func Sleep(ctx context.Context, d time.Duration) bool {
 // run's outcome, abandoning an acquisition whose reply was lost.
 const CleanupTimeout = 5 * time.Second
 
+// Detached returns a context for cleanup that must happen whatever becomes
+// of ctx (recording an outcome, freeing a lease, asking the server about a
+// lost reply): ctx's values without its cancellation or deadline, ending
+// after CleanupTimeout.
+func Detached(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), CleanupTimeout)
+}
+
 // Cleanup returns ctx while it is live; once it has ended, a context that
 // keeps its values but not its cancellation and ends after CleanupTimeout.
 // Call the returned cancel function when done.
@@ -30,5 +38,5 @@ func Cleanup(ctx context.Context) (context.Context, context.CancelFunc) {
 	if ctx.Err() == nil {
 		return ctx, func() {}
 	}
-	return context.WithTimeout(context.WithoutCancel(ctx), CleanupTimeout)
+	return Detached(ctx)
 }
