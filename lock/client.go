@@ -205,14 +205,6 @@ func (c *Client) afterBackend(ctx context.Context, pid uint32) error {
 	}
 }
 
-// trustUntil is the end of the local trust window of an acquisition or
-// renewal sent at sent (monotonic clock): the database keeps the lease for
-// at least TTL after it received the request, so the holder trusts it for
-// TTL - SafetyMargin after sending it.
-func (c *Client) trustUntil(sent time.Time) time.Time {
-	return sent.Add(c.cfg.TTL - c.cfg.SafetyMargin)
-}
-
 // verify checks the schema version once per client, on first use.
 func (c *Client) verify(ctx context.Context) error {
 	if c.verified.Load() {
@@ -283,7 +275,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			}
 			continue // freed between the two statements, or an insert race
 		}
-		if time.Until(c.trustUntil(g.sent)) >= c.cfg.RenewInterval {
+		if !c.cfg.window().lateGrant(g.sent, time.Now()) {
 			break
 		}
 		renewSent := time.Now()
@@ -331,8 +323,7 @@ func (c *Client) attempt(ctx context.Context, args []any, since time.Time) (g gr
 	switch {
 	case err != nil || r.won:
 		return g, r, err
-	case r.held != nil && r.mine && r.live && !since.IsZero() &&
-		time.Until(c.trustUntil(since)) > c.cfg.RenewInterval/2:
+	case r.held != nil && r.mine && r.live && c.cfg.window().adoptable(since, time.Now()):
 		// An earlier attempt of this Acquire won; its reply was lost.
 		c.cfg.Logger.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
 		return grant{token: int64(r.held.Token), expiresAt: r.held.ExpiresAt, sent: since}, casResult{won: true}, nil

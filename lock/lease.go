@@ -35,7 +35,7 @@ type Lease struct {
 
 func newLease(c *Client, name string, token fence.Token, secret []byte, expiresAt, sent time.Time) *Lease {
 	l := &Lease{c: c, name: name, token: token, secret: secret,
-		expiresAt: expiresAt, trustUntil: c.trustUntil(sent)}
+		expiresAt: expiresAt, trustUntil: c.cfg.window().until(sent)}
 	l.ctx, l.cancel = context.WithCancelCause(context.WithValue(context.Background(), leaseKey{}, l))
 	// The window may already be over (the process was paused while the
 	// acquisition was in flight): then the timer fires at once, and must
@@ -230,7 +230,7 @@ func (l *Lease) renewed(sent, expiresAt time.Time) {
 	}
 	left := time.Until(l.trustUntil)
 	l.expiresAt = expiresAt
-	if until := l.c.trustUntil(sent); until.After(l.trustUntil) {
+	if until := l.c.cfg.window().extend(l.trustUntil, sent); until != l.trustUntil {
 		l.trustUntil = until
 		l.timer.Reset(time.Until(until))
 	}

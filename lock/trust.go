@@ -1,0 +1,47 @@
+package lock
+
+import "time"
+
+// window is the trust-window arithmetic of a client's leases: pure
+// functions of the lease timings and the times they are given (send times
+// and "now" on the monotonic clock), so that they are tested without a
+// database or a clock.
+//
+// A holder trusts a lease until the time its last successful acquisition or
+// renewal was sent + TTL - SafetyMargin: the database cannot have let anyone
+// else acquire before then, whatever the reply's delay.
+type window struct {
+	ttl, margin, renew time.Duration
+}
+
+func (c Config) window() window {
+	return window{ttl: c.TTL, margin: c.SafetyMargin, renew: c.RenewInterval}
+}
+
+// until is the end of the trust window of a statement sent at sent.
+func (w window) until(sent time.Time) time.Time { return sent.Add(w.ttl - w.margin) }
+
+// lateGrant reports whether an acquisition won by a statement sent at sent
+// leaves, at now, less than one RenewInterval of trust: it is renewed before
+// it is handed out, or its holder would start on a lease about to end (the
+// reply was slow, or the acquisition waited for a guarded transaction).
+func (w window) lateGrant(sent, now time.Time) bool { return w.until(sent).Sub(now) < w.renew }
+
+// adoptable reports whether a lease found held with this Acquire's secret
+// (an earlier attempt won; its reply was lost) may be adopted at now: the
+// trust window counts from the first attempt, sent at since (the only send
+// time known to be no later than the winning one), and at least half a
+// RenewInterval of it must be left.
+func (w window) adoptable(since, now time.Time) bool {
+	return !since.IsZero() && w.until(since).Sub(now) > w.renew/2
+}
+
+// extend returns the trust deadline after a renewal sent at sent: the later
+// of the current deadline and the renewal's (a renewal's reply can arrive
+// after a later one's: the window never moves back).
+func (w window) extend(current, sent time.Time) time.Time {
+	if until := w.until(sent); until.After(current) {
+		return until
+	}
+	return current
+}
