@@ -65,20 +65,6 @@ func (g Guard) validate() error {
 	return ident.ValidateSchema(g.Schema)
 }
 
-func (g Guard) checkSQL() string {
-	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2)"
-}
-
-// checkTxSQL is the check of a transaction RunTx runs: it also returns the
-// transaction's id (the check's row lock has assigned one) and the server's
-// timeline, so that a COMMIT whose reply is lost can be looked up on another
-// connection (resolve). The check comes first: on a standby it fails before
-// the timeline is read.
-func (g Guard) checkTxSQL() string {
-	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2), pg_current_xact_id()::text, " +
-		ident.Table(g.Schema, "pgfence_timeline") + "()"
-}
-
 // Check fences tx: it returns nil if Token is the newest token issued for the
 // lease, and from then until tx ends no takeover can commit, so tx's commit is
 // fenced. Otherwise it returns a *StaleTokenError (or ErrUnknownLease,
@@ -251,7 +237,7 @@ func (g Guard) resolve(ctx context.Context, db DB, t *guardedTx, cause error) er
 			status   *string
 			timeline int64
 		)
-		err := db.QueryRow(ctx, "SELECT pg_xact_status($1::xid8), "+ident.Table(g.Schema, "pgfence_timeline")+"()", t.xid).Scan(&status, &timeline)
+		err := db.QueryRow(ctx, g.xactStatusSQL(), t.xid).Scan(&status, &timeline)
 		switch {
 		case err != nil && retry.Transient(err) && wait.Sleep(ctx, again.Wait(n)):
 			continue // the server restarting, a failover: ask again

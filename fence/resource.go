@@ -91,10 +91,6 @@ func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args
 	return tag, err
 }
 
-func (r Resource) admitSQL() string {
-	return "SELECT " + ident.Table(r.Schema, "pgfence_admit") + "($1, $2)"
-}
-
 // translate maps pgfence_admit's errors, naming the resource in a refusal,
 // and says what pgfence was doing when anything else failed.
 func (r Resource) translate(err error, t Token, tx pgx.Tx) error {
@@ -116,6 +112,6 @@ func (r Resource) Current(ctx context.Context, db DB) (Token, error) {
 		return 0, err
 	}
 	var cur int64
-	err := db.QueryRow(ctx, "SELECT coalesce(max(token), 0) FROM "+ident.Table(r.Schema, "pgfence_fences")+" WHERE resource = $1", r.Name).Scan(&cur)
+	err := db.QueryRow(ctx, r.currentSQL(), r.Name).Scan(&cur)
 	return Token(cur), err
 }

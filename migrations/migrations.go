@@ -117,7 +117,7 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	}
 	schema = ident.Schema(schema)
 	var version int
-	if err := pool.QueryRow(ctx, `SELECT current_setting('server_version_num')::int`).Scan(&version); err != nil {
+	if err := pool.QueryRow(ctx, sqlServerVersion).Scan(&version); err != nil {
 		return 0, fmt.Errorf("migrations: read the server version: %w", err)
 	}
 	if err := checkServer(version); err != nil {
@@ -144,7 +144,7 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 	// A schema restored from a logical dump into another cluster moves its
 	// tokens past the dump's before any application acquires (see
 	// pgfence_sync_epoch in 00001_leases.sql).
-	if _, err := pool.Exec(ctx, `SELECT NOT pg_is_in_recovery() AND `+ident.Table(schema, "pgfence_sync_epoch")+`()`); err != nil {
+	if _, err := pool.Exec(ctx, syncEpochSQL(schema)); err != nil {
 		return 0, fmt.Errorf("migrations: token epoch: %w", hint.Wrap(err, schema, hint.Role(pool)))
 	}
 	return v, nil
@@ -157,14 +157,14 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 // create the same schema at once).
 func createSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 	var exists bool
-	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&exists); err != nil {
+	if err := pool.QueryRow(ctx, sqlSchemaExists, schema).Scan(&exists); err != nil {
 		return fmt.Errorf("migrations: look up schema %q: %w", schema, err)
 	}
 	if exists {
 		return nil
 	}
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, lockID(schema)); err != nil {
+		if _, err := tx.Exec(ctx, sqlXactLock, lockID(schema)); err != nil {
 			return err
 		}
 		_, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schema}.Sanitize())
@@ -244,7 +244,7 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 	}
 	if st.Current >= 1 {
 		e := &Epoch{}
-		if err := pool.QueryRow(ctx, `SELECT timeline, started_at, first_token FROM `+ident.Table(schema, "pgfence_epoch")).Scan(&e.Timeline, &e.Started, &e.FirstToken); err != nil {
+		if err := pool.QueryRow(ctx, epochSQL(schema)).Scan(&e.Timeline, &e.Started, &e.FirstToken); err != nil {
 			return nil, fmt.Errorf("migrations: read the token epoch of schema %q: %w", schema, hint.Wrap(err, schema, hint.Role(pool)))
 		}
 		rep.Epoch = e
@@ -336,7 +336,7 @@ type sessionLocker int64
 
 // SessionLock implements goose's lock.SessionLocker.
 func (id sessionLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
-	if _, err := conn.ExecContext(ctx, `SELECT pg_advisory_lock($1)`, int64(id)); err != nil {
+	if _, err := conn.ExecContext(ctx, sqlSessionLock, int64(id)); err != nil {
 		return fmt.Errorf("migrations: take the migration lock: %w", err)
 	}
 	return nil
@@ -344,7 +344,7 @@ func (id sessionLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
 
 // SessionUnlock implements goose's lock.SessionLocker.
 func (id sessionLocker) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
-	_, err := conn.ExecContext(ctx, `SELECT pg_advisory_unlock($1)`, int64(id))
+	_, err := conn.ExecContext(ctx, sqlSessionUnlock, int64(id))
 	return err
 }
 

@@ -108,3 +108,19 @@ func ParseSchedule(s string) (sched Schedule, err error) {
 	}
 	return cronSchedule{cs}, nil
 }
+
+// latestDue returns the latest slot in (after, now], or the zero time.
+func latestDue(s Schedule, after, now time.Time) time.Time {
+	if e, ok := s.(every); ok {
+		due := e.floor(now)
+		if due.After(after) {
+			return due
+		}
+		return time.Time{}
+	}
+	var due time.Time
+	for t, i := s.Next(after), 0; !t.IsZero() && !t.After(now) && i < 1_000_000; t, i = s.Next(t), i+1 {
+		due = t
+	}
+	return due
+}

@@ -1,0 +1,302 @@
+package lock
+
+import (
+	"context"
+	cryptorand "crypto/rand"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/wait"
+)
+
+// Acquisitions: one attempt (TryAcquire), and the waiting loop (Acquire).
+
+// TryAcquire acquires the lease name in one round trip if it is free, was
+// released, or has expired at the database; otherwise it returns a *HeldError.
+// The new lease's token is greater than every token issued for name before.
+//
+// The client's first acquisition checks that the schema is migrated and
+// returns a *migrations.NotMigratedError if not. If ctx ends while the
+// acquisition is in flight, the database may still have granted it: the
+// client then frees that lease in the background (by its secret, which
+// only this attempt knows), so nothing is left held by nobody.
+func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
+	if err := fence.ValidateName(name); err != nil {
+		return nil, err
+	}
+	secret := newSecret()
+	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
+	if pid, ok := inDoubt(err); ok {
+		c.abandon(name, secret, pid)
+	}
+	return l, err
+}
+
+// newSecret returns a fresh per-acquisition secret.
+func newSecret() []byte {
+	secret := make([]byte, 16)
+	_, _ = cryptorand.Read(secret)
+	return secret
+}
+
+// errRowChanging is returned when three attempts in a row found the row
+// changed between the acquisition and the look-up that followed it.
+var errRowChanging = errors.New("the row kept changing under three attempts")
+
+// tryAcquire is TryAcquire with a given secret. Blocking Acquire keeps one
+// secret across its attempts, so that when an attempt's reply is lost (its
+// connection dropped after the commit) a later attempt finds the row holding
+// its own secret and adopts the lease instead of waiting for it to expire.
+// since is the send time of the first attempt with this secret (zero: this
+// is the first); an adopted lease is trusted from then, the earliest moment
+// the lost acquisition can have happened, since its reply time is unknown.
+//
+// A lease is returned only with a live trust window of at least one
+// RenewInterval: an acquisition that took longer than that to come back
+// (it waited behind a guarded transaction, or the process was paused) is
+// renewed at once, and tried again if the renewal finds it gone.
+func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time) (l *Lease, err error) {
+	defer func() {
+		c.m.attempted(ctx, err)
+		if l != nil {
+			c.emit(Event{Kind: Acquired, Lease: name, Token: l.token})
+		}
+	}()
+	if c.isClosed() {
+		return nil, ErrClosed
+	}
+	if err := c.verify(ctx); err != nil {
+		return nil, err
+	}
+	var (
+		g    grant
+		held *HeldError
+	)
+	args := []any{name, c.cfg.Holder, secret, c.cfg.TTL.Microseconds()}
+	for attempt := 0; ; attempt++ {
+		if attempt == 3 {
+			if held != nil {
+				return nil, held
+			}
+			return nil, fmt.Errorf("lock: acquire %q: %w", name, errRowChanging)
+		}
+		var (
+			r   casResult
+			err error
+		)
+		g, r, err = c.attempt(ctx, args, since)
+		if err != nil {
+			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
+		}
+		if !r.won {
+			if held = r.held; held != nil && r.live {
+				return nil, held
+			}
+			continue // freed between the two statements, or an insert race
+		}
+		if !c.cfg.window().lateGrant(g.sent, time.Now()) {
+			break
+		}
+		renewSent := time.Now()
+		got, err := c.renewRows(ctx, c.pool, []string{name}, []int64{g.token}, [][]byte{secret})
+		if err != nil {
+			// Ours at the database, but not trustworthy: free it now
+			// (synchronously, since a later attempt may use this secret).
+			rctx, cancel := wait.Detached(ctx)
+			_, _ = c.pool.Exec(rctx, c.q.releaseSecret, name, secret)
+			cancel()
+			return nil, fmt.Errorf("lock: acquire %q: renew the late acquisition: %w", name, err)
+		}
+		exp, ok := got[renewKey{name, fence.Token(g.token)}]
+		if ok {
+			g.sent, g.expiresAt = renewSent, exp
+			break
+		}
+		// Expired at the database before the renewal: try again.
+	}
+	l = newLease(c, name, fence.Token(g.token), secret, g.expiresAt, g.sent)
+	if !c.track(l) {
+		// Closed while acquiring: give it straight back.
+		_ = l.Release(context.WithoutCancel(ctx))
+		return nil, ErrClosed
+	}
+	return l, nil
+}
+
+// grant is a won acquisition: its token, the database expiry, and the send
+// time its trust window counts from.
+type grant struct {
+	token     int64
+	expiresAt time.Time
+	sent      time.Time
+}
+
+// attempt is one compare-and-set (and, for a name never acquired, the
+// insert). r.won says whether the lease was won (g is then set); otherwise
+// r.held is the row as it stands (nil when an insert lost a race: try
+// again).
+func (c *Client) attempt(ctx context.Context, args []any, since time.Time) (g grant, r casResult, err error) {
+	name := args[0].(string)
+	g.sent = time.Now()
+	r, err = c.compareAndSet(ctx, args, &g.token, &g.expiresAt)
+	switch {
+	case err != nil || r.won:
+		return g, r, err
+	case r.held != nil && r.mine && r.live && c.cfg.window().adoptable(since, time.Now()):
+		// An earlier attempt of this Acquire won; its reply was lost.
+		c.cfg.Logger.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
+		return grant{token: int64(r.held.Token), expiresAt: r.held.ExpiresAt, sent: since}, casResult{won: true}, nil
+	case r.held != nil:
+		return g, r, nil
+	}
+	// No row yet: this is the name's first acquisition, unless someone
+	// else inserts it first (no row returned); then try again.
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil {
+		return g, casResult{}, err
+	}
+	defer conn.Release()
+	err = conn.QueryRow(ctx, c.q.acquireNew, args...).Scan(&g.token, &g.expiresAt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return g, casResult{}, nil
+	}
+	return g, casResult{won: err == nil}, inFlight(err, conn.Conn().PgConn().PID())
+}
+
+// casResult is what one compare-and-set round trip found.
+type casResult struct {
+	won  bool       // the acquire statement took the lease
+	held *HeldError // otherwise, the row as heldBy saw it (nil: no row)
+	live bool       // the row is held and unexpired
+	mine bool       // the row holds the caller's secret
+}
+
+// compareAndSet sends the acquire statement and, if it did not win, heldBy.
+// It reports whether the lease was won (filling token and expiresAt), or
+// else the row as it stands, if there is one.
+func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, expiresAt *time.Time) (casResult, error) {
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil {
+		return casResult{}, err
+	}
+	defer conn.Release()
+	err = conn.QueryRow(ctx, c.q.acquire, args...).Scan(token, expiresAt)
+	switch {
+	case err == nil:
+		return casResult{won: true}, nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return casResult{}, inFlight(err, conn.Conn().PgConn().PID())
+	}
+	var (
+		r        casResult
+		h        = &HeldError{Name: args[0].(string)}
+		inMicros int64
+	)
+	err = conn.QueryRow(ctx, c.q.heldBy, args[0], args[2]).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine)
+	switch {
+	case err == nil:
+		h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
+		r.held = h
+		return r, nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return casResult{}, err
+	}
+	return casResult{}, nil
+}
+
+// Acquire blocks until it acquires the lease name or ctx ends. It wakes
+// within milliseconds of a release (LISTEN/NOTIFY) and otherwise retries
+// every PollInterval (jittered), or sooner when the holder's lease is due to
+// expire. It returns ctx's error when ctx ends first.
+//
+// Errors are classified (see the package documentation): a permanent one (a
+// schema that is missing or too old, missing privileges) ends Acquire with
+// that error at once; a transient one (a lost connection, a failover) is
+// retried with capped exponential backoff and jitter, logged once when
+// acquisitions start failing and once when they recover. If an attempt won
+// the lease but its reply was lost, a later attempt recognises the lease as
+// its own (Acquire keeps one secret across attempts) and returns it, trusted
+// from the first attempt's send time, instead of waiting for it to expire;
+// if Acquire gives up instead, it frees that lease in the background.
+func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error) {
+	if err := fence.ValidateName(name); err != nil {
+		return nil, err
+	}
+	var (
+		sub *subscription
+		w   *waiter
+	)
+	secret, since, began := newSecret(), time.Time{}, time.Now()
+	var (
+		doubt bool   // some attempt's outcome is unknown
+		pid   uint32 // the backend of the last such attempt
+	)
+	defer func() {
+		if sub != nil {
+			sub.cancel()
+		}
+		if w != nil {
+			c.poll.remove(w)
+		}
+		if err != nil && doubt {
+			c.abandon(name, secret, pid)
+		}
+	}()
+	var failing retry.Failing
+	for {
+		attemptAt := time.Now()
+		l, err := c.tryAcquire(ctx, name, secret, since)
+		if since.IsZero() {
+			since = attemptAt
+		}
+		if p, ok := inDoubt(err); ok {
+			doubt, pid = true, p
+		}
+		var held *HeldError
+		if !errors.As(err, &held) {
+			switch {
+			case err == nil:
+				failing.Recover(c.cfg.Logger, "pgfence: acquire recovered", "lease", name)
+				c.m.waitTime.Record(ctx, time.Since(began).Seconds())
+				return l, nil
+			case ctx.Err() != nil:
+				return nil, ctx.Err()
+			case errors.Is(err, ErrClosed) || !(retry.Transient(err) || errors.Is(err, errRowChanging)):
+				return nil, err
+			}
+			failing.Fail(c.cfg.Logger, "pgfence: acquire failing; retrying with backoff", err, "lease", name)
+			if !wait.Sleep(ctx, c.backoff.Wait(failing.Count()-1)) {
+				return nil, ctx.Err()
+			}
+			continue
+		}
+		failing.Recover(c.cfg.Logger, "pgfence: acquire recovered", "lease", name)
+		// Waiting: subscribe to releases (once), then register with the
+		// poller, which asks the holder's release to send a NOTIFY and
+		// wakes w once that is done: the next attempt catches a release
+		// that came before the request, the NOTIFY one after it. From then
+		// on w wakes when the poller finds the lease free or expired, and
+		// sub when it is released.
+		if sub == nil {
+			sub = c.lis.subscribe(name)
+			select {
+			case <-sub.ready:
+			case <-time.After(c.cfg.PollInterval):
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			w = c.poll.add(name)
+		}
+		select {
+		case <-sub.C:
+		case <-w.C:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+}

@@ -1,0 +1,191 @@
+package runner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/wait"
+	"github.com/pgfence/pgfence/lock"
+)
+
+// A leadership term's fenced statements, and running one slot: claim it,
+// call the job, record the outcome in the ledger.
+
+// term is one leadership term of a worker: the lease and the ledger
+// statements with the lease's fence folded in, built once when the term
+// starts.
+type term struct {
+	lease                *lock.Lease
+	claim, succeed, fail string
+	fold                 fence.Folded // its Args follow each statement's own
+}
+
+// newTerm builds the term's fenced statements.
+func (w *worker) newTerm(l *lock.Lease) (*term, error) {
+	g := l.Guard()
+	t := &term{lease: l}
+	for _, st := range []struct {
+		sql   *string
+		n     int
+		build func(fence string) string
+	}{{&t.claim, 6, w.r.q.claim}, {&t.succeed, 4, w.r.q.succeedFenced}, {&t.fail, 5, w.r.q.fail}} {
+		f, err := g.Fold(st.n)
+		if err != nil {
+			return nil, err
+		}
+		*st.sql, t.fold = st.build(f.Expr), f
+	}
+	return t, nil
+}
+
+// args are a statement's own arguments followed by the fold's.
+func (t *term) args(own ...any) []any { return append(own, t.fold.Args...) }
+
+// runSlot claims slot and runs it, with retries, while the lease holds.
+func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
+	l := t.lease
+	again := retry.Backoff{Base: w.r.lcfg.PollInterval, Max: 10 * w.r.lcfg.PollInterval}
+	for failures := 0; ctx.Err() == nil; {
+		attempt, claimed, err := w.claim(ctx, t, slot)
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, fence.ErrFenced) {
+				return
+			}
+			if permanent(err) {
+				w.r.fatal(fmt.Errorf("runner: job %q: claim slot %s: %w", w.j.Name, slot.Format(time.RFC3339), err))
+				return
+			}
+			w.log().Warn("pgfence runner: claim failed; retrying", "slot", slot, "err", err)
+			wait.Sleep(ctx, again.Wait(failures))
+			failures++
+			continue
+		}
+		if !claimed {
+			w.r.m.skipped(w.j.Name)
+			return // already succeeded, or out of attempts
+		}
+		run := &Run{Job: w.j.Name, Shard: w.shard, Shards: w.j.shards, Slot: slot, Attempt: attempt, Token: l.Token(), w: w, lease: l}
+		w.runStart = time.Now()
+		w.event(RunStarted, slot, l, attempt, nil)
+		err = w.call(ctx, run)
+		if !w.finish(ctx, t, run, err) {
+			return
+		}
+		if !wait.Sleep(ctx, w.j.Retry.wait(attempt)) {
+			return
+		}
+	}
+}
+
+// finish records the attempt's outcome and reports whether to retry.
+func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (retry bool) {
+	l, slot, attempt := t.lease, run.Slot, run.Attempt
+	if runErr == nil && run.committed {
+		w.event(RunSucceeded, slot, l, attempt, nil)
+		return false
+	}
+	if l.Err() != nil || errors.Is(runErr, fence.ErrFenced) {
+		w.fenced(l, run, firstErr(runErr, l.Err()))
+		return false
+	}
+	if runErr != nil && errors.Is(context.Cause(ctx), errShutdown) {
+		// Interrupted by shutdown with the lease still ours: leave the slot
+		// "running"; the next leader's claim (with a greater token) runs it.
+		return false
+	}
+	// A run that finished must have its outcome recorded even if shutdown
+	// has begun; the folded fence, not the context, decides whether it may.
+	ctx, cancel := wait.Detached(ctx)
+	defer cancel()
+	var err error
+	if runErr == nil {
+		var tag pgconn.CommandTag
+		tag, err = w.r.pool.Exec(ctx, t.succeed, t.args(w.j.Name, w.shard, slot, int64(l.Token()))...)
+		if err = t.fold.Err(err); err == nil && tag.RowsAffected() != 1 {
+			err = ErrFenced
+		}
+		if err == nil {
+			w.event(RunSucceeded, slot, l, attempt, nil)
+			return false
+		}
+	} else {
+		_, err = w.r.pool.Exec(ctx, t.fail, t.args(w.j.Name, w.shard, slot, int64(l.Token()), runErr.Error())...)
+		if err = t.fold.Err(err); err == nil {
+			retry := attempt < w.j.Retry.MaxAttempts
+			w.log().Error("pgfence runner: run failed", "slot", slot, "attempt", attempt, "token", l.Token(),
+				"retry", retry, "err", runErr)
+			w.event(RunFailed, slot, l, attempt, runErr)
+			return retry
+		}
+	}
+	if errors.Is(err, fence.ErrFenced) || l.Err() != nil {
+		w.fenced(l, run, err)
+		return false
+	}
+	w.log().Warn("pgfence runner: recording the outcome failed; the next leader will rerun the slot",
+		"slot", slot, "attempt", attempt, "token", l.Token(), "err", err)
+	return false
+}
+
+// fenced marks this attempt's own row as fenced (only if no newer attempt has
+// claimed it) and reports the event.
+func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
+	ctx, cancel := wait.Detached(context.Background())
+	defer cancel()
+	msg := "fenced"
+	if cause != nil {
+		msg = cause.Error()
+	}
+	_, _ = w.r.pool.Exec(ctx, w.r.q.markFenced, w.j.Name, w.shard, run.Slot, int64(l.Token()), msg)
+	w.log().Warn("pgfence runner: run fenced: a newer holder took over; its writes are refused",
+		"slot", run.Slot, "attempt", run.Attempt, "token", l.Token(), "err", cause)
+	w.event(RunFenced, run.Slot, l, run.Attempt, cause)
+}
+
+// claim claims slot in one autocommitted, fenced statement.
+func (w *worker) claim(ctx context.Context, t *term, slot time.Time) (attempt int, claimed bool, err error) {
+	l := t.lease
+	if err := l.Err(); err != nil {
+		return 0, false, err
+	}
+	err = w.r.pool.QueryRow(ctx, t.claim, t.args(w.j.Name, w.shard, slot, int64(l.Token()),
+		w.r.lcfg.Holder, w.j.Retry.MaxAttempts)...).Scan(&attempt)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, nil
+	}
+	return attempt, err == nil, t.fold.Err(err)
+}
+
+// call runs the job function with its timeout, turning a panic into an error.
+func (w *worker) call(ctx context.Context, run *Run) (err error) {
+	if w.j.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, w.j.Timeout)
+		defer cancel()
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("runner: job %q panicked: %v\n%s", w.j.Name, p, debug.Stack())
+		}
+	}()
+	return w.j.Run(ctx, run)
+}
+
+func (r *Runner) recordSuccess(ctx context.Context, tx pgx.Tx, run *Run) error {
+	tag, err := tx.Exec(ctx, r.q.succeed, run.Job, run.Shard, run.Slot, int64(run.Token))
+	if err != nil {
+		return err
+	}
+	if tag.RowsAffected() != 1 {
+		return ErrFenced
+	}
+	return nil
+}
