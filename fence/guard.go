@@ -131,8 +131,9 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // transaction committed (its id was read with the check): nil if it did,
 // and if it did not, the transaction runs again like the cases above (the
 // last such failure is ErrNotCommitted). ErrOutcomeUnknown is left for when
-// the server cannot be asked: db is a single connection, the server does
-// not answer within wait.CleanupTimeout (5s), or it has failed over since.
+// the server cannot be asked: db is a single connection or a transaction,
+// the server does not answer within wait.CleanupTimeout (5s), or it has
+// failed over since.
 func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error {
 	if err := g.validate(); err != nil {
 		return err
@@ -228,6 +229,9 @@ func (g Guard) resolve(ctx context.Context, db DB, t *guardedTx, cause error) er
 	}
 	if c, isConn := db.(*pgx.Conn); isConn && c.IsClosed() {
 		return unknown("its connection is closed and there is no other to ask the server on")
+	}
+	if _, isTx := db.(pgx.Tx); isTx {
+		return unknown("a savepoint of a transaction whose connection broke: the outcome is that transaction's")
 	}
 	ctx, cancel := wait.Detached(ctx)
 	defer cancel()
