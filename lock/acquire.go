@@ -99,10 +99,10 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			}
 			continue // freed between the two statements, or an insert race
 		}
-		if !c.cfg.window().lateGrant(g.sent, time.Now()) {
+		if !c.cfg.window().lateGrant(g.sent, c.clock.Now()) {
 			break
 		}
-		renewSent := time.Now()
+		renewSent := c.clock.Now()
 		got, err := c.renewRows(ctx, c.pool, []string{name}, []int64{g.token}, [][]byte{secret})
 		if err != nil {
 			// Ours at the database, but not trustworthy: free it now
@@ -142,12 +142,12 @@ type grant struct {
 // again).
 func (c *Client) attempt(ctx context.Context, args []any, since time.Time) (g grant, r casResult, err error) {
 	name := args[0].(string)
-	g.sent = time.Now()
+	g.sent = c.clock.Now()
 	r, err = c.compareAndSet(ctx, args, &g.token, &g.expiresAt)
 	switch {
 	case err != nil || r.won:
 		return g, r, err
-	case r.held != nil && r.mine && r.live && c.cfg.window().adoptable(since, time.Now()):
+	case r.held != nil && r.mine && r.live && c.cfg.window().adoptable(since, c.clock.Now()):
 		// An earlier attempt of this Acquire won; its reply was lost.
 		c.cfg.Logger.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
 		return grant{token: int64(r.held.Token), expiresAt: r.held.ExpiresAt, sent: since}, casResult{won: true}, nil
@@ -249,7 +249,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 	}()
 	var failing retry.Failing
 	for {
-		attemptAt := time.Now()
+		attemptAt := c.clock.Now() // the trust window of an adopted lease counts from here
 		l, err := c.tryAcquire(ctx, name, secret, since)
 		if since.IsZero() {
 			since = attemptAt

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/bg"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
@@ -38,7 +39,8 @@ type Client struct {
 	held     map[*Lease]struct{}
 	renewing bool
 	closed   bool
-	bg       *bg.Group // every background goroutine
+	bg       *bg.Group   // every background goroutine
+	clock    clock.Clock // trust windows; tests move it
 
 	closeOnce sync.Once
 	closeErr  error
@@ -70,6 +72,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		q:       newQueries(cfg.Schema),
 		held:    make(map[*Lease]struct{}),
 		bg:      bg.New(context.Background()),
+		clock:   clock.Real(),
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 	}
 	c.lis = newListener(c)

@@ -3,6 +3,8 @@ package lock
 import (
 	"context"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/clock"
 )
 
 // AcquireLostReply acquires name the way an attempt whose reply was lost
@@ -10,7 +12,7 @@ import (
 // lease (no renewal, no release, no lease handle). It returns that secret,
 // the attempt's send time and the token issued.
 func (c *Client) AcquireLostReply(ctx context.Context, name string) ([]byte, time.Time, int64, error) {
-	secret, sent := newSecret(), time.Now()
+	secret, sent := newSecret(), c.clock.Now()
 	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
 	if err != nil {
 		return nil, sent, 0, err
@@ -29,3 +31,7 @@ func (c *Client) AcquireLostReply(ctx context.Context, name string) ([]byte, tim
 func (c *Client) TryAcquireAs(ctx context.Context, name string, secret []byte, since time.Time) (*Lease, error) {
 	return c.tryAcquire(ctx, name, secret, since)
 }
+
+// SetClock makes the client read the time and arm its trust-window timers
+// on clk; call it before the first acquisition.
+func (c *Client) SetClock(clk clock.Clock) { c.clock = clk }

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -29,7 +30,7 @@ type Lease struct {
 	mu         sync.Mutex
 	expiresAt  time.Time // database clock
 	trustUntil time.Time // local monotonic clock
-	timer      *time.Timer
+	timer      clock.Timer
 	ended      bool
 }
 
@@ -41,7 +42,7 @@ func newLease(c *Client, name string, token fence.Token, secret []byte, expiresA
 	// acquisition was in flight): then the timer fires at once, and must
 	// find l.timer set. Holding mu makes it wait for the assignment.
 	l.mu.Lock()
-	l.timer = time.AfterFunc(time.Until(l.trustUntil), l.trustElapsed)
+	l.timer = c.clock.AfterFunc(l.trustUntil.Sub(c.clock.Now()), l.trustElapsed)
 	l.mu.Unlock()
 	return l
 }
@@ -97,7 +98,7 @@ func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
 func (l *Lease) Err() error {
 	if l.ctx.Err() == nil {
 		l.mu.Lock()
-		over := !l.ended && !time.Now().Before(l.trustUntil)
+		over := !l.ended && !l.c.clock.Now().Before(l.trustUntil)
 		l.mu.Unlock()
 		if !over {
 			return nil
@@ -228,11 +229,12 @@ func (l *Lease) renewed(sent, expiresAt time.Time) {
 		l.mu.Unlock()
 		return
 	}
-	left := time.Until(l.trustUntil)
+	now := l.c.clock.Now()
+	left := l.trustUntil.Sub(now)
 	l.expiresAt = expiresAt
 	if until := l.c.cfg.window().extend(l.trustUntil, sent); until != l.trustUntil {
 		l.trustUntil = until
-		l.timer.Reset(time.Until(until))
+		l.timer.Reset(until.Sub(now))
 	}
 	l.mu.Unlock()
 	l.c.m.timeLeft.Record(context.Background(), max(left, 0).Seconds())
@@ -245,7 +247,7 @@ func (l *Lease) renewed(sent, expiresAt time.Time) {
 // moved the window while the timer was firing; then it has been reset.
 func (l *Lease) trustElapsed() {
 	l.mu.Lock()
-	if l.ended || time.Now().Before(l.trustUntil) {
+	if l.ended || l.c.clock.Now().Before(l.trustUntil) {
 		l.mu.Unlock()
 		return
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 )
@@ -904,5 +905,43 @@ func TestCloseIsIdempotent(t *testing.T) {
 	}
 	if _, err := c.TryAcquire(ctx, "after-close"); !errors.Is(err, lock.ErrClosed) {
 		t.Errorf("TryAcquire after Close: %v, want ErrClosed", err)
+	}
+}
+
+// A lease is trusted until its acquisition's send time + TTL -
+// SafetyMargin, by the client's clock, and not a moment longer: on a fake
+// clock, with no sleeping, it is live 1ms before the deadline and lost at
+// it, its context cancelled.
+func TestTrustDeadlineOnAFakeClock(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, Logger: quiet}) // TTL 15s, SafetyMargin 1.5s
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(ctx)
+	fake := clock.NewFake(time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC))
+	c.SetClock(fake)
+	l, err := c.TryAcquire(ctx, "fake-clock")
+	if err != nil {
+		t.Fatal(err)
+	}
+	window := 13500 * time.Millisecond
+	if got := l.TrustedUntil().Sub(fake.Now()); got != window {
+		t.Fatalf("trusted for %v from the send, want TTL - SafetyMargin = %v", got, window)
+	}
+	fake.Advance(window - time.Millisecond)
+	if err := l.Err(); err != nil || l.TimeLeft() != time.Millisecond {
+		t.Fatalf("1ms before the deadline: err %v, time left %v", err, l.TimeLeft())
+	}
+	fake.Advance(time.Millisecond)
+	select {
+	case <-l.Done():
+	default:
+		t.Fatal("the lease's context is live at its trust deadline")
+	}
+	if !errors.Is(l.Err(), lock.ErrLeaseLost) || l.TimeLeft() != 0 {
+		t.Fatalf("at the deadline: err %v, time left %v; want ErrLeaseLost, 0", l.Err(), l.TimeLeft())
 	}
 }

@@ -89,11 +89,11 @@ func (c *Client) renew(ctx context.Context, q querier, batch []*Lease) error {
 	// that does not answer costs up to connect_timeout.
 	budget := c.cfg.RenewInterval
 	for _, l := range batch {
-		budget = max(budget, time.Until(l.TrustedUntil()))
+		budget = max(budget, l.TrustedUntil().Sub(c.clock.Now()))
 	}
 	ctx, cancel := context.WithTimeout(ctx, budget) // Close cancels it: the leases are released by then
 	defer cancel()
-	sent := time.Now()
+	sent := c.clock.Now() // the trust window counts from here
 	got, err := c.renewRows(ctx, q, names, tokens, secrets)
 	if err != nil {
 		return err

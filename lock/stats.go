@@ -77,5 +77,5 @@ func (l *Lease) TimeLeft() time.Duration {
 	if l.Err() != nil {
 		return 0
 	}
-	return max(time.Until(l.TrustedUntil()), 0)
+	return max(l.TrustedUntil().Sub(l.c.clock.Now()), 0)
 }
