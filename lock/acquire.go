@@ -77,7 +77,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		g    grant
 		held *HeldError
 	)
-	args := []any{name, c.cfg.Holder, secret, c.cfg.TTL.Microseconds()}
+	req := acquisition{name: name, secret: secret}
 	for attempt := 0; ; attempt++ {
 		if attempt == 3 {
 			if held != nil {
@@ -89,7 +89,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			r   casResult
 			err error
 		)
-		g, r, err = c.attempt(ctx, args, since)
+		g, r, err = c.attempt(ctx, req, since)
 		if err != nil {
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
 		}
@@ -136,14 +136,25 @@ type grant struct {
 	sent      time.Time
 }
 
+// acquisition is what one Acquire asks for: the name and its secret.
+type acquisition struct {
+	name   string
+	secret []byte
+}
+
+// args are the acquire and acquireNew statements' arguments.
+func (a acquisition) args(c *Client) []any {
+	return []any{a.name, c.cfg.Holder, a.secret, c.cfg.TTL.Microseconds()}
+}
+
 // attempt is one compare-and-set (and, for a name never acquired, the
 // insert). r.won says whether the lease was won (g is then set); otherwise
 // r.held is the row as it stands (nil when an insert lost a race: try
 // again).
-func (c *Client) attempt(ctx context.Context, args []any, since time.Time) (g grant, r casResult, err error) {
-	name := args[0].(string)
+func (c *Client) attempt(ctx context.Context, req acquisition, since time.Time) (g grant, r casResult, err error) {
+	name := req.name
 	g.sent = c.clock.Now()
-	r, err = c.compareAndSet(ctx, args, &g.token, &g.expiresAt)
+	r, err = c.compareAndSet(ctx, req, &g.token, &g.expiresAt)
 	switch {
 	case err != nil || r.won:
 		return g, r, err
@@ -161,7 +172,7 @@ func (c *Client) attempt(ctx context.Context, args []any, since time.Time) (g gr
 		return g, casResult{}, err
 	}
 	defer conn.Release()
-	err = conn.QueryRow(ctx, c.q.acquireNew, args...).Scan(&g.token, &g.expiresAt)
+	err = conn.QueryRow(ctx, c.q.acquireNew, req.args(c)...).Scan(&g.token, &g.expiresAt)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return g, casResult{}, nil
 	}
@@ -179,13 +190,13 @@ type casResult struct {
 // compareAndSet sends the acquire statement and, if it did not win, heldBy.
 // It reports whether the lease was won (filling token and expiresAt), or
 // else the row as it stands, if there is one.
-func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, expiresAt *time.Time) (casResult, error) {
+func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int64, expiresAt *time.Time) (casResult, error) {
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
 		return casResult{}, err
 	}
 	defer conn.Release()
-	err = conn.QueryRow(ctx, c.q.acquire, args...).Scan(token, expiresAt)
+	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt)
 	switch {
 	case err == nil:
 		return casResult{won: true}, nil
@@ -194,10 +205,10 @@ func (c *Client) compareAndSet(ctx context.Context, args []any, token *int64, ex
 	}
 	var (
 		r        casResult
-		h        = &HeldError{Name: args[0].(string)}
+		h        = &HeldError{Name: req.name}
 		inMicros int64
 	)
-	err = conn.QueryRow(ctx, c.q.heldBy, args[0], args[2]).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine)
+	err = conn.QueryRow(ctx, c.q.heldBy, req.name, req.secret).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine)
 	switch {
 	case err == nil:
 		h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
