@@ -12,8 +12,8 @@ import (
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
-// ErrNoLease is returned by ForceRelease for a name that has never been
-// acquired.
+// ErrNoLease is returned by ForceRelease and Inspect for a name that has
+// never been acquired.
 var ErrNoLease = errors.New("lock: no such lease")
 
 // Info describes a lease row, for operators.
@@ -39,28 +39,53 @@ type Info struct {
 
 // Leases lists every lease row, by name.
 func (c *Client) Leases(ctx context.Context) ([]Info, error) {
-	rows, err := c.pool.Query(ctx, c.q.inspect+" ORDER BY name")
+	rows, err := c.pool.Query(ctx, c.q.inspectAll)
 	if err != nil {
 		return nil, fmt.Errorf("lock: list leases: %w", c.explain(err))
 	}
-	infos, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Info, error) {
-		var (
-			i   Info
-			tok int64
-			now time.Time
-		)
-		err := r.Scan(&i.Name, &tok, &i.Holder, &i.Held, &i.AcquiredAt, &i.RenewedAt, &i.ExpiresAt, &now)
-		i.Token = fence.Token(tok)
-		i.ExpiresIn = i.ExpiresAt.Sub(now)
-		if i.Holder != "" {
-			i.HeldFor = now.Sub(i.AcquiredAt)
-		}
-		return i, err
-	})
+	infos, err := pgx.CollectRows(rows, scanInfo)
 	if err != nil {
 		return nil, fmt.Errorf("lock: list leases: %w", c.explain(err))
 	}
 	return infos, nil
+}
+
+// Inspect answers who holds the lease name now, with which token, since
+// when and until when (database clock), in one round trip; Info.Held is
+// false when it is free or expired. It returns ErrNoLease for a name never
+// acquired.
+func (c *Client) Inspect(ctx context.Context, name string) (Info, error) {
+	if err := fence.ValidateName(name); err != nil {
+		return Info{}, err
+	}
+	rows, err := c.pool.Query(ctx, c.q.inspectOne, name)
+	if err != nil {
+		return Info{}, fmt.Errorf("lock: inspect %q: %w", name, c.explain(err))
+	}
+	i, err := pgx.CollectExactlyOneRow(rows, scanInfo)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return Info{}, fmt.Errorf("%w: %q", ErrNoLease, name)
+	case err != nil:
+		return Info{}, fmt.Errorf("lock: inspect %q: %w", name, c.explain(err))
+	}
+	return i, nil
+}
+
+// scanInfo reads one row of the inspect statements.
+func scanInfo(r pgx.CollectableRow) (Info, error) {
+	var (
+		i   Info
+		tok int64
+		now time.Time
+	)
+	err := r.Scan(&i.Name, &tok, &i.Holder, &i.Held, &i.AcquiredAt, &i.RenewedAt, &i.ExpiresAt, &now)
+	i.Token = fence.Token(tok)
+	i.ExpiresIn = i.ExpiresAt.Sub(now)
+	if i.Holder != "" {
+		i.HeldFor = now.Sub(i.AcquiredAt)
+	}
+	return i, err
 }
 
 // ForceRelease frees the lease name whoever holds it, for operators: the

@@ -945,3 +945,40 @@ func TestTrustDeadlineOnAFakeClock(t *testing.T) {
 		t.Fatalf("at the deadline: err %v, time left %v; want ErrLeaseLost, 0", l.Err(), l.TimeLeft())
 	}
 }
+
+// Inspect answers who holds a lease now, with which token and since when,
+// and says so when it is free, taken over, or was never acquired.
+func TestInspectSaysWhoHolds(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	a := newClient(t, db, lock.Config{Holder: "replica-a"})
+	b := newClient(t, db, lock.Config{Holder: "replica-b"})
+	if _, err := a.Inspect(ctx, "nightly"); !errors.Is(err, lock.ErrNoLease) {
+		t.Fatalf("Inspect of a name never acquired: %v, want ErrNoLease", err)
+	}
+	l, err := a.TryAcquire(ctx, "nightly")
+	if err != nil {
+		t.Fatal(err)
+	}
+	i, err := b.Inspect(ctx, "nightly")
+	if err != nil || i.Holder != "replica-a" || !i.Held || i.Token != l.Token() || i.AcquiredAt.IsZero() || i.ExpiresIn <= 0 {
+		t.Fatalf("Inspect of a held lease: %+v, %v; want replica-a with token %s", i, err, l.Token())
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if i, err := b.Inspect(ctx, "nightly"); err != nil || i.Held || i.Holder != "" || i.Token != l.Token() {
+		t.Fatalf("Inspect of a released lease: %+v, %v; want free, last token %s", i, err, l.Token())
+	}
+	l2, err := b.TryAcquire(ctx, "nightly")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if i, err := a.Inspect(ctx, "nightly"); err != nil || i.Holder != "replica-b" || i.Token != l2.Token() || i.Token <= l.Token() {
+		t.Fatalf("Inspect after a takeover: %+v, %v", i, err)
+	}
+	if _, err := a.Inspect(ctx, ""); !errors.Is(err, lock.ErrInvalidName) {
+		t.Fatalf("Inspect of an invalid name: %v", err)
+	}
+}

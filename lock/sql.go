@@ -20,7 +20,7 @@ import (
 
 // queries holds the package's SQL, built once per client for its schema.
 type queries struct {
-	acquire, heldBy, acquireNew, syncEpoch, pollWaited, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspect, forceRelease, blockers string
+	acquire, heldBy, acquireNew, syncEpoch, pollWaited, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspectAll, inspectOne, forceRelease, blockers string
 }
 
 // wakeWaiters is a RETURNING expression for statements that free a lease
@@ -41,6 +41,10 @@ func newQueries(schema string) queries {
 	// of the epoch row, more as a PL/pgSQL call (BENCHMARKS.md).
 	ready := fmt.Sprintf(`(%s() = %s() OR %s())`, ident.Table(schema, "pgfence_timeline"),
 		ident.Table(schema, "pgfence_epoch_timeline"), ident.Table(schema, "pgfence_sync_epoch"))
+	// The operators' view of lease rows (Leases, Inspect).
+	inspect := fmt.Sprintf(`SELECT name, token, coalesce(holder, ''), holder IS NOT NULL AND expires_at > clock_timestamp(),
+       acquired_at, renewed_at, expires_at, clock_timestamp()
+  FROM %[1]s`, t)
 	return queries{
 		// The compare-and-set: lock the row FOR UPDATE if it is free,
 		// released or expired, and give it a new token from the column's
@@ -161,9 +165,8 @@ RETURNING %[2]s`, t, wake),
 		check: fmt.Sprintf(`SELECT token, secret = $2 AND holder IS NOT NULL, expires_at > clock_timestamp(), expires_at
   FROM %[1]s WHERE name = $1`, t),
 
-		inspect: fmt.Sprintf(`SELECT name, token, coalesce(holder, ''), holder IS NOT NULL AND expires_at > clock_timestamp(),
-       acquired_at, renewed_at, expires_at, clock_timestamp()
-  FROM %[1]s`, t),
+		inspectAll: inspect + ` ORDER BY name`,
+		inspectOne: inspect + ` WHERE name = $1`,
 
 		forceRelease: fmt.Sprintf(`WITH old AS (SELECT name, holder FROM %[1]s WHERE name = $1 FOR UPDATE)
 UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())

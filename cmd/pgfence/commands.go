@@ -196,20 +196,19 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 		return fail(exitUsage, "--timeout must be positive")
 	}
 	name := fs.Arg(0)
-	c, infos, closeFn, err := e.leases(ctx)
+	c, closeFn, err := e.client(ctx)
 	if err != nil {
 		return err
 	}
 	defer closeFn()
-	var found *lock.Info
-	for i := range infos {
-		if infos[i].Name == name {
-			found = &infos[i]
-		}
-	}
-	if found == nil {
+	info, err := c.Inspect(ctx, name)
+	if errors.Is(err, lock.ErrNoLease) {
 		return fail(exitNoLease, "no lease named %q", name)
 	}
+	if err != nil {
+		return e.explain(err)
+	}
+	found := &info
 	if !found.Held {
 		why := "free"
 		if found.Holder != "" {
