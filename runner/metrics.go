@@ -16,15 +16,17 @@ import (
 type metrics struct {
 	runs, retries, leadership, missed metric.Int64Counter
 	duration                          metric.Float64Histogram
-	owned                             metric.Int64ObservableGauge
+	owned, leader                     metric.Int64ObservableGauge
 	meter                             metric.Meter
 
-	mu     sync.Mutex
-	shards map[string]int64 // job -> shards this instance owns
+	mu      sync.Mutex
+	shards  map[string]int64 // job -> shards this instance owns
+	jobs    []string         // the registered jobs, for the leader gauge
+	leading map[string]int   // job -> its leases (job or shards) this instance holds
 }
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
-	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}}
+	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}, leading: map[string]int{}}
 	var err error
 	keep := func(e error) {
 		if err == nil {
@@ -50,22 +52,35 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m.owned, e = m.meter.Int64ObservableGauge("pgfence.runner.shards.owned", metric.WithUnit("{shard}"),
 		metric.WithDescription("Shards of a sharded job this instance is assigned, by pgfence.job."))
 	keep(e)
+	m.leader, e = m.meter.Int64ObservableGauge("pgfence.runner.leader",
+		metric.WithDescription("1 while this instance leads the job (holds its lease, or a shard's), else 0, by pgfence.job."))
+	keep(e)
 	if err != nil {
 		return nil, fmt.Errorf("runner: metrics: %w", err)
 	}
 	return m, nil
 }
 
-// observe registers the shards gauge's callback for the time of Run.
-func (m *metrics) observe() (metric.Registration, error) {
+// observe registers the gauges' callback for the time of Run, for jobs.
+func (m *metrics) observe(jobs []string) (metric.Registration, error) {
+	m.mu.Lock()
+	m.jobs = jobs
+	m.mu.Unlock()
 	return m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		m.mu.Lock()
 		defer m.mu.Unlock()
 		for job, n := range m.shards {
 			o.ObserveInt64(m.owned, n, metric.WithAttributes(attribute.String("pgfence.job", job)))
 		}
+		for _, job := range m.jobs {
+			var leads int64
+			if m.leading[job] > 0 {
+				leads = 1
+			}
+			o.ObserveInt64(m.leader, leads, metric.WithAttributes(attribute.String("pgfence.job", job)))
+		}
 		return nil
-	}, m.owned)
+	}, m.owned, m.leader)
 }
 
 func (m *metrics) setShards(job string, n int64) {
@@ -80,10 +95,13 @@ func (m *metrics) event(e Event, runStart time.Time) {
 	job := attribute.String("pgfence.job", e.Job)
 	switch e.Kind {
 	case LeadershipGained, LeadershipLost:
-		change := "gained"
+		change, delta := "gained", 1
 		if e.Kind == LeadershipLost {
-			change = "lost"
+			change, delta = "lost", -1
 		}
+		m.mu.Lock()
+		m.leading[e.Job] += delta
+		m.mu.Unlock()
 		m.leadership.Add(ctx, 1, metric.WithAttributes(job, attribute.String("pgfence.change", change)))
 	case RunStarted:
 		if e.Attempt > 1 {

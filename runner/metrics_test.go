@@ -230,3 +230,42 @@ func TestMetrics(t *testing.T) {
 		t.Errorf("leadership gained %v times, want at least once per job", v)
 	}
 }
+
+// pgfence.runner.leader is 1 on the instance that leads a job and 0 on the
+// others, and moves with the leadership.
+func TestLeaderGauge(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	job := runner.Job{Name: "solo", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}
+	readers := map[string]*sdkmetric.ManualReader{}
+	ins := map[string]*instance{}
+	for _, who := range []string{"a", "b"} {
+		readers[who] = sdkmetric.NewManualReader()
+		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(readers[who]))
+		t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+		ins[who] = start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: who, TTL: 2 * time.Second, PollInterval: 50 * time.Millisecond, MeterProvider: mp},
+			runner.Config{}, func(r *runner.Runner) error { return r.Register(job) })
+	}
+	leads := func(who string) float64 {
+		v, ok := collect(t, readers[who]).value("pgfence.runner.leader", attribute.String("pgfence.job", "solo"))
+		if !ok {
+			return -1
+		}
+		return v
+	}
+	var leader, other string
+	waitFor(t, 10*time.Second, "one instance to lead and the other to report 0", func() bool {
+		a, b := leads("a"), leads("b")
+		switch {
+		case a == 1 && b == 0:
+			leader, other = "a", "b"
+		case a == 0 && b == 1:
+			leader, other = "b", "a"
+		default:
+			return false
+		}
+		return true
+	})
+	ins[leader].stop(t)
+	waitFor(t, 10*time.Second, "the other instance to report that it leads", func() bool { return leads(other) == 1 })
+}

@@ -157,7 +157,11 @@ func (r *Runner) Run(ctx context.Context) error {
 		}
 		return err
 	}
-	if reg, err := r.m.observe(); err == nil {
+	names := make([]string, len(jobs))
+	for i, j := range jobs {
+		names[i] = j.Name
+	}
+	if reg, err := r.m.observe(names); err == nil {
 		defer func() { _ = reg.Unregister() }()
 	}
 	work, stopWork := context.WithCancelCause(context.Background())
