@@ -478,6 +478,38 @@ func TestRunEndsOnPermanentErrors(t *testing.T) {
 	}
 }
 
+// On a job's very first start (no slot of it in the ledger), neither
+// Missed policy runs a past slot, not even the one that has just passed:
+// the first run is the job's next slot.
+func TestFirstStartRunsTheNextSlot(t *testing.T) {
+	t.Parallel()
+	for _, policy := range []runner.Missed{runner.RunLatest, runner.Skip} {
+		t.Run(fmt.Sprint(policy), func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			ev := &events{}
+			started := make(chan time.Time, 10)
+			ev.fn = func(_ string, e runner.Event) {
+				if e.Kind == runner.RunStarted {
+					started <- e.Slot
+				}
+			}
+			job := runner.Job{Name: "fresh", Schedule: "@every 1s", Missed: policy,
+				Run: func(context.Context, *runner.Run) error { return nil }}
+			began := time.Now()
+			start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
+			select {
+			case slot := <-started:
+				if !slot.After(began) {
+					t.Fatalf("the first run was for slot %v, which passed before the job started (%v)", slot, began)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("the job never ran")
+			}
+		})
+	}
+}
+
 // A service stopped while it starts (its context cancelled before or while
 // Run checks the schema) gets nil from Run, as from any clean stop, not the
 // cancellation dressed up as a migration error.

@@ -12,8 +12,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
-
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -120,7 +118,7 @@ func (e *env) leases(ctx context.Context) (*lock.Client, []lock.Info, func(), er
 	infos, err := c.Leases(ctx)
 	if err != nil {
 		closeFn()
-		return nil, nil, nil, e.explain(err)
+		return nil, nil, nil, err
 	}
 	return c, infos, closeFn, nil
 }
@@ -206,7 +204,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 		return fail(exitNoLease, "no lease named %q", name)
 	}
 	if err != nil {
-		return e.explain(err)
+		return err
 	}
 	found := &info
 	if !found.Held {
@@ -280,7 +278,7 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 	defer pool.Close()
 	runs, err := runner.Runs(ctx, pool, e.schema, f)
 	if err != nil {
-		return e.explain(err)
+		return err
 	}
 	if asJSON {
 		return writeJSON(e.stdout, runs)
@@ -316,19 +314,8 @@ func cmdJobsPrune(ctx context.Context, e *env, args []string) error {
 	defer pool.Close()
 	n, err := runner.Prune(ctx, pool, e.schema, time.Now().Add(-olderThan))
 	if err != nil {
-		return e.explain(err)
+		return err
 	}
 	fmt.Fprintf(e.stdout, "pruned %d runs older than %v (the latest slot of each job and shard is kept)\n", n, olderThan)
 	return nil
-}
-
-// explain adds what to do when pgfence's tables are missing from the schema
-// the command looked in.
-func (e *env) explain(err error) error {
-	var pg *pgconn.PgError
-	if !errors.As(err, &pg) || pg.Code != "42P01" {
-		return err
-	}
-	where := "schema " + strconv.Quote(e.schema)
-	return fmt.Errorf("%w\n(looked in %s: choose the schema with --schema or PGFENCE_SCHEMA, or run `pgfence migrate up`)", err, where)
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -26,12 +27,15 @@ func cmdGrant(ctx context.Context, e *env, args []string) error {
 		return fail(exitUsage, "grant takes two arguments: app or operator, and the role")
 	}
 	kind, role := fs.Arg(0), fs.Arg(1)
-	var stmts func(string, string) ([]string, error)
+	var (
+		stmts func(string, string) ([]string, error)
+		grant func(context.Context, fence.DB, string, string) error
+	)
 	switch kind {
 	case "app":
-		stmts = migrations.AppGrants
+		stmts, grant = migrations.AppGrants, migrations.GrantApp
 	case "operator":
-		stmts = migrations.OperatorGrants
+		stmts, grant = migrations.OperatorGrants, migrations.GrantOperator
 	default:
 		fs.Usage()
 		return fail(exitUsage, "grant %q: want app (what an application needs) or operator (what this CLI needs)", kind)
@@ -51,10 +55,6 @@ func cmdGrant(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	grant := migrations.GrantApp
-	if kind == "operator" {
-		grant = migrations.GrantOperator
-	}
 	if err := grant(ctx, pool, e.schema, role); err != nil {
 		var pg *pgconn.PgError
 		if errors.As(err, &pg) && pg.Code == "42704" {
@@ -63,7 +63,7 @@ func cmdGrant(ctx context.Context, e *env, args []string) error {
 		if errors.As(err, &pg) && pg.Code == "42501" {
 			return fmt.Errorf("%w\n(run grant as the owner of schema %q, the role that ran `pgfence migrate up`)", err, e.schema)
 		}
-		return e.explain(err)
+		return err
 	}
 	fmt.Fprintf(e.stdout, "granted %s's privileges on schema %s to %s\n", kind, printable(e.schema), printable(role))
 	return nil

@@ -30,12 +30,10 @@ func (e *Error) Unwrap() error { return e.Err }
 
 // Codes pgfence explains.
 const (
-	CodeNoPrivilege   = "42501" // insufficient_privilege
-	CodeNoTable       = "42P01" // undefined_table
-	CodeNoFunction    = "42883" // undefined_function
-	CodeNoSchema      = "3F000" // invalid_schema_name
-	grantsForApp      = "app"
-	grantsForOperator = "operator"
+	CodeNoPrivilege = "42501" // insufficient_privilege
+	CodeNoTable     = "42P01" // undefined_table
+	CodeNoFunction  = "42883" // undefined_function
+	CodeNoSchema    = "3F000" // invalid_schema_name
 )
 
 // Wrap explains err when it is one of the codes above, for a role working
@@ -53,7 +51,7 @@ func Wrap(err error, schema, role string) error {
 		return &Error{err, Grant(schema, role)}
 	case CodeNoTable, CodeNoFunction, CodeNoSchema:
 		return &Error{err, fmt.Sprintf("pgfence looked in schema %s: run migrations.Up or `pgfence%s migrate up` there, "+
-			"or name the schema that holds pgfence's tables", strconv.Quote(schema), flag(schema))}
+			"or name the schema that holds pgfence's tables (Schema in Go; --schema or PGFENCE_SCHEMA in the CLI)", strconv.Quote(schema), flag(schema))}
 	}
 	return err
 }
@@ -65,9 +63,9 @@ func Grant(schema, role string) string {
 	if role != "" {
 		who, arg = "role "+strconv.Quote(role), ident.ShellQuote(role)
 	}
-	return fmt.Sprintf("%s lacks pgfence's grants on schema %s: as the schema's owner, run `pgfence%s grant %s %s` "+
-		"(or `grant %s` for the operator CLI), or migrations.GrantApp", who, strconv.Quote(ident.Schema(schema)),
-		flag(ident.Schema(schema)), grantsForApp, arg, grantsForOperator)
+	return fmt.Sprintf("%s lacks pgfence's grants on schema %s: as the schema's owner, run `pgfence%s grant app %s` "+
+		"(or `grant operator` for the operator CLI), or migrations.GrantApp", who, strconv.Quote(ident.Schema(schema)),
+		flag(ident.Schema(schema)), arg)
 }
 
 func flag(schema string) string {
