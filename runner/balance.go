@@ -67,18 +67,12 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 	for i, j := range jobs {
 		names[i] = j.Name
 	}
-	settle := min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second)
-	var (
-		applied, pending       members // nil: none yet
-		pendingSince, changing time.Time
-		announced              bool
-	)
+	st := settler{settle: min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second), patience: r.cfg.RebalanceInterval}
+	announced := false
 	for {
 		next := r.cfg.RebalanceInterval
 		view, err := r.heartbeat(ctx, own, names)
-		now := time.Now()
-		switch {
-		case err != nil:
+		if err != nil {
 			if ctx.Err() != nil {
 				return
 			}
@@ -87,21 +81,15 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 				return
 			}
 			r.log.Warn("pgfence runner: heartbeat failed; keeping current shards", "err", err)
-		case applied != nil && sameMembers(view, applied):
-			pending = nil
-		case applied != nil && onlyLeft(applied, view),
-			pending != nil && sameMembers(view, pending) && now.Sub(pendingSince) >= settle,
-			pending != nil && now.Sub(changing) >= r.cfg.RebalanceInterval:
-			r.apply(g, jobs, view, workers)
-			applied, pending = view, nil
-		default: // joined, or not settled yet: wait for the view to hold still
-			if pending == nil {
-				changing = now
+		} else {
+			// Heartbeats pace database work, so they stay on the real clock.
+			apply, settling := st.observe(view, time.Now())
+			if apply {
+				r.apply(g, jobs, view, workers)
 			}
-			if pending == nil || !sameMembers(view, pending) {
-				pending, pendingSince = view, now
+			if settling {
+				next = st.settle
 			}
-			next = settle
 		}
 		if err == nil && !announced {
 			if _, err := own.Exec(ctx, r.q.announce, membersName); err == nil {
@@ -117,6 +105,40 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 		case <-changed:
 			t.Stop()
 		}
+	}
+}
+
+// settler decides when the balancer applies a view of the members (see
+// balance): at once when members only left; when members joined, once the
+// view has held still for settle, or after patience of continuous change.
+type settler struct {
+	settle, patience time.Duration
+
+	applied, pending       members // nil: none yet
+	pendingSince, changing time.Time
+}
+
+// observe takes the view read at now and reports whether to apply it now,
+// and whether it is settling (the next heartbeat should come after settle
+// rather than after the regular interval).
+func (s *settler) observe(view members, now time.Time) (apply, settling bool) {
+	switch {
+	case s.applied != nil && sameMembers(view, s.applied):
+		s.pending = nil
+		return false, false
+	case s.applied != nil && onlyLeft(s.applied, view),
+		s.pending != nil && sameMembers(view, s.pending) && now.Sub(s.pendingSince) >= s.settle,
+		s.pending != nil && now.Sub(s.changing) >= s.patience:
+		s.applied, s.pending = view, nil
+		return true, false
+	default: // joined, or not settled yet: wait for the view to hold still
+		if s.pending == nil {
+			s.changing = now
+		}
+		if s.pending == nil || !sameMembers(view, s.pending) {
+			s.pending, s.pendingSince = view, now
+		}
+		return false, true
 	}
 }
 

@@ -34,11 +34,12 @@
 //   - Slots are computed from each replica's clock; the ledger makes a slot
 //     run once whatever the skew, but a replica with a wrong clock runs slots
 //     at the wrong time.
-//   - Slots missed while no replica ran: only the latest runs (RunLatest), or
-//     none (Skip). Slots that pass while a long run is still going are not
+//   - Slots missed while no replica ran: only the latest runs (RunLatest),
+//     none (Skip), or the latest n, oldest first (CatchUp(n)); earlier ones
+//     never run. Slots that pass while a long run is still going are not
 //     queued; the latest due slot runs next.
 //   - A job's very first start (no slot of it in the ledger yet) runs no
-//     past slot under either policy, not even one that has just passed: its
+//     past slot under any policy, not even one that has just passed: its
 //     first run is its next slot. "Missed" means missed since the job last
 //     ran.
 //

@@ -72,17 +72,56 @@ func (r Retry) wait(attempt int) time.Duration {
 	return retry.Backoff{Base: r.Backoff, Max: r.MaxBackoff}.Wait(attempt - 1)
 }
 
-// Missed is a policy for slots missed during downtime.
+// Missed is a policy for the slots that passed while no replica ran the
+// job (downtime): RunLatest, Skip, or CatchUp(n). It applies when a replica
+// takes a job over from a ledger that has a slot of it. On a job's very
+// first start there is no missed slot, whatever the policy: the job waits
+// for its next slot.
 type Missed int
 
 const (
 	// RunLatest runs the latest missed slot once when a replica takes the
-	// job over; earlier missed slots are skipped.
-	RunLatest Missed = iota
+	// job over; earlier missed slots are not run. The default.
+	RunLatest Missed = 0
 	// Skip runs no missed slot: a replica that takes the job over waits
 	// for the next slot, unless the latest one is less than a second old.
-	Skip
+	Skip Missed = -1
 )
+
+// MaxCatchUp is the most missed slots CatchUp runs.
+const MaxCatchUp = 1000
+
+// CatchUp returns the policy that runs up to n missed slots, the latest n,
+// oldest first, each once, then follows the schedule; earlier missed slots
+// are not run. n is from 1 to MaxCatchUp (Register refuses others);
+// CatchUp(1) behaves as RunLatest.
+func CatchUp(n int) Missed { return Missed(n) }
+
+// slots is how many missed slots the policy runs at most.
+func (p Missed) slots() int {
+	switch {
+	case p == Skip:
+		return 0
+	case p == RunLatest:
+		return 1
+	default:
+		return int(p)
+	}
+}
+
+// String names the policy: "run-latest", "skip" or "catch-up(n)".
+func (p Missed) String() string {
+	switch {
+	case p == RunLatest:
+		return "run-latest"
+	case p == Skip:
+		return "skip"
+	case p >= 1 && p <= MaxCatchUp:
+		return fmt.Sprintf("catch-up(%d)", int(p))
+	default:
+		return fmt.Sprintf("Missed(%d)", int(p))
+	}
+}
 
 var (
 	// ErrInvalidJob is matched by every *JobError: Register refused a job
@@ -146,8 +185,8 @@ func (j *Job) validate() (Schedule, error) {
 	if j.Retry.MaxAttempts < 0 || j.Retry.Backoff < 0 || j.Retry.MaxBackoff < 0 {
 		return nil, bad("Retry", "a negative value")
 	}
-	if j.Missed != RunLatest && j.Missed != Skip {
-		return nil, bad("Missed", "unknown policy %d", j.Missed)
+	if j.Missed < Skip || j.Missed > MaxCatchUp {
+		return nil, bad("Missed", "%v is not RunLatest, Skip or CatchUp(1..%d)", j.Missed, MaxCatchUp)
 	}
 	sched, err := ParseSchedule(j.Schedule)
 	if err != nil {

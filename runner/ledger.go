@@ -106,7 +106,7 @@ func (r *Runner) prune(ctx context.Context) {
 		return
 	}
 	for {
-		if n, err := Prune(ctx, r.pool, r.lcfg.Schema, time.Now().Add(-r.cfg.Retention)); err != nil {
+		if n, err := Prune(ctx, r.pool, r.lcfg.Schema, r.clock.Now().Add(-r.cfg.Retention)); err != nil {
 			if ctx.Err() != nil {
 				return
 			}

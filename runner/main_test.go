@@ -79,6 +79,19 @@ func (ev *events) count(k runner.EventKind) int {
 	return n
 }
 
+// slots lists the slots of the events of kind k, in order.
+func (ev *events) slots(k runner.EventKind) []time.Time {
+	ev.mu.Lock()
+	defer ev.mu.Unlock()
+	var s []time.Time
+	for _, e := range ev.all {
+		if e.Kind == k {
+			s = append(s, e.Slot)
+		}
+	}
+	return s
+}
+
 // lockClient returns a lock client on pool (with a quiet logger unless cfg
 // names one), closed when the test ends, or fails the test.
 func lockClient(t testing.TB, pool *pgxpool.Pool, cfg lock.Config) *lock.Client {

@@ -90,7 +90,7 @@ func (m *metrics) setShards(job string, n int64) {
 }
 
 // event records what a runner event says.
-func (m *metrics) event(e Event, runStart time.Time) {
+func (m *metrics) event(e Event, took time.Duration) {
 	ctx := context.Background()
 	job := attribute.String("pgfence.job", e.Job)
 	switch e.Kind {
@@ -111,7 +111,7 @@ func (m *metrics) event(e Event, runStart time.Time) {
 		status := map[EventKind]string{RunSucceeded: "succeeded", RunFailed: "failed", RunFenced: "fenced"}[e.Kind]
 		attrs := metric.WithAttributes(job, attribute.String("pgfence.status", status))
 		m.runs.Add(ctx, 1, attrs)
-		m.duration.Record(ctx, time.Since(runStart).Seconds(), attrs)
+		m.duration.Record(ctx, took.Seconds(), attrs)
 	}
 }
 
@@ -123,21 +123,4 @@ func (m *metrics) missedSlots(job string, n int) {
 	if n > 0 {
 		m.missed.Add(context.Background(), int64(n), metric.WithAttributes(attribute.String("pgfence.job", job)))
 	}
-}
-
-// slotsBetween counts the slots of s strictly after a and strictly before
-// b (at most 100,000).
-func slotsBetween(s Schedule, a, b time.Time) int {
-	if e, ok := s.(every); ok {
-		if !b.After(a) {
-			return 0
-		}
-		n := int(e.floor(b.Add(-1)).Sub(e.floor(a)) / time.Duration(e))
-		return max(n, 0)
-	}
-	n := 0
-	for t := s.Next(a); !t.IsZero() && t.Before(b) && n < 100_000; t = s.Next(t) {
-		n++
-	}
-	return n
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/bg"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -30,6 +31,9 @@ type Runner struct {
 	lc   *lock.Client
 	log  *slog.Logger
 	m    *metrics
+	// clock is what the schedule's slots are computed and waited for on
+	// (the real clock; tests move a fake one).
+	clock clock.Clock
 
 	heldMu sync.Mutex
 	held   map[*lock.Lease]struct{} // the leases of running terms
@@ -80,7 +84,7 @@ func New(client *lock.Client, cfg Config) (*Runner, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: newQueries(lcfg.Schema), lc: client, log: lcfg.Logger, m: m,
+	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: newQueries(lcfg.Schema), lc: client, log: lcfg.Logger, m: m, clock: clock.Real(),
 		names: make(map[string]bool), held: make(map[*lock.Lease]struct{})}, nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -271,7 +273,7 @@ func TestBadInput(t *testing.T) {
 		{"no name", r.Register(runner.Job{Schedule: "@every 1m", Run: ok}), runner.ErrInvalidJob, "Name"},
 		{"zero shards", r.RegisterSharded(runner.Job{Name: "s", Schedule: "@every 1m", Run: ok}, 0), runner.ErrInvalidJob, "shards"},
 		{"negative timeout", r.Register(runner.Job{Name: "a", Schedule: "@every 1m", Run: ok, Timeout: -1}), runner.ErrInvalidJob, "Timeout"},
-		{"unknown missed policy", r.Register(runner.Job{Name: "a", Schedule: "@every 1m", Run: ok, Missed: 9}), runner.ErrInvalidJob, "Missed"},
+		{"unknown missed policy", r.Register(runner.Job{Name: "a", Schedule: "@every 1m", Run: ok, Missed: -9}), runner.ErrInvalidJob, "Missed"},
 	}
 	for _, tc := range cases {
 		var je *runner.JobError
@@ -334,52 +336,50 @@ func mustExec(t testing.TB, db *pgtest.DB, sql string, args ...any) {
 	}
 }
 
-// Missed slots after downtime: RunLatest runs the latest missed slot once
-// (and none before it); Skip runs none and waits for the next slot.
+// Missed slots after downtime, on a fake clock: RunLatest runs the latest
+// missed slot once (and none before it), Skip runs none, CatchUp(3) runs the
+// latest three oldest first; then each waits for the next slot and runs it
+// when the clock reaches it.
 func TestMissedSlotPolicy(t *testing.T) {
 	t.Parallel()
+	latest := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
 	for _, tc := range []struct {
 		name   string
 		policy runner.Missed
-		runs   int
-	}{{"run-latest", runner.RunLatest, 1}, {"skip", runner.Skip, 0}} {
+		runs   []time.Time
+	}{
+		{"run-latest", runner.RunLatest, []time.Time{latest}},
+		{"skip", runner.Skip, nil},
+		{"catch-up", runner.CatchUp(3), []time.Time{latest.Add(-2 * time.Hour), latest.Add(-time.Hour), latest}},
+	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			db := pgtest.New(t)
-			latest := time.Now().Truncate(time.Hour)
-			if d := time.Since(latest); d < 2*time.Second {
-				time.Sleep(2*time.Second - d) // keep clear of Skip's one-second grace
-			}
 			// The job last ran ten hours ago; the replicas were down since.
 			mustExec(t, db, "INSERT INTO "+tbl(db, "pgfence_runs")+` (job, shard, slot, attempt, token, status, holder, started_at)
 				VALUES ('hourly', 0, $1, 1, 1, 'succeeded', 'old', $1)`, latest.Add(-10*time.Hour))
+			clk := clock.NewFake(latest.Add(30 * time.Minute))
 			ev := &events{}
-			started := make(chan time.Time, 10)
-			ev.fn = func(_ string, e runner.Event) {
-				if e.Kind == runner.RunStarted {
-					started <- e.Slot
-				}
-			}
 			job := runner.Job{Name: "hourly", Schedule: "@every 1h", Missed: tc.policy,
 				Run: func(context.Context, *runner.Run) error { return nil }}
-			start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
-			var got []time.Time
-			timeout := time.After(2 * time.Second)
-		collect:
-			for {
-				select {
-				case s := <-started:
-					got = append(got, s)
-				case <-timeout:
-					break collect
-				}
+			start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{OnEvent: ev.hook("a")}, func(r *runner.Runner) error {
+				r.SetClock(clk)
+				return r.Register(job)
+			})
+			// The leader has run what it catches up and waits for 11:00.
+			waitFor(t, 10*time.Second, "the leader to wait for its next slot", func() bool { return clk.Pending() == 1 })
+			if got := ev.slots(runner.RunSucceeded); !slices.EqualFunc(got, tc.runs, time.Time.Equal) {
+				t.Fatalf("ran slots %v, want %v", got, tc.runs)
 			}
-			if len(got) != tc.runs || (tc.runs == 1 && !got[0].Equal(latest)) {
-				t.Fatalf("runs for slots %v, want %d run(s) for %v", got, tc.runs, latest)
+			if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE job = 'hourly'"); n != 1+len(tc.runs) {
+				t.Fatalf("%d ledger rows, want %d", n, 1+len(tc.runs))
 			}
-			if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE job = 'hourly'"); n != 1+tc.runs {
-				t.Fatalf("%d ledger rows, want %d", n, 1+tc.runs)
-			}
+			clk.Advance(30 * time.Minute)
+			next := latest.Add(time.Hour)
+			waitFor(t, 10*time.Second, "the 11:00 slot to run", func() bool {
+				got := ev.slots(runner.RunSucceeded)
+				return len(got) == len(tc.runs)+1 && got[len(got)-1].Equal(next)
+			})
 		})
 	}
 }
@@ -478,33 +478,32 @@ func TestRunEndsOnPermanentErrors(t *testing.T) {
 	}
 }
 
-// On a job's very first start (no slot of it in the ledger), neither
-// Missed policy runs a past slot, not even the one that has just passed:
-// the first run is the job's next slot.
+// On a job's very first start (no slot of it in the ledger), no Missed
+// policy runs a past slot, not even the one that fell due just before the
+// start: the first run is the job's next slot (on a fake clock).
 func TestFirstStartRunsTheNextSlot(t *testing.T) {
 	t.Parallel()
-	for _, policy := range []runner.Missed{runner.RunLatest, runner.Skip} {
-		t.Run(fmt.Sprint(policy), func(t *testing.T) {
+	for _, policy := range []runner.Missed{runner.RunLatest, runner.Skip, runner.CatchUp(5)} {
+		t.Run(policy.String(), func(t *testing.T) {
 			t.Parallel()
 			db := pgtest.New(t)
 			ev := &events{}
-			started := make(chan time.Time, 10)
-			ev.fn = func(_ string, e runner.Event) {
-				if e.Kind == runner.RunStarted {
-					started <- e.Slot
-				}
-			}
-			job := runner.Job{Name: "fresh", Schedule: "@every 1s", Missed: policy,
+			job := runner.Job{Name: "fresh", Schedule: "@every 1m", Missed: policy,
 				Run: func(context.Context, *runner.Run) error { return nil }}
-			began := time.Now()
-			start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{OnEvent: ev.hook("a")}, func(r *runner.Runner) error { return r.Register(job) })
-			select {
-			case slot := <-started:
-				if !slot.After(began) {
-					t.Fatalf("the first run was for slot %v, which passed before the job started (%v)", slot, began)
-				}
-			case <-time.After(10 * time.Second):
-				t.Fatal("the job never ran")
+			began := time.Date(2026, 12, 1, 10, 0, 0, 1e6, time.UTC) // 1 ms after a slot
+			clk := clock.NewFake(began)
+			start(t, db.Pool, lock.Config{Schema: db.Schema}, runner.Config{OnEvent: ev.hook("a")}, func(r *runner.Runner) error {
+				r.SetClock(clk)
+				return r.Register(job)
+			})
+			waitFor(t, 10*time.Second, "the leader to wait for its first slot", func() bool { return clk.Pending() == 1 })
+			if got := ev.slots(runner.RunStarted); len(got) != 0 {
+				t.Fatalf("ran %v before its first slot", got)
+			}
+			clk.Advance(time.Minute)
+			waitFor(t, 10*time.Second, "the first slot to run", func() bool { return len(ev.slots(runner.RunSucceeded)) == 1 })
+			if got := ev.slots(runner.RunStarted)[0]; !got.Equal(began.Truncate(time.Minute).Add(time.Minute)) {
+				t.Fatalf("the first run was for slot %v, want the next one after %v", got, began)
 			}
 		})
 	}

@@ -124,3 +124,74 @@ func latestDue(s Schedule, after, now time.Time) time.Time {
 	}
 	return due
 }
+
+// slotsBetween counts the slots of s strictly after a and strictly before
+// b (at most 100,000).
+func slotsBetween(s Schedule, a, b time.Time) int {
+	if e, ok := s.(every); ok {
+		if !b.After(a) {
+			return 0
+		}
+		n := int(e.floor(b.Add(-1)).Sub(e.floor(a)) / time.Duration(e))
+		return max(n, 0)
+	}
+	n := 0
+	for t := s.Next(a); !t.IsZero() && t.Before(b) && n < 100_000; t = s.Next(t) {
+		n++
+	}
+	return n
+}
+
+// skipGrace is how old the latest missed slot may be for Skip to still run
+// it: a replica that takes a job over just after a slot fell due (its
+// leader stopped at the slot) runs it rather than skipping it.
+const skipGrace = time.Second
+
+// catchUp returns the missed slots a new leader runs, oldest first, when
+// the latest slot in the ledger is last and the time is now, and how many
+// missed slots it leaves unrun (the latest slot in (last, now] and the
+// ones before it are "missed").
+func catchUp(s Schedule, p Missed, last, now time.Time) (run []time.Time, unrun int) {
+	due := latestDue(s, last, now)
+	if due.IsZero() {
+		return nil, 0
+	}
+	missed := 1 + slotsBetween(s, last, due)
+	n := p.slots()
+	if p == Skip && now.Sub(due) < skipGrace {
+		n = 1
+	}
+	n = min(n, missed)
+	if n == 0 {
+		return nil, missed
+	}
+	run = make([]time.Time, n)
+	if e, ok := s.(every); ok {
+		for i := range run {
+			run[n-1-i] = due.Add(-time.Duration(i) * time.Duration(e))
+		}
+		return run, missed - n
+	}
+	// A cron schedule only steps forward: keep the latest n in a ring.
+	k := 0
+	for t := s.Next(last); !t.IsZero() && !t.After(due) && k < 1_000_000; t = s.Next(t) {
+		run[k%n] = t
+		k++
+	}
+	if k >= n {
+		run = append(run[k%n:], run[:k%n]...)
+	}
+	return run, missed - n
+}
+
+// overrun returns the slot to run once the wait for next is over at now:
+// next itself, or, when later slots have also fallen due meanwhile (the
+// previous run outlasted them), the latest of those; missed counts the
+// slots passed over.
+func overrun(s Schedule, next, now time.Time) (slot time.Time, missed int) {
+	due := latestDue(s, next, now)
+	if due.IsZero() {
+		return next, 0
+	}
+	return due, 1 + slotsBetween(s, next, due)
+}

@@ -73,7 +73,7 @@ func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
 			return // already succeeded, or out of attempts
 		}
 		run := &Run{Job: w.j.Name, Shard: w.shard, Shards: w.j.shards, Slot: slot, Attempt: attempt, Token: l.Token(), w: w, lease: l}
-		w.runStart = time.Now()
+		w.runStart = w.r.clock.Now()
 		w.event(RunStarted, slot, l, attempt, nil)
 		err = w.call(ctx, run)
 		if !w.finish(ctx, t, run, err) {

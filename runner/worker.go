@@ -8,7 +8,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/pgfence/pgfence/internal/wait"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/lock"
 )
 
@@ -34,7 +34,7 @@ func (w *worker) event(k EventKind, slot time.Time, l *lock.Lease, attempt int, 
 	if l != nil {
 		e.Token = l.Token()
 	}
-	w.r.m.event(e, w.runStart)
+	w.r.m.event(e, w.r.clock.Now().Sub(w.runStart))
 	w.r.emit(e)
 }
 
@@ -81,32 +81,31 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 	if err := w.r.pool.QueryRow(ctx, w.r.q.lastSlot, w.j.Name, w.shard).Scan(&last); err != nil {
 		return err
 	}
-	now := time.Now()
+	now := w.r.clock.Now()
 	if last != nil {
-		w.runSlot(ctx, t, *last)
-		if due := latestDue(w.j.sched, *last, now); !due.IsZero() {
-			missed := slotsBetween(w.j.sched, *last, due)
-			if w.j.Missed == RunLatest || now.Sub(due) < time.Second {
-				w.runSlot(ctx, t, due)
-			} else {
-				missed++
+		w.runSlot(ctx, t, *last) // the claim runs it only if it is unfinished
+		run, unrun := catchUp(w.j.sched, w.j.Missed, *last, now)
+		w.r.m.missedSlots(w.j.Name, unrun)
+		for _, slot := range run {
+			w.runSlot(ctx, t, slot)
+			if ctx.Err() != nil {
+				return context.Cause(ctx)
 			}
-			w.r.m.missedSlots(w.j.Name, missed)
+		}
+		if len(run) > 0 {
+			now = run[len(run)-1]
 		}
 	}
 	cursor := now
 	for {
 		next := w.j.sched.Next(cursor)
-		if !sleepUntil(ctx, next) {
+		if !clock.Sleep(ctx, w.r.clock, next.Sub(w.r.clock.Now())) {
 			return context.Cause(ctx)
 		}
 		// Slots that passed while the previous run was still going are
 		// not queued up: the latest due one runs.
-		slot := next
-		if due := latestDue(w.j.sched, next, time.Now()); !due.IsZero() {
-			slot = due
-			w.r.m.missedSlots(w.j.Name, 1+slotsBetween(w.j.sched, next, due))
-		}
+		slot, missed := overrun(w.j.sched, next, w.r.clock.Now())
+		w.r.m.missedSlots(w.j.Name, missed)
 		w.runSlot(ctx, t, slot)
 		cursor = slot
 		if ctx.Err() != nil {
@@ -121,5 +120,3 @@ func firstErr(a, b error) error {
 	}
 	return b
 }
-
-func sleepUntil(ctx context.Context, t time.Time) bool { return wait.Sleep(ctx, time.Until(t)) }

@@ -1,11 +1,13 @@
 // Package clock is the seam between pgfence's time arithmetic and the
 // machine's clock: the lease client reads "now" and arms its trust-window
-// timers through a Clock, so that tests can move time with a Fake instead
-// of sleeping. Durations that pace database work (renewal intervals,
-// backoff sleeps, statement timeouts) stay on the real clock.
+// timers through a Clock, and the runner computes and waits for its
+// schedule's slots through one, so that tests can move time with a Fake
+// instead of sleeping. Durations that pace database work (renewal
+// intervals, backoff sleeps, statement timeouts) stay on the real clock.
 package clock
 
 import (
+	"context"
 	"sort"
 	"sync"
 	"time"
@@ -118,4 +120,30 @@ func (t *fakeTimer) Reset(d time.Duration) bool {
 	t.at = t.f.now.Add(d)
 	t.f.timers[t] = struct{}{}
 	return pending
+}
+
+// Sleep waits on c until d has passed or ctx ends, and reports whether the
+// full d passed.
+func Sleep(ctx context.Context, c Clock, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	done := make(chan struct{})
+	t := c.AfterFunc(d, func() { close(done) })
+	defer t.Stop()
+	select {
+	case <-done:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// Pending is how many timers are armed and not yet run: a test waits for
+// it to reach n before advancing, so that the goroutine it drives has
+// armed its timer.
+func (f *Fake) Pending() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.timers)
 }

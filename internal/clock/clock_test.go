@@ -1,6 +1,8 @@
 package clock
 
 import (
+	"context"
+	"runtime"
 	"testing"
 	"time"
 )
@@ -30,5 +32,37 @@ func TestFakeRunsDueTimersInOrder(t *testing.T) {
 	f.Advance(time.Second)
 	if len(got) != 3 || got[2] != 4*time.Second {
 		t.Fatalf("after 4.5s: %v, want the reset timer at 4s", got)
+	}
+}
+
+// Sleep returns true once the fake clock has moved past d, and false at
+// once when its context ends first.
+func TestSleepOnAFake(t *testing.T) {
+	f := NewFake(time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC))
+	done := make(chan bool)
+	go func() { done <- Sleep(context.Background(), f, time.Minute) }()
+	for f.Pending() == 0 {
+		runtime.Gosched()
+	}
+	f.Advance(59 * time.Second)
+	select {
+	case <-done:
+		t.Fatal("woke before its minute")
+	default:
+	}
+	f.Advance(time.Second)
+	if !<-done {
+		t.Fatal("Sleep reported false after the full minute")
+	}
+	if f.Pending() != 0 {
+		t.Fatalf("%d timers left armed", f.Pending())
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if Sleep(ctx, f, time.Hour) {
+		t.Fatal("Sleep on an ended context reported true")
+	}
+	if f.Pending() != 0 {
+		t.Fatal("an abandoned Sleep left its timer armed")
 	}
 }
