@@ -10,9 +10,6 @@ import (
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
-// releaseChannel is the NOTIFY channel the leases table's trigger uses.
-const releaseChannel = "pgfence_released"
-
 // listenerLinger is how long the listening connection stays open after
 // the last waiter or watcher has gone: a client that hands leases back and
 // forth does not open a server connection for every wait.
@@ -163,7 +160,7 @@ func (li *listener) listen(ctx context.Context, onReady func()) error {
 	conn := pc.Hijack()
 	defer conn.Close(context.Background())
 	schema := li.c.cfg.Schema
-	if _, err := conn.Exec(ctx, "LISTEN "+releaseChannel); err != nil {
+	if _, err := conn.Exec(ctx, listenSQL); err != nil {
 		return err
 	}
 	onReady()

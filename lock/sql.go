@@ -174,3 +174,9 @@ UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at
 RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake),
 	}
 }
+
+// releaseChannel is the NOTIFY channel the leases table's trigger uses.
+const releaseChannel = "pgfence_released"
+
+// listenSQL subscribes the listener's connection to releaseChannel.
+const listenSQL = "LISTEN " + releaseChannel

@@ -22,16 +22,7 @@ func AppGrants(schema, role string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := func(name string) string { return ident.Table(schema, name) }
-	return []string{
-		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
-		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
-		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
-		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
-		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
-			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
-			t("pgfence_timeline") + "(), " + t("pgfence_epoch_timeline") + "() TO " + r,
-	}, nil
+	return appGrantSQL(schema, s, r), nil
 }
 
 // OperatorGrants returns the statements that give role what the operator
@@ -43,15 +34,7 @@ func OperatorGrants(schema, role string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := func(name string) string { return ident.Table(schema, name) }
-	return []string{
-		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
-		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
-			t("pgfence_instances") + ", " + t("pgfence_epoch") + ", " + t(VersionTable) + " TO " + r,
-		"GRANT UPDATE ON " + t("pgfence_leases") + " TO " + r,
-		"GRANT DELETE ON " + t("pgfence_runs") + " TO " + r,
-		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text) TO " + r,
-	}, nil
+	return operatorGrantSQL(schema, s, r), nil
 }
 
 // GrantApp runs AppGrants on db, in one transaction.

@@ -167,7 +167,7 @@ func createSchema(ctx context.Context, pool *pgxpool.Pool, schema string) error 
 		if _, err := tx.Exec(ctx, sqlXactLock, lockID(schema)); err != nil {
 			return err
 		}
-		_, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schema}.Sanitize())
+		_, err := tx.Exec(ctx, createSchemaSQL(schema))
 		return err
 	})
 	if err != nil {

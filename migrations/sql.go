@@ -1,6 +1,10 @@
 package migrations
 
-import "github.com/pgfence/pgfence/internal/ident"
+import (
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/internal/ident"
+)
 
 // The package's own statements (the schema itself is in sql/*.sql).
 const (
@@ -13,6 +17,11 @@ const (
 	sqlSessionUnlock = `SELECT pg_advisory_unlock($1)`
 )
 
+// createSchemaSQL creates schema (validated) if it does not exist.
+func createSchemaSQL(schema string) string {
+	return "CREATE SCHEMA IF NOT EXISTS " + pgx.Identifier{schema}.Sanitize()
+}
+
 // syncEpochSQL moves the token sequence into the current history after a
 // restore into another cluster (pgfence_sync_epoch); not on a standby.
 func syncEpochSQL(schema string) string {
@@ -22,4 +31,32 @@ func syncEpochSQL(schema string) string {
 // epochSQL reads the current token history.
 func epochSQL(schema string) string {
 	return `SELECT timeline, started_at, first_token FROM ` + ident.Table(schema, "pgfence_epoch")
+}
+
+// appGrantSQL is AppGrants' statements for schema, whose quoted name is s, and
+// the quoted role r.
+func appGrantSQL(schema, s, r string) []string {
+	t := func(name string) string { return ident.Table(schema, name) }
+	return []string{
+		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
+		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
+		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
+		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
+			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
+			t("pgfence_timeline") + "(), " + t("pgfence_epoch_timeline") + "() TO " + r,
+	}
+}
+
+// operatorGrantSQL is OperatorGrants' statements, as appGrantSQL.
+func operatorGrantSQL(schema, s, r string) []string {
+	t := func(name string) string { return ident.Table(schema, name) }
+	return []string{
+		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
+		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
+			t("pgfence_instances") + ", " + t("pgfence_epoch") + ", " + t(VersionTable) + " TO " + r,
+		"GRANT UPDATE ON " + t("pgfence_leases") + " TO " + r,
+		"GRANT DELETE ON " + t("pgfence_runs") + " TO " + r,
+		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text) TO " + r,
+	}
 }

@@ -54,11 +54,7 @@ func Inspect(ctx context.Context, q Querier, schema string) (State, error) {
 		usable bool
 		role   string
 	)
-	// to_regclass needs USAGE on the schema: without it, the version
-	// table would look missing, and the schema "not migrated".
-	err := q.QueryRow(ctx, `SELECT n.oid IS NOT NULL, coalesce(has_schema_privilege(n.oid, 'USAGE'), false), current_user,
-       CASE WHEN has_schema_privilege(n.oid, 'USAGE') THEN to_regclass(format('%I.%I', $1::text, $2::text))::text END
-  FROM (SELECT) AS one LEFT JOIN pg_namespace n ON n.nspname = $1`, schema, VersionTable).Scan(&st.Exists, &usable, &role, &table)
+	err := q.QueryRow(ctx, stateSQL, schema, VersionTable).Scan(&st.Exists, &usable, &role, &table)
 	if err != nil {
 		return st, fmt.Errorf("migrations: read the state of schema %q: %w", schema, hint.Wrap(err, schema, ""))
 	}
@@ -69,8 +65,7 @@ func Inspect(ctx context.Context, q Querier, schema string) (State, error) {
 	if table == nil {
 		return st, nil
 	}
-	rows, err := q.Query(ctx, `SELECT version_id, max(tstamp) FROM `+ident.Table(schema, VersionTable)+
-		` WHERE is_applied AND version_id > 0 GROUP BY version_id`)
+	rows, err := q.Query(ctx, versionsSQL(schema))
 	if err != nil {
 		return st, fmt.Errorf("migrations: read the version of schema %q: %w", schema, hint.Wrap(err, schema, role))
 	}
