@@ -9,6 +9,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -17,6 +18,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -47,7 +49,19 @@ func Main(m *testing.M) {
 	os.Exit(run(m))
 }
 
+// minParallel is how many parallel tests a package runs at once unless
+// -parallel says otherwise: the tests mostly wait (on the database, on
+// leases expiring in real time), so GOMAXPROCS (2 on a small CI machine)
+// would leave the machine idle.
+const minParallel = 4
+
 func run(m *testing.M) int {
+	flag.Parse()
+	set := false
+	flag.Visit(func(f *flag.Flag) { set = set || f.Name == "test.parallel" })
+	if !set && runtime.GOMAXPROCS(0) < minParallel {
+		_ = flag.Set("test.parallel", strconv.Itoa(minParallel))
+	}
 	if u := os.Getenv(EnvURL); u != "" {
 		baseURL = u
 	} else {
