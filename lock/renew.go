@@ -76,7 +76,7 @@ type renewKey struct {
 
 // renew renews batch in one statement on q. Leases the database did not
 // renew (taken over, freed, or expired there) are lost.
-func (c *Client) renew(ctx context.Context, q querier, batch []*Lease) error {
+func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease) error {
 	names := make([]string, len(batch))
 	tokens := make([]int64, len(batch))
 	secrets := make([][]byte, len(batch))
@@ -110,7 +110,7 @@ func (c *Client) renew(ctx context.Context, q querier, batch []*Lease) error {
 
 // whyNotRenewed reads the row of a lease the database did not renew, to
 // tell why it is lost: taken over, freed, or expired.
-func (c *Client) whyNotRenewed(ctx context.Context, q querier, l *Lease) (LossCause, error) {
+func (c *Client) whyNotRenewed(ctx context.Context, q fence.DB, l *Lease) (LossCause, error) {
 	var (
 		token     int64
 		ours      bool
@@ -129,14 +129,9 @@ func (c *Client) whyNotRenewed(ctx context.Context, q querier, l *Lease) (LossCa
 	return CauseRenewFailed, fmt.Errorf("%w: %q (token %d): %w", ErrLeaseLost, l.name, l.token, errNotRenewed)
 }
 
-// querier runs a query: the pool, or the renewer's own connection.
-type querier interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-}
-
 // renewRows runs the renewal statement for the given acquisitions on q and
 // returns the new expiry of each one the database renewed.
-func (c *Client) renewRows(ctx context.Context, q querier, names []string, tokens []int64, secrets [][]byte) (map[renewKey]time.Time, error) {
+func (c *Client) renewRows(ctx context.Context, q fence.DB, names []string, tokens []int64, secrets [][]byte) (map[renewKey]time.Time, error) {
 	sent := time.Now()
 	rows, err := q.Query(ctx, c.q.renew, names, tokens, secrets, c.cfg.TTL.Microseconds())
 	if err != nil {

@@ -152,6 +152,29 @@ func (c *Conn) Exec(ctx context.Context, sql string, args ...any) (pgconn.Comman
 	return conn.Exec(ctx, sql, args...)
 }
 
+// QueryRow runs sql on the connection; a failed connect shows in Scan.
+func (c *Conn) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	conn, err := c.get(ctx)
+	if err != nil {
+		return errRow{err}
+	}
+	return conn.QueryRow(ctx, sql, args...)
+}
+
+// Begin starts a transaction on the connection.
+func (c *Conn) Begin(ctx context.Context) (pgx.Tx, error) {
+	conn, err := c.get(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return conn.Begin(ctx)
+}
+
+// errRow is a row whose Scan returns err.
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
 // Close closes the connection, if open. The Conn can be used again.
 func (c *Conn) Close() {
 	if c.conn != nil {

@@ -11,9 +11,9 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -25,13 +25,6 @@ const VersionTable = "pgfence_db_version"
 // pgfence needs. Package migrations checks at start-up that it is the
 // newest of its embedded files.
 const Latest int64 = 3
-
-// Querier runs a query returning one row: a pool, a connection and a
-// transaction all satisfy it.
-type Querier interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
 
 // State is a schema's migration state.
 type State struct {
@@ -47,7 +40,7 @@ type State struct {
 // must be validated and not empty. A schema the role may not use is
 // reported as the server reports a missing privilege (42501), with the
 // grant to run, never as "not migrated".
-func Inspect(ctx context.Context, q Querier, schema string) (State, error) {
+func Inspect(ctx context.Context, q fence.DB, schema string) (State, error) {
 	st := State{Applied: map[int64]time.Time{}}
 	var table *string
 	var (
@@ -126,7 +119,7 @@ func (e *NotMigratedError) Is(target error) bool { return target == ErrNotMigrat
 // default schema) holds pgfence's objects at version Latest or newer. It returns a
 // *NotMigratedError when it does not, and the database error when it cannot
 // tell (for instance, the role may not read the schema).
-func Verify(ctx context.Context, q Querier, schema string) error {
+func Verify(ctx context.Context, q fence.DB, schema string) error {
 	if err := ident.ValidateSchema(schema); err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
