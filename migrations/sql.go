@@ -41,6 +41,7 @@ func appGrantSQL(schema, s, r string) []string {
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
+		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_jobs") + " TO " + r,
 		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
 			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
@@ -54,9 +55,9 @@ func operatorGrantSQL(schema, s, r string) []string {
 	return []string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
-			t("pgfence_instances") + ", " + t("pgfence_epoch") + ", " + t(VersionTable) + " TO " + r,
-		"GRANT UPDATE ON " + t("pgfence_leases") + " TO " + r,
-		"GRANT DELETE ON " + t("pgfence_runs") + " TO " + r,
+			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_epoch") + ", " + t(VersionTable) + " TO " + r,
+		"GRANT UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_jobs") + " TO " + r,
+		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text) TO " + r,
 	}
 }

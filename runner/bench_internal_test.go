@@ -80,7 +80,7 @@ func BenchmarkRunOverhead(b *testing.B) {
 		before, start := rt.n.Load(), time.Now()
 		for range n {
 			slot = slot.Add(time.Hour)
-			w.runSlot(ctx, t, slot)
+			w.runSlot(ctx, t, scheduled(slot))
 		}
 		return time.Since(start), rt.n.Load() - before
 	}

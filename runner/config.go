@@ -42,11 +42,12 @@ const (
 	RunSucceeded                      // the attempt's success was recorded
 	RunFailed                         // the attempt failed (Err); it may be retried
 	RunFenced                         // the attempt lost its lease or was refused as stale
+	RunSkipped                        // a scheduled slot fell due while the job was paused
 )
 
 // String returns the kind in snake_case, for logs and metrics labels.
 func (k EventKind) String() string {
-	return [...]string{"leadership_gained", "leadership_lost", "run_started", "run_succeeded", "run_failed", "run_fenced"}[k]
+	return [...]string{"leadership_gained", "leadership_lost", "run_started", "run_succeeded", "run_failed", "run_fenced", "run_skipped"}[k]
 }
 
 // Event describes something that happened to a job on this instance.
@@ -56,8 +57,11 @@ type Event struct {
 	// Job and Shard say to which job (and shard; 0 if unsharded).
 	Job   string
 	Shard int
-	// Slot is the schedule slot of a run event; zero for leadership events.
+	// Slot is the slot of a run event (for a manual run, when it was
+	// asked for); zero for leadership events.
 	Slot time.Time
+	// Manual is true for the events of a manual run (RunNow).
+	Manual bool
 	// Token is the lease token involved.
 	Token fence.Token
 	// Attempt is the run's attempt number (run events).

@@ -13,30 +13,52 @@ import (
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
-// Status is the state of a run in the ledger.
+// Status is the state of an attempt in the ledger.
 type Status string
 
-// Run statuses.
+// Attempt statuses.
 const (
+	StatusPending   Status = "pending" // a manual run not yet started by its job's leader
 	StatusRunning   Status = "running"
 	StatusSucceeded Status = "succeeded"
 	StatusFailed    Status = "failed"
-	StatusFenced    Status = "fenced"
+	StatusPanicked  Status = "panicked"
+	StatusFenced    Status = "fenced"  // refused as stale, or taken over by a newer token
+	StatusSkipped   Status = "skipped" // a scheduled slot that fell due while its job was paused
 )
 
-// RunInfo is one row of the ledger (pgfence_runs): the latest attempt at a
-// job's (and shard's) slot.
+// Kind says why a slot ran.
+type Kind string
+
+// Slot kinds.
+const (
+	KindScheduled Kind = "scheduled" // a slot of the job's schedule
+	KindManual    Kind = "manual"    // a run asked for with RunNow (pgfence jobs run)
+)
+
+// RunInfo is one row of the ledger (pgfence_runs): one attempt at a job's
+// (and shard's) slot. Every attempt is kept (until Retention prunes it).
 type RunInfo struct {
-	Job        string      `json:"job"`
-	Shard      int         `json:"shard"`
-	Slot       time.Time   `json:"slot"`
-	Attempt    int         `json:"attempt"`
-	Token      fence.Token `json:"token"`
-	Status     Status      `json:"status"`
-	Holder     string      `json:"holder"`
-	StartedAt  time.Time   `json:"started_at"`
-	FinishedAt *time.Time  `json:"finished_at"` // nil while running
-	Error      string      `json:"error"`       // "" unless failed or fenced
+	Job         string      `json:"job"`
+	Shard       int         `json:"shard"`
+	Kind        Kind        `json:"kind"`
+	Slot        time.Time   `json:"slot"` // the schedule's time, or when a manual run was asked for
+	Attempt     int         `json:"attempt"`
+	Token       fence.Token `json:"token"` // 0 while pending
+	Status      Status      `json:"status"`
+	Holder      string      `json:"holder"`       // the instance that ran it (while pending: who asked)
+	RequestedBy string      `json:"requested_by"` // who asked for a manual run
+	StartedAt   time.Time   `json:"started_at"`   // while pending: when asked
+	FinishedAt  *time.Time  `json:"finished_at"`  // nil while pending or running
+	Error       string      `json:"error"`        // why it failed, panicked, was fenced or skipped
+}
+
+// Duration is how long the attempt ran (0 while pending or running).
+func (ri RunInfo) Duration() time.Duration {
+	if ri.FinishedAt == nil || ri.Status == StatusSkipped {
+		return 0
+	}
+	return ri.FinishedAt.Sub(ri.StartedAt)
 }
 
 // RunFilter selects runs for Runs. The zero value selects the 20 most
@@ -50,7 +72,7 @@ type RunFilter struct {
 	Limit int
 }
 
-// Runs returns recent runs from the ledger in schema ("" means "pgfence"),
+// Runs returns recent attempts from the ledger in schema ("" means "pgfence"),
 // newest first: for dashboards, and for `pgfence jobs`.
 func Runs(ctx context.Context, db fence.DB, schema string, f RunFilter) ([]RunInfo, error) {
 	if err := ident.ValidateSchema(schema); err != nil {
@@ -66,24 +88,29 @@ func Runs(ctx context.Context, db fence.DB, schema string, f RunFilter) ([]RunIn
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
-	runs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (RunInfo, error) {
-		var (
-			ri  RunInfo
-			tok int64
-		)
-		err := r.Scan(&ri.Job, &ri.Shard, &ri.Slot, &ri.Attempt, &tok, &ri.Status, &ri.Holder, &ri.StartedAt, &ri.FinishedAt, &ri.Error)
-		ri.Token = fence.Token(tok)
-		return ri, err
-	})
+	runs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (RunInfo, error) { return scanRun(r) })
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
 	return runs, nil
 }
 
-// Prune deletes finished runs that started before before from the ledger in
-// schema ("" means "pgfence"), except the latest slot of each job and shard (a new leader
-// resumes from it), and returns how many it deleted. Runners call it hourly
+// scanRun reads the ledger columns the runs query selects, in its order.
+func scanRun(r pgx.Row, more ...any) (RunInfo, error) {
+	var (
+		ri  RunInfo
+		tok int64
+	)
+	err := r.Scan(append([]any{&ri.Job, &ri.Shard, &ri.Kind, &ri.Slot, &ri.Attempt, &tok, &ri.Status, &ri.Holder, &ri.RequestedBy,
+		&ri.StartedAt, &ri.FinishedAt, &ri.Error}, more...)...)
+	ri.Token = fence.Token(tok)
+	return ri, err
+}
+
+// Prune deletes finished attempts that started before before from the
+// ledger in schema ("" means "pgfence"), except those of the latest
+// scheduled slot of each job and shard (a new leader resumes from it), and
+// returns how many it deleted. Runners call it hourly
 // with Config.Retention; `pgfence jobs prune` calls it on demand.
 func Prune(ctx context.Context, db fence.DB, schema string, before time.Time) (int64, error) {
 	if err := ident.ValidateSchema(schema); err != nil {

@@ -18,8 +18,11 @@ type Run struct {
 	Shard int
 	// Shards is the job's shard count (0 for an unsharded job).
 	Shards int
-	// Slot is the schedule slot this run is for.
+	// Slot is the schedule slot this run is for, or, for a manual run,
+	// when it was asked for.
 	Slot time.Time
+	// Manual is true for a run asked for with RunNow (pgfence jobs run).
+	Manual bool
 	// Attempt counts attempts at this slot, from 1.
 	Attempt int
 	// Token is the fencing token of the lease the run holds. Send it to

@@ -14,6 +14,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/clock"
+	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -155,7 +156,7 @@ func (r *Runner) Run(ctx context.Context) error {
 	jobs := append([]*job(nil), r.jobs...)
 	r.mu.Unlock()
 
-	if err := r.verify(ctx); err != nil {
+	if err := r.verify(ctx, jobs); err != nil {
 		if ctx.Err() != nil {
 			return nil // stopped while starting: a clean stop, as Election.Run's
 		}
@@ -252,11 +253,26 @@ func (r *Runner) releaseHeld(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// verify checks the schema, retrying transient errors until ctx ends.
-func (r *Runner) verify(ctx context.Context) error {
+// verify checks the schema and registers the jobs in pgfence_jobs (for
+// operators: status, pause, run now), retrying transient errors until ctx
+// ends.
+func (r *Runner) verify(ctx context.Context, jobs []*job) error {
+	var (
+		names, schedules []string
+		shards, attempts []int
+	)
+	for _, j := range jobs {
+		names, schedules = append(names, j.Name), append(schedules, j.Schedule)
+		shards, attempts = append(shards, j.shards), append(attempts, j.Retry.MaxAttempts)
+	}
 	b := retry.Backoff{Base: r.lcfg.PollInterval, Max: 10 * r.lcfg.PollInterval}
 	for n := 0; ; n++ {
 		err := schemaver.Verify(ctx, r.pool, r.lcfg.Schema)
+		if err == nil {
+			if _, err = r.pool.Exec(ctx, r.q.register, names, schedules, shards, attempts, r.lcfg.Holder); err != nil {
+				err = fmt.Errorf("register the jobs: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
+			}
+		}
 		if err == nil || !retry.Transient(err) {
 			if err != nil {
 				return fmt.Errorf("runner: %w", err)

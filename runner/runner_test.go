@@ -183,6 +183,12 @@ func TestLeaderRevokedMidRun(t *testing.T) {
 	if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "effects")+" WHERE slot = $1", zr.Slot); n != 1 {
 		t.Fatalf("%d effects for the slot, want 1", n)
 	}
+	// The zombie's refused attempt stays in the ledger, as fenced.
+	fenced, err := runner.Runs(context.Background(), db.Pool, db.Schema, runner.RunFilter{Job: "nightly", Status: runner.StatusFenced})
+	if err != nil || len(fenced) != 1 || !fenced[0].Slot.Equal(zr.Slot) || fenced[0].Attempt != 1 || fenced[0].Token != zr.Token ||
+		fenced[0].Holder != leader {
+		t.Fatalf("fenced attempts: %+v, %v; want the zombie's attempt 1 of slot %v with token %d on %s", fenced, err, zr.Slot, zr.Token, leader)
+	}
 	t.Logf("takeover %v after revocation (TTL %v, poll %v)", took, ttl, poll)
 }
 
@@ -318,6 +324,17 @@ func TestRetriesAndFailures(t *testing.T) {
 	if ev.count(runner.RunFailed) < 2 {
 		t.Fatalf("RunFailed events = %d", ev.count(runner.RunFailed))
 	}
+	// Every attempt of that slot is kept, each with its outcome.
+	var statuses []string
+	rows, err := db.Pool.Query(context.Background(), "SELECT status || ':' || coalesce(error, '') FROM "+tbl(db, "pgfence_runs")+
+		" WHERE slot = (SELECT slot FROM "+tbl(db, "pgfence_runs")+" WHERE status = 'succeeded' AND attempt = 3 LIMIT 1) ORDER BY attempt")
+	if err == nil {
+		statuses, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	}
+	if err != nil || len(statuses) != 3 || statuses[0] != "failed:transient" || !strings.HasPrefix(statuses[1], "panicked:") ||
+		!strings.Contains(statuses[1], "boom") || statuses[2] != "succeeded:" {
+		t.Fatalf("attempts of the slot: %q, %v; want failed, panicked, succeeded", statuses, err)
+	}
 }
 
 func holderOf(t testing.TB, db *pgtest.DB, lease string) string {
@@ -356,8 +373,8 @@ func TestMissedSlotPolicy(t *testing.T) {
 			t.Parallel()
 			db := pgtest.New(t)
 			// The job last ran ten hours ago; the replicas were down since.
-			mustExec(t, db, "INSERT INTO "+tbl(db, "pgfence_runs")+` (job, shard, slot, attempt, token, status, holder, started_at)
-				VALUES ('hourly', 0, $1, 1, 1, 'succeeded', 'old', $1)`, latest.Add(-10*time.Hour))
+			mustExec(t, db, "INSERT INTO "+tbl(db, "pgfence_runs")+` (job, shard, kind, slot, attempt, token, status, holder, started_at)
+				VALUES ('hourly', 0, 'scheduled', $1, 1, 1, 'succeeded', 'old', $1)`, latest.Add(-10*time.Hour))
 			clk := clock.NewFake(latest.Add(30 * time.Minute))
 			ev := &events{}
 			job := runner.Job{Name: "hourly", Schedule: "@every 1h", Missed: tc.policy,
@@ -547,28 +564,30 @@ func TestLedgerReadAndPrune(t *testing.T) {
 	ctx := pgtest.Context(t, time.Minute)
 	runs := tbl(db, "pgfence_runs")
 	old := time.Now().Add(-48 * time.Hour)
-	mustExec(t, db, "INSERT INTO "+runs+` (job, shard, slot, attempt, token, status, holder, started_at, finished_at, error) VALUES
-		('a', 0, $1, 1, 1, 'succeeded', 'h', $1, $1, NULL),
-		('a', 0, $1 + interval '1 hour', 1, 2, 'failed', 'h', $1 + interval '1 hour', $1 + interval '1 hour', 'boom'),
-		('a', 0, $1 + interval '2 hours', 1, 3, 'succeeded', 'h', $1 + interval '2 hours', $1 + interval '2 hours', NULL),
-		('b', 1, $1, 1, 4, 'running', 'h', $1, NULL, NULL),
-		('b', 1, now(), 1, 5, 'succeeded', 'h', now(), now(), NULL)`, old)
+	mustExec(t, db, "INSERT INTO "+runs+` (job, shard, kind, slot, attempt, token, status, holder, started_at, finished_at, error) VALUES
+		('a', 0, 'scheduled', $1, 1, 1, 'succeeded', 'h', $1, $1, NULL),
+		('a', 0, 'scheduled', $1 + interval '1 hour', 1, 2, 'failed', 'h', $1 + interval '1 hour', $1 + interval '1 hour', 'boom'),
+		('a', 0, 'manual', $1 + interval '3 hours', 1, 3, 'succeeded', 'h', $1 + interval '3 hours', $1 + interval '3 hours', NULL),
+		('a', 0, 'scheduled', $1 + interval '2 hours', 1, 3, 'failed', 'h', $1 + interval '2 hours', $1 + interval '2 hours', 'again'),
+		('a', 0, 'scheduled', $1 + interval '2 hours', 2, 3, 'succeeded', 'h', $1 + interval '2 hours', $1 + interval '2 hours', NULL),
+		('b', 1, 'scheduled', $1, 1, 4, 'running', 'h', $1, NULL, NULL),
+		('b', 1, 'scheduled', now(), 1, 5, 'succeeded', 'h', now(), now(), NULL)`, old)
 
 	all, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{})
-	if err != nil || len(all) != 5 || all[0].Job != "b" || all[0].Token != 5 {
+	if err != nil || len(all) != 7 || all[0].Job != "b" || all[0].Token != 5 {
 		t.Fatalf("Runs: %d runs, first %+v, %v", len(all), all[0], err)
 	}
 	failed, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{Job: "a", Status: runner.StatusFailed})
-	if err != nil || len(failed) != 1 || failed[0].Error != "boom" || failed[0].FinishedAt == nil {
-		t.Fatalf("failed runs of a: %+v, %v", failed, err)
+	if err != nil || len(failed) != 2 || failed[0].Error != "again" || failed[0].FinishedAt == nil || failed[1].Error != "boom" {
+		t.Fatalf("failed attempts of a (each attempt kept): %+v, %v", failed, err)
 	}
 	n, err := runner.Prune(ctx, db.Pool, db.Schema, time.Now().Add(-24*time.Hour))
-	if err != nil || n != 2 {
-		t.Fatalf("Prune deleted %d, %v; want the two older finished runs of a", n, err)
+	if err != nil || n != 3 {
+		t.Fatalf("Prune deleted %d, %v; want the two older scheduled slots of a and its old manual run", n, err)
 	}
 	left, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{Limit: 100})
-	if err != nil || len(left) != 3 {
-		t.Fatalf("after Prune: %d runs, %v; want a's latest slot, b's running and recent runs", len(left), err)
+	if err != nil || len(left) != 4 {
+		t.Fatalf("after Prune: %d runs, %v; want both attempts of a's latest slot, b's running and recent runs", len(left), err)
 	}
 
 	inst := tbl(db, "pgfence_instances")

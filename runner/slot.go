@@ -36,7 +36,7 @@ func (w *worker) newTerm(l *lock.Lease) (*term, error) {
 		sql   *string
 		n     int
 		build func(fence string) string
-	}{{&t.claim, 6, w.r.q.claim}, {&t.succeed, 4, w.r.q.succeedFenced}, {&t.fail, 5, w.r.q.fail}} {
+	}{{&t.claim, 7, w.r.q.claim}, {&t.succeed, 6, w.r.q.succeedFenced}, {&t.fail, 8, w.r.q.fail}} {
 		f, err := g.Fold(st.n)
 		if err != nil {
 			return nil, err
@@ -50,29 +50,35 @@ func (w *worker) newTerm(l *lock.Lease) (*term, error) {
 func (t *term) args(own ...any) []any { return append(own, t.fold.Args...) }
 
 // runSlot claims slot and runs it, with retries, while the lease holds.
-func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
+func (w *worker) runSlot(ctx context.Context, t *term, slot slotRef) {
 	l := t.lease
 	again := retry.Backoff{Base: w.r.lcfg.PollInterval, Max: 10 * w.r.lcfg.PollInterval}
 	for failures := 0; ctx.Err() == nil; {
-		attempt, claimed, err := w.claim(ctx, t, slot)
+		attempt, status, err := w.claim(ctx, t, slot)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, fence.ErrFenced) {
 				return
 			}
 			if permanent(err) {
-				w.r.fatal(fmt.Errorf("runner: job %q: claim slot %s: %w", w.j.Name, slot.Format(time.RFC3339), err))
+				w.r.fatal(fmt.Errorf("runner: job %q: claim %s slot %s: %w", w.j.Name, slot.kind, slot.at.Format(time.RFC3339Nano), err))
 				return
 			}
-			w.log().Warn("pgfence runner: claim failed; retrying", "slot", slot, "err", err)
+			w.log().Warn("pgfence runner: claim failed; retrying", "slot", slot.at, "kind", slot.kind, "err", err)
 			wait.Sleep(ctx, again.Wait(failures))
 			failures++
 			continue
 		}
-		if !claimed {
+		switch status {
+		case "":
 			w.r.m.skipped(w.j.Name)
-			return // already succeeded, or out of attempts
+			return // already finished, or out of attempts
+		case StatusSkipped:
+			w.r.m.skipped(w.j.Name)
+			w.event(RunSkipped, slot, l, attempt, nil)
+			return
 		}
-		run := &Run{Job: w.j.Name, Shard: w.shard, Shards: w.j.shards, Slot: slot, Attempt: attempt, Token: l.Token(), w: w, lease: l}
+		run := &Run{Job: w.j.Name, Shard: w.shard, Shards: w.j.shards, Slot: slot.at, Manual: slot.kind == KindManual,
+			Attempt: attempt, Token: l.Token(), w: w, lease: l}
 		w.runStart = w.r.clock.Now()
 		w.event(RunStarted, slot, l, attempt, nil)
 		err = w.call(ctx, run)
@@ -85,9 +91,23 @@ func (w *worker) runSlot(ctx context.Context, t *term, slot time.Time) {
 	}
 }
 
+// ref is the run's slot.
+func (r *Run) ref() slotRef {
+	if r.Manual {
+		return slotRef{KindManual, r.Slot}
+	}
+	return scheduled(r.Slot)
+}
+
+// key is the ledger row of the run's attempt: job, shard, kind, slot,
+// attempt, token.
+func (r *Run) key() []any {
+	return []any{r.Job, r.Shard, string(r.ref().kind), r.Slot, r.Attempt, int64(r.Token)}
+}
+
 // finish records the attempt's outcome and reports whether to retry.
 func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (retry bool) {
-	l, slot, attempt := t.lease, run.Slot, run.Attempt
+	l, slot, attempt := t.lease, run.ref(), run.Attempt
 	if runErr == nil && run.committed {
 		w.event(RunSucceeded, slot, l, attempt, nil)
 		return false
@@ -108,7 +128,7 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 	var err error
 	if runErr == nil {
 		var tag pgconn.CommandTag
-		tag, err = w.r.pool.Exec(ctx, t.succeed, t.args(w.j.Name, w.shard, slot, int64(l.Token()))...)
+		tag, err = w.r.pool.Exec(ctx, t.succeed, t.args(run.key()...)...)
 		if err = t.fold.Err(err); err == nil && tag.RowsAffected() != 1 {
 			err = ErrFenced
 		}
@@ -117,11 +137,16 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 			return false
 		}
 	} else {
-		_, err = w.r.pool.Exec(ctx, t.fail, t.args(w.j.Name, w.shard, slot, int64(l.Token()), runErr.Error())...)
+		status := StatusFailed
+		var p *panicError
+		if errors.As(runErr, &p) {
+			status = StatusPanicked
+		}
+		_, err = w.r.pool.Exec(ctx, t.fail, t.args(append(run.key(), string(status), runErr.Error())...)...)
 		if err = t.fold.Err(err); err == nil {
 			retry := attempt < w.j.Retry.MaxAttempts
-			w.log().Error("pgfence runner: run failed", "slot", slot, "attempt", attempt, "token", l.Token(),
-				"retry", retry, "err", runErr)
+			w.log().Error("pgfence runner: run failed", "slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(),
+				"status", status, "retry", retry, "err", runErr)
 			w.event(RunFailed, slot, l, attempt, runErr)
 			return retry
 		}
@@ -131,12 +156,12 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 		return false
 	}
 	w.log().Warn("pgfence runner: recording the outcome failed; the next leader will rerun the slot",
-		"slot", slot, "attempt", attempt, "token", l.Token(), "err", err)
+		"slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(), "err", err)
 	return false
 }
 
-// fenced marks this attempt's own row as fenced (only if no newer attempt has
-// claimed it) and reports the event.
+// fenced marks this attempt's own row as fenced (only if it is still
+// running under this token) and reports the event.
 func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
 	ctx, cancel := wait.Detached(context.Background())
 	defer cancel()
@@ -144,27 +169,30 @@ func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
 	if cause != nil {
 		msg = cause.Error()
 	}
-	_, _ = w.r.pool.Exec(ctx, w.r.q.markFenced, w.j.Name, w.shard, run.Slot, int64(l.Token()), msg)
+	_, _ = w.r.pool.Exec(ctx, w.r.q.markFenced, append(run.key(), msg)...)
 	w.log().Warn("pgfence runner: run fenced: a newer holder took over; its writes are refused",
-		"slot", run.Slot, "attempt", run.Attempt, "token", l.Token(), "err", cause)
-	w.event(RunFenced, run.Slot, l, run.Attempt, cause)
+		"slot", run.Slot, "manual", run.Manual, "attempt", run.Attempt, "token", l.Token(), "err", cause)
+	w.event(RunFenced, run.ref(), l, run.Attempt, cause)
 }
 
-// claim claims slot in one autocommitted, fenced statement.
-func (w *worker) claim(ctx context.Context, t *term, slot time.Time) (attempt int, claimed bool, err error) {
+// claim starts an attempt at slot in one autocommitted, fenced statement;
+// status is "" when the slot is finished (or out of attempts), else
+// running or skipped (the job is paused).
+func (w *worker) claim(ctx context.Context, t *term, slot slotRef) (attempt int, status Status, err error) {
 	l := t.lease
 	if err := l.Err(); err != nil {
-		return 0, false, err
+		return 0, "", err
 	}
-	err = w.r.pool.QueryRow(ctx, t.claim, t.args(w.j.Name, w.shard, slot, int64(l.Token()),
-		w.r.lcfg.Holder, w.j.Retry.MaxAttempts)...).Scan(&attempt)
+	err = w.r.pool.QueryRow(ctx, t.claim, t.args(w.j.Name, w.shard, string(slot.kind), slot.at, int64(l.Token()),
+		w.r.lcfg.Holder, w.j.Retry.MaxAttempts)...).Scan(&attempt, &status)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, false, nil
+		return 0, "", nil
 	}
-	return attempt, err == nil, t.fold.Err(err)
+	return attempt, status, t.fold.Err(err)
 }
 
-// call runs the job function with its timeout, turning a panic into an error.
+// call runs the job function with its timeout, turning a panic into a
+// *panicError.
 func (w *worker) call(ctx context.Context, run *Run) (err error) {
 	if w.j.Timeout > 0 {
 		var cancel context.CancelFunc
@@ -173,14 +201,25 @@ func (w *worker) call(ctx context.Context, run *Run) (err error) {
 	}
 	defer func() {
 		if p := recover(); p != nil {
-			err = fmt.Errorf("runner: job %q panicked: %v\n%s", w.j.Name, p, debug.Stack())
+			err = &panicError{job: w.j.Name, value: p, stack: debug.Stack()}
 		}
 	}()
 	return w.j.Run(ctx, run)
 }
 
+// panicError is a job's panic, recorded with status panicked.
+type panicError struct {
+	job   string
+	value any
+	stack []byte
+}
+
+func (p *panicError) Error() string {
+	return fmt.Sprintf("runner: job %q panicked: %v\n%s", p.job, p.value, p.stack)
+}
+
 func (r *Runner) recordSuccess(ctx context.Context, tx pgx.Tx, run *Run) error {
-	tag, err := tx.Exec(ctx, r.q.succeed, run.Job, run.Shard, run.Slot, int64(run.Token))
+	tag, err := tx.Exec(ctx, r.q.succeed, run.key()...)
 	if err != nil {
 		return err
 	}

@@ -6,6 +6,14 @@ import (
 	"github.com/pgfence/pgfence/internal/ident"
 )
 
+// Lease and wake names: a job's lease is jobLeasePrefix+NAME (a shard's
+// jobLeasePrefix+NAME+"/"+SHARD); a manual run is announced to the job's
+// (shard's) leader as a release of runWakePrefix+NAME (+"/"+SHARD).
+const (
+	jobLeasePrefix = "pgfence/job/"
+	runWakePrefix  = "pgfence/run/"
+)
+
 // queries holds the runner's SQL for one schema. The fenced ledger
 // statements are functions of the fence expression (fence.Guard.Fold), built
 // once per leadership term; each numbers its own parameters first, and the
@@ -13,51 +21,103 @@ import (
 type queries struct {
 	claim, succeedFenced, fail func(fence string) string
 
-	succeed, markFenced, lastSlot, heartbeat, announce, leave, prune, runs string
+	succeed, markFenced, lastSlot, requested, register, heartbeat, announce, leave, prune, runs string
+	pause, resume, jobShards, request, waitRun, jobs                                            string
 }
 
 func newQueries(schema string) queries {
 	runs := ident.Table(schema, "pgfence_runs")
+	jobs := ident.Table(schema, "pgfence_jobs")
 	inst := ident.Table(schema, "pgfence_instances")
+	leases := ident.Table(schema, "pgfence_leases")
 	wake := ident.Table(schema, "pgfence_wake_waiters")
+	// The attempt a statement is about: $1 job, $2 shard, $3 kind, $4 slot,
+	// $5 attempt, $6 token.
+	const attempt = `job = $1::text AND shard = $2::int AND kind = $3::text AND slot = $4::timestamptz
+   AND attempt = $5::int AND token = $6::bigint AND status = 'running'`
 	return queries{
-		// Carries its own fence (after its six parameters): one
-		// autocommitted statement, refused if the lease moved on. A slot is
-		// (re)claimed if it is new, was fenced, is still "running" under an
-		// older token (its runner died or was paused), or failed with
-		// attempts left. It returns no row for a slot that is finished.
+		// Carries its own fence (after its seven parameters: $1 job, $2
+		// shard, $3 kind, $4 slot, $5 token, $6 holder, $7 max attempts):
+		// one autocommitted statement, refused if the lease moved on. It
+		// starts an attempt (returning its number and status) when the
+		// slot is a manual run still pending, or a scheduled slot never
+		// claimed, or its latest attempt was fenced, is still "running"
+		// under an older token (its runner died or was paused: that
+		// attempt is marked fenced), or failed with attempts left. A
+		// scheduled slot's attempt is recorded as skipped ("paused") while
+		// the job is paused. It returns no row for a finished slot.
 		claim: func(fence string) string {
-			return `INSERT INTO ` + runs + ` AS r (job, shard, slot, attempt, token, status, holder, started_at)
-SELECT $1, $2, $3, 1, $4, 'running', $5, now() FROM (SELECT ` + fence + `) AS fence
-ON CONFLICT (job, shard, slot) DO UPDATE
-   SET attempt = r.attempt + 1, token = EXCLUDED.token, status = 'running', holder = EXCLUDED.holder,
-       started_at = now(), finished_at = NULL, error = NULL
- WHERE r.status = 'fenced'
-    OR (r.status = 'running' AND r.token < EXCLUDED.token)
-    OR (r.status = 'failed' AND r.attempt < $6)
-RETURNING r.attempt`
+			return `WITH f AS MATERIALIZED (SELECT ` + fence + `),
+last AS (
+    SELECT attempt, status, token FROM ` + runs + `
+     WHERE job = $1::text AND shard = $2::int AND kind = $3::text AND slot = $4::timestamptz
+     ORDER BY attempt DESC LIMIT 1),
+st AS (
+    SELECT CASE WHEN $3::text = 'scheduled' AND EXISTS (SELECT 1 FROM ` + jobs + ` WHERE job = $1::text AND paused_at IS NOT NULL)
+                THEN 'skipped' ELSE 'running' END AS status),
+took AS (
+    UPDATE ` + runs + ` r SET status = 'running', token = $5::bigint, holder = $6::text, started_at = now()
+      FROM last, f
+     WHERE last.status = 'pending' AND r.job = $1::text AND r.shard = $2::int AND r.kind = $3::text
+       AND r.slot = $4::timestamptz AND r.attempt = last.attempt
+    RETURNING r.attempt, r.status),
+zombie AS (
+    UPDATE ` + runs + ` r SET status = 'fenced', finished_at = now(), error = 'taken over by token ' || $5::bigint
+      FROM last, f
+     WHERE last.status = 'running' AND last.token < $5::bigint AND r.job = $1::text AND r.shard = $2::int
+       AND r.kind = $3::text AND r.slot = $4::timestamptz AND r.attempt = last.attempt AND r.status = 'running'),
+ins AS (
+    INSERT INTO ` + runs + ` (job, shard, kind, slot, attempt, token, status, holder, started_at, finished_at, error)
+    SELECT $1::text, $2::int, $3::text, $4::timestamptz, coalesce(last.attempt, 0) + 1, $5::bigint, st.status, $6::text, now(),
+           CASE WHEN st.status = 'skipped' THEN now() END, CASE WHEN st.status = 'skipped' THEN 'paused' END
+      FROM f CROSS JOIN st LEFT JOIN last ON true
+     WHERE (last.attempt IS NULL AND $3::text = 'scheduled')
+        OR last.status = 'fenced'
+        OR (last.status = 'running' AND last.token < $5::bigint)
+        OR (last.status IN ('failed', 'panicked') AND last.attempt < $7::int)
+    RETURNING attempt, status)
+SELECT attempt, status FROM took UNION ALL SELECT attempt, status FROM ins`
 		},
 
 		// Fenced (in CommitTx's guarded transaction, or by a folded check
-		// of its own) and conditioned on the token: a zombie's late outcome
-		// changes nothing.
-		succeed: fmt.Sprintf(`UPDATE %[1]s SET status = 'succeeded', finished_at = now()
- WHERE job = $1 AND shard = $2 AND slot = $3 AND token = $4 AND status = 'running'`, runs),
+		// of its own) and conditioned on the attempt and its token: a
+		// zombie's late outcome changes nothing.
+		succeed: `UPDATE ` + runs + ` SET status = 'succeeded', finished_at = now()
+ WHERE ` + attempt,
 		succeedFenced: func(fence string) string {
 			return `UPDATE ` + runs + ` SET status = 'succeeded', finished_at = now() FROM (SELECT ` + fence + `) AS fence
- WHERE job = $1 AND shard = $2 AND slot = $3 AND token = $4 AND status = 'running'`
+ WHERE ` + attempt
 		},
+		// $7 is 'failed' or 'panicked', $8 the error text.
 		fail: func(fence string) string {
-			return `UPDATE ` + runs + ` SET status = 'failed', finished_at = now(), error = $5 FROM (SELECT ` + fence + `) AS fence
- WHERE job = $1 AND shard = $2 AND slot = $3 AND token = $4 AND status = 'running'`
+			return `UPDATE ` + runs + ` SET status = $7::text, finished_at = now(), error = $8::text FROM (SELECT ` + fence + `) AS fence
+ WHERE ` + attempt
 		},
 
-		// Not guarded (the lease is gone) but conditioned on the token:
-		// it only marks this attempt's own row, never a newer attempt's.
-		markFenced: fmt.Sprintf(`UPDATE %[1]s SET status = 'fenced', finished_at = now(), error = $5
- WHERE job = $1 AND shard = $2 AND slot = $3 AND token = $4 AND status = 'running'`, runs),
+		// Not guarded (the lease is gone) but conditioned on the attempt
+		// and its token: it only marks this attempt's own row.
+		markFenced: `UPDATE ` + runs + ` SET status = 'fenced', finished_at = now(), error = $7::text
+ WHERE ` + attempt,
 
-		lastSlot: fmt.Sprintf(`SELECT max(slot) FROM %[1]s WHERE job = $1 AND shard = $2`, runs),
+		lastSlot: `SELECT max(slot) FROM ` + runs + ` WHERE job = $1 AND shard = $2 AND kind = 'scheduled'`,
+
+		// The manual runs of a job's shard that its leader (token $3,
+		// max attempts $4) should start: pending, or whose latest attempt
+		// a claim would take up again. Oldest first.
+		requested: `SELECT slot FROM (
+    SELECT DISTINCT ON (slot) slot, attempt, status, token FROM ` + runs + `
+     WHERE job = $1 AND shard = $2 AND kind = 'manual'
+     ORDER BY slot, attempt DESC) AS latest
+ WHERE status IN ('pending', 'fenced') OR (status = 'running' AND token < $3)
+    OR (status IN ('failed', 'panicked') AND attempt < $4)
+ ORDER BY slot`,
+
+		// Registers this instance's jobs ($1 names, $2 schedules, $3 shard
+		// counts, $4 max attempts, by $5), keeping a pause.
+		register: `INSERT INTO ` + jobs + ` (job, schedule, shards, max_attempts, registered_at, registered_by)
+SELECT j, s, n, a, now(), $5 FROM unnest($1::text[], $2::text[], $3::int[], $4::int[]) AS t(j, s, n, a)
+ON CONFLICT (job) DO UPDATE SET schedule = EXCLUDED.schedule, shards = EXCLUDED.shards,
+   max_attempts = EXCLUDED.max_attempts, registered_at = now(), registered_by = EXCLUDED.registered_by`,
 
 		// Renews this instance's row (with the sharded jobs it runs),
 		// deletes rows of instances dead for longer than $4, and returns
@@ -78,17 +138,66 @@ SELECT id, jobs FROM me`, inst),
 		leave: fmt.Sprintf(`WITH gone AS (UPDATE %[1]s SET expires_at = now() WHERE id = $1 RETURNING id)
 SELECT %[2]s($2) FROM gone`, inst, wake),
 
-		// Finished runs that started before $1, except the latest slot of
-		// each job and shard (a new leader resumes from it).
+		// Finished attempts that started before $1, except those of the
+		// latest scheduled slot of each job and shard (a new leader
+		// resumes from it).
 		prune: fmt.Sprintf(`DELETE FROM %[1]s r
- WHERE r.started_at < $1 AND r.status <> 'running'
-   AND r.slot < (SELECT max(l.slot) FROM %[1]s l WHERE l.job = r.job AND l.shard = r.shard)`, runs),
+ WHERE r.started_at < $1 AND r.status NOT IN ('running', 'pending')
+   AND (r.kind = 'manual'
+        OR r.slot < (SELECT max(l.slot) FROM %[1]s l WHERE l.job = r.job AND l.shard = r.shard AND l.kind = 'scheduled'))`, runs),
 
-		// Recent runs, newest first, optionally of one job and one status.
-		runs: fmt.Sprintf(`SELECT job, shard, slot, attempt, token, status, holder, started_at, finished_at, coalesce(error, '')
+		// Recent attempts, newest first, optionally of one job and one
+		// status.
+		runs: fmt.Sprintf(`SELECT job, shard, kind, slot, attempt, coalesce(token, 0), status, holder, coalesce(requested_by, ''),
+       started_at, finished_at, coalesce(error, '')
   FROM %[1]s
  WHERE ($1 = '' OR job = $1) AND ($2 = '' OR status = $2)
- ORDER BY started_at DESC, job, shard
+ ORDER BY started_at DESC, job, shard, attempt DESC
  LIMIT $3`, runs),
+
+		// Pause (by $2) and resume job $1; no row for an unknown job.
+		pause: `UPDATE ` + jobs + ` SET paused_by = CASE WHEN paused_at IS NULL THEN $2 ELSE paused_by END,
+       paused_at = coalesce(paused_at, now())
+ WHERE job = $1 RETURNING paused_at`,
+		resume: `UPDATE ` + jobs + ` SET paused_at = NULL, paused_by = NULL WHERE job = $1 RETURNING job`,
+
+		jobShards: `SELECT shards FROM ` + jobs + ` WHERE job = $1`,
+		// Asks for a manual run of job $1's shard $2 (by $3), announced to
+		// the shard's leader through the wake name $4 at commit.
+		request: `WITH req AS (
+    INSERT INTO ` + runs + ` (job, shard, kind, slot, attempt, status, holder, requested_by, started_at)
+    VALUES ($1, $2, 'manual', clock_timestamp(), 1, 'pending', $3, $3, now())
+    RETURNING slot)
+SELECT slot, ` + wake + `($4) FROM req`,
+
+		// The latest attempt of a slot, with the job's max attempts.
+		waitRun: `SELECT r.job, r.shard, r.kind, r.slot, r.attempt, coalesce(r.token, 0), r.status, r.holder,
+       coalesce(r.requested_by, ''), r.started_at, r.finished_at, coalesce(r.error, ''), coalesce(j.max_attempts, 1)
+  FROM ` + runs + ` r LEFT JOIN ` + jobs + ` j ON j.job = r.job
+ WHERE r.job = $1 AND r.shard = $2 AND r.kind = $3 AND r.slot = $4
+ ORDER BY r.attempt DESC LIMIT 1`,
+
+		// Every registered job (or job $1) and shard: the pause, the
+		// lease (named $2 || job [|| '/' || shard]), the latest attempt of
+		// the latest scheduled slot, the pending manual runs, and the
+		// database's now.
+		jobs: `WITH s AS (
+    SELECT j.*, g.shard FROM ` + jobs + ` j, generate_series(0, greatest(j.shards, 1) - 1) AS g(shard)
+     WHERE $1 = '' OR j.job = $1)
+SELECT s.job, s.shard, s.shards, s.schedule, s.paused_at, coalesce(s.paused_by, ''),
+       coalesce(l.holder, ''), coalesce(l.token, 0), l.acquired_at, coalesce(l.holder IS NOT NULL AND l.expires_at > now(), false),
+       last.kind, last.slot, last.attempt, last.token, last.status, last.holder, last.requested_by,
+       last.started_at, last.finished_at, last.error,
+       (SELECT count(*) FROM ` + runs + ` p WHERE p.job = s.job AND p.shard = s.shard AND p.kind = 'manual' AND p.status = 'pending'),
+       now()
+  FROM s
+  LEFT JOIN ` + leases + ` l
+         ON l.name = $2 || s.job || CASE WHEN s.shards = 0 THEN '' ELSE '/' || s.shard END
+  LEFT JOIN LATERAL (
+         SELECT kind, slot, attempt, coalesce(token, 0) AS token, status, holder, coalesce(requested_by, '') AS requested_by,
+                started_at, finished_at, coalesce(error, '') AS error
+           FROM ` + runs + ` r WHERE r.job = s.job AND r.shard = s.shard AND r.kind = 'scheduled'
+          ORDER BY slot DESC, attempt DESC LIMIT 1) AS last ON true
+ ORDER BY s.job, s.shard`,
 	}
 }

@@ -8,7 +8,10 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/pgfence/pgfence/internal/clock"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
 )
 
@@ -24,13 +27,13 @@ type worker struct {
 
 func (w *worker) leaseName() string {
 	if w.j.shards == 0 {
-		return "pgfence/job/" + w.j.Name
+		return jobLeasePrefix + w.j.Name
 	}
-	return "pgfence/job/" + w.j.Name + "/" + strconv.Itoa(w.shard)
+	return jobLeasePrefix + w.j.Name + "/" + strconv.Itoa(w.shard)
 }
 
-func (w *worker) event(k EventKind, slot time.Time, l *lock.Lease, attempt int, err error) {
-	e := Event{Kind: k, Job: w.j.Name, Shard: w.shard, Slot: slot, Attempt: attempt, Err: err}
+func (w *worker) event(k EventKind, s slotRef, l *lock.Lease, attempt int, err error) {
+	e := Event{Kind: k, Job: w.j.Name, Shard: w.shard, Slot: s.at, Manual: s.kind == KindManual, Attempt: attempt, Err: err}
 	if l != nil {
 		e.Token = l.Token()
 	}
@@ -48,11 +51,11 @@ func (w *worker) loop(ctx context.Context) {
 		Lead: func(ctx context.Context, l *lock.Lease) error {
 			defer w.r.hold(l)()
 			log.Info("pgfence runner: leading", "token", l.Token())
-			w.event(LeadershipGained, time.Time{}, l, 0, nil)
+			w.event(LeadershipGained, slotRef{}, l, 0, nil)
 			return w.lead(ctx, l)
 		},
 		OnStop: func(l *lock.Lease, err error) {
-			w.event(LeadershipLost, time.Time{}, l, 0, err)
+			w.event(LeadershipLost, slotRef{}, l, 0, err)
 			if permanent(err) {
 				w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
 			}
@@ -68,26 +71,39 @@ func (w *worker) loop(ctx context.Context) {
 // log is the runner's logger with the worker's job and shard.
 func (w *worker) log() *slog.Logger { return w.r.log.With("job", w.j.Name, "shard", w.shard) }
 
+// slotRef names a slot of the worker's job and shard: a scheduled one, or
+// a manual run.
+type slotRef struct {
+	kind Kind
+	at   time.Time
+}
+
+func scheduled(at time.Time) slotRef { return slotRef{KindScheduled, at} }
+
 // lead runs slots while ctx (which ends with the lease) lives, and returns
-// why it stopped.
+// why it stopped: on taking over, the last slot if it was left unfinished
+// and the missed ones by policy; then each slot of the schedule, and the
+// manual runs asked for, when woken.
 func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 	t, err := w.newTerm(l)
 	if err != nil {
 		return err
 	}
-	// Taking over: finish the last slot if it was left unfinished (its
-	// runner died or paused), then the latest missed slot, by policy.
+	// Watch before the first look at the ledger, so that no request
+	// made after that look goes unannounced.
+	wake, stopWatch := w.r.lc.Watch(wakeName(w.j.Name, w.j.shards, w.shard))
+	defer stopWatch()
 	var last *time.Time
 	if err := w.r.pool.QueryRow(ctx, w.r.q.lastSlot, w.j.Name, w.shard).Scan(&last); err != nil {
 		return err
 	}
 	now := w.r.clock.Now()
 	if last != nil {
-		w.runSlot(ctx, t, *last) // the claim runs it only if it is unfinished
+		w.runSlot(ctx, t, scheduled(*last)) // the claim runs it only if it is unfinished
 		run, unrun := catchUp(w.j.sched, w.j.Missed, *last, now)
 		w.r.m.missedSlots(w.j.Name, unrun)
 		for _, slot := range run {
-			w.runSlot(ctx, t, slot)
+			w.runSlot(ctx, t, scheduled(slot))
 			if ctx.Err() != nil {
 				return context.Cause(ctx)
 			}
@@ -96,21 +112,75 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 			now = run[len(run)-1]
 		}
 	}
+	w.runRequested(ctx, t)
 	cursor := now
 	for {
 		next := w.j.sched.Next(cursor)
-		if !clock.Sleep(ctx, w.r.clock, next.Sub(w.r.clock.Now())) {
+		switch w.waitFor(ctx, next, wake) {
+		case leadEnded:
 			return context.Cause(ctx)
+		case woken:
+			w.runRequested(ctx, t)
+			continue
 		}
 		// Slots that passed while the previous run was still going are
 		// not queued up: the latest due one runs.
 		slot, missed := overrun(w.j.sched, next, w.r.clock.Now())
 		w.r.m.missedSlots(w.j.Name, missed)
-		w.runSlot(ctx, t, slot)
+		w.runSlot(ctx, t, scheduled(slot))
 		cursor = slot
 		if ctx.Err() != nil {
 			return context.Cause(ctx)
 		}
+	}
+}
+
+type waited int
+
+const (
+	slotDue   waited = iota // the slot's time came
+	woken                   // a manual run was announced
+	leadEnded               // ctx ended
+)
+
+// waitFor waits on the runner's clock until slot, or until woken or ctx
+// ends.
+func (w *worker) waitFor(ctx context.Context, slot time.Time, wake <-chan struct{}) waited {
+	fired := make(chan struct{})
+	timer := w.r.clock.AfterFunc(slot.Sub(w.r.clock.Now()), func() { close(fired) })
+	defer timer.Stop()
+	select {
+	case <-fired:
+		return slotDue
+	case <-wake:
+		return woken
+	case <-ctx.Done():
+		return leadEnded
+	}
+}
+
+// runRequested runs the manual runs asked for that this term should start,
+// oldest first; a failed look at the ledger is retried while the lease
+// lasts.
+func (w *worker) runRequested(ctx context.Context, t *term) {
+	again := retry.Backoff{Base: w.r.lcfg.PollInterval, Max: 10 * w.r.lcfg.PollInterval}
+	for failures := 0; ctx.Err() == nil; failures++ {
+		rows, err := w.r.pool.Query(ctx, w.r.q.requested, w.j.Name, w.shard, int64(t.lease.Token()), w.j.Retry.MaxAttempts)
+		var slots []time.Time
+		if err == nil {
+			slots, err = pgx.CollectRows(rows, pgx.RowTo[time.Time])
+		}
+		if err == nil {
+			for _, at := range slots {
+				w.runSlot(ctx, t, slotRef{KindManual, at})
+			}
+			return
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		w.log().Warn("pgfence runner: reading the manual runs asked for failed; retrying", "err", err)
+		wait.Sleep(ctx, again.Wait(failures))
 	}
 }
 

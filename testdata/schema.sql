@@ -164,7 +164,11 @@ BEGIN
         RAISE EXCEPTION 'pgfence: the run ledger is never truncated (finished slots would run again)'
             USING ERRCODE = 'PF010';
     END IF;
-    EXECUTE format('SELECT max(slot) FROM %I.%I WHERE job = $1 AND shard = $2', TG_TABLE_SCHEMA, TG_TABLE_NAME)
+    IF OLD.kind <> 'scheduled' THEN
+        RETURN OLD;
+    END IF;
+    EXECUTE format('SELECT max(slot) FROM %I.%I WHERE job = $1 AND shard = $2 AND kind = ''scheduled''',
+                   TG_TABLE_SCHEMA, TG_TABLE_NAME)
         INTO latest USING OLD.job, OLD.shard;
     IF OLD.slot >= latest THEN
         RAISE EXCEPTION 'pgfence: the latest run of job %, shard % cannot be deleted (its slot would run again)', OLD.job, OLD.shard
@@ -272,6 +276,19 @@ CREATE TABLE pgfence.pgfence_instances (
     CONSTRAINT pgfence_instances_id_check CHECK (((octet_length(id) >= 1) AND (octet_length(id) <= 255)))
 );
 
+CREATE TABLE pgfence.pgfence_jobs (
+    job text NOT NULL,
+    schedule text NOT NULL,
+    shards integer NOT NULL,
+    max_attempts integer NOT NULL,
+    registered_at timestamp with time zone NOT NULL,
+    registered_by text NOT NULL,
+    paused_at timestamp with time zone,
+    paused_by text,
+    CONSTRAINT pgfence_jobs_max_attempts_check CHECK ((max_attempts >= 1)),
+    CONSTRAINT pgfence_jobs_shards_check CHECK ((shards >= 0))
+);
+
 CREATE TABLE pgfence.pgfence_leases (
     name text NOT NULL,
     token bigint NOT NULL,
@@ -296,17 +313,21 @@ ALTER TABLE pgfence.pgfence_leases ALTER COLUMN token ADD GENERATED ALWAYS AS ID
 CREATE TABLE pgfence.pgfence_runs (
     job text NOT NULL,
     shard integer NOT NULL,
+    kind text NOT NULL,
     slot timestamp with time zone NOT NULL,
     attempt integer NOT NULL,
-    token bigint NOT NULL,
+    token bigint,
     status text NOT NULL,
     holder text NOT NULL,
+    requested_by text,
     started_at timestamp with time zone NOT NULL,
     finished_at timestamp with time zone,
     error text,
     CONSTRAINT pgfence_runs_attempt_check CHECK ((attempt >= 1)),
+    CONSTRAINT pgfence_runs_check CHECK (((status = 'pending'::text) = (token IS NULL))),
+    CONSTRAINT pgfence_runs_kind_check CHECK ((kind = ANY (ARRAY['scheduled'::text, 'manual'::text]))),
     CONSTRAINT pgfence_runs_shard_check CHECK ((shard >= 0)),
-    CONSTRAINT pgfence_runs_status_check CHECK ((status = ANY (ARRAY['running'::text, 'succeeded'::text, 'failed'::text, 'fenced'::text]))),
+    CONSTRAINT pgfence_runs_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'running'::text, 'succeeded'::text, 'failed'::text, 'panicked'::text, 'fenced'::text, 'skipped'::text]))),
     CONSTRAINT pgfence_runs_token_check CHECK ((token >= 1))
 );
 
@@ -322,11 +343,14 @@ ALTER TABLE ONLY pgfence.pgfence_fences
 ALTER TABLE ONLY pgfence.pgfence_instances
     ADD CONSTRAINT pgfence_instances_pkey PRIMARY KEY (id);
 
+ALTER TABLE ONLY pgfence.pgfence_jobs
+    ADD CONSTRAINT pgfence_jobs_pkey PRIMARY KEY (job);
+
 ALTER TABLE ONLY pgfence.pgfence_leases
     ADD CONSTRAINT pgfence_leases_pkey PRIMARY KEY (name);
 
 ALTER TABLE ONLY pgfence.pgfence_runs
-    ADD CONSTRAINT pgfence_runs_pkey PRIMARY KEY (job, shard, slot);
+    ADD CONSTRAINT pgfence_runs_pkey PRIMARY KEY (job, shard, kind, slot, attempt);
 
 CREATE INDEX pgfence_instances_expires ON pgfence.pgfence_instances USING btree (expires_at);
 

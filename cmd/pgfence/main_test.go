@@ -385,7 +385,7 @@ func TestMessagesSayWhatToDo(t *testing.T) {
 		pool := pgtest.NewPool(t, "cli-jobs-json")
 		ctx := pgtest.Context(t, time.Minute)
 		if _, err := pool.Exec(ctx, `INSERT INTO `+pgx.Identifier{c.schema, "pgfence_runs"}.Sanitize()+
-			` (job, shard, slot, attempt, token, status, holder, started_at) VALUES ('j', 0, now(), 1, 9007199254740993, 'running', 'h', now())`); err != nil {
+			` (job, shard, kind, slot, attempt, token, status, holder, started_at) VALUES ('j', 0, 'scheduled', now(), 1, 9007199254740993, 'running', 'h', now())`); err != nil {
 			t.Fatal(err)
 		}
 		out, code := c.run("", "jobs", "--json")
