@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -250,26 +251,32 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 	if len(args) > 0 && args[0] == "prune" {
 		return cmdJobsPrune(ctx, e, args[1:])
 	}
+	if handled, err := jobsSteer(ctx, e, args); handled {
+		return err
+	}
 	var (
 		f      runner.RunFilter
 		status string
 		asJSON bool
 	)
-	if _, err := parse(e, "jobs", "[--limit N] [--job NAME] [--status S] [--json] | prune --older-than D", args, func(fs *flag.FlagSet) {
-		fs.IntVar(&f.Limit, "limit", 20, "how many recent runs")
-		fs.StringVar(&f.Job, "job", "", "only this job's runs")
-		fs.StringVar(&status, "status", "", "only runs in this state: running, succeeded, failed or fenced")
+	fs, err := parse(e, "jobs", "[--limit N] [--job NAME] [--status S] [--json] | status | run | pause | resume | prune", args, func(fs *flag.FlagSet) {
+		fs.IntVar(&f.Limit, "limit", 20, "how many recent attempts")
+		fs.StringVar(&f.Job, "job", "", "only this job's attempts")
+		fs.StringVar(&status, "status", "", "only attempts in this state: "+statusList)
 		fs.BoolVar(&asJSON, "json", false, "print JSON")
-	}); err != nil {
+	})
+	if err != nil {
 		return err
+	}
+	if fs.NArg() > 0 {
+		fs.Usage()
+		return fail(exitUsage, "unknown jobs subcommand %q (status, run, pause, resume, prune)", fs.Arg(0))
 	}
 	if f.Limit < 1 {
 		return fail(exitUsage, "--limit must be at least 1")
 	}
-	switch f.Status = runner.Status(status); f.Status {
-	case "", runner.StatusRunning, runner.StatusSucceeded, runner.StatusFailed, runner.StatusFenced:
-	default:
-		return fail(exitUsage, "--status must be running, succeeded, failed or fenced")
+	if f.Status = runner.Status(status); status != "" && !slices.Contains(strings.Split(statusList, ", "), status) {
+		return fail(exitUsage, "--status must be one of %s", statusList)
 	}
 	pool, err := e.connect(ctx)
 	if err != nil {
@@ -284,18 +291,21 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 		return writeJSON(e.stdout, runs)
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "JOB\tSHARD\tSLOT\tATTEMPT\tTOKEN\tSTATUS\tHOLDER\tDURATION\tERROR")
+	fmt.Fprintln(w, "JOB\tSHARD\tKIND\tSLOT\tATTEMPT\tTOKEN\tSTATUS\tHOLDER\tDURATION\tERROR")
 	for _, r := range runs {
 		dur := "-"
 		if r.FinishedAt != nil {
-			dur = round(r.FinishedAt.Sub(r.StartedAt)).String()
+			dur = round(r.Duration()).String()
 		}
 		msg := strings.SplitN(r.Error, "\n", 2)[0]
-		fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", printable(r.Job), r.Shard, r.Slot.UTC().Format(time.RFC3339),
+		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", printable(r.Job), r.Shard, r.Kind, r.Slot.UTC().Format(time.RFC3339),
 			r.Attempt, r.Token, r.Status, printable(r.Holder), dur, printable(msg))
 	}
 	return w.Flush()
 }
+
+// statusList names the attempt statuses --status accepts.
+const statusList = "pending, running, succeeded, failed, panicked, fenced, skipped"
 
 func cmdJobsPrune(ctx context.Context, e *env, args []string) error {
 	var olderThan time.Duration

@@ -13,7 +13,12 @@
 //	run --lease NAME [--ttl D] [--wait] [--grace D] -- COMMAND [ARGS...]
 //	                      run COMMAND while holding the lease, like flock(1) across hosts
 //	jobs [--limit N] [--job NAME] [--status S] [--json]
-//	                      recent runs from the runner's ledger
+//	                      recent attempts from the runner's ledger
+//	jobs status [JOB] [--json]
+//	                      each job and shard: leader, token, last slot, next slot, missed, paused
+//	jobs run JOB [--shard N] [--wait] [--timeout D]
+//	                      run JOB once now on the replica that leads it (--wait: exit with its outcome)
+//	jobs pause|resume JOB stop (or restart) every replica starting JOB's scheduled slots
 //	jobs prune --older-than D
 //	                      delete finished runs older than D (the latest slot of each job is kept)
 //	grant app|operator ROLE [--print]
@@ -33,6 +38,8 @@
 //	1   error (database unreachable, query failed, confirmation declined)
 //	2   usage error (unknown command or flag, bad duration, missing command after --)
 //	3   no such lease (release)
+//	4   no such job or shard (jobs status, run, pause, resume)
+//	5   the run failed or panicked (jobs run --wait)
 //	75  the lease is held elsewhere (run without --wait)
 //	76  the lease was lost while the command ran; the command was terminated
 //	other: run passes its command's exit code through (128+N if killed by signal N)
@@ -65,8 +72,11 @@ const (
 	exitError   = 1
 	exitUsage   = 2
 	exitNoLease = 3
-	exitHeld    = 75
-	exitLost    = 76
+	exitNoJob   = 4 // no such job or shard (jobs status, run, pause, resume)
+	// exitRunFailed: jobs run --wait saw the run fail or panic.
+	exitRunFailed = 5
+	exitHeld      = 75
+	exitLost      = 76
 )
 
 // exitError carries an exit code with a message for stderr.
@@ -171,14 +181,20 @@ commands:
   run --lease NAME [--ttl 15s] [--wait] [--grace 10s] -- COMMAND [ARGS...]
                         run COMMAND on exactly one machine at a time
   jobs [--limit 20] [--job NAME] [--status S] [--json]
-                        recent runs from the runner's ledger
+                        recent attempts from the runner's ledger
+  jobs status [JOB] [--json]
+                        who leads each job, its last and next slot, missed, paused
+  jobs run JOB [--shard N] [--wait] [--timeout D]
+                        run JOB once now, on whichever replica leads it
+  jobs pause|resume JOB stop (or restart) JOB's scheduled slots on every replica
   jobs prune --older-than D
                         delete finished runs older than D
   grant app|operator ROLE [--print]
                         give ROLE what an application (or this CLI) needs in the schema
   version               the module version and commit this binary was built from
 
-exit codes: 0 ok, 1 error, 2 usage, 3 no such lease, 75 lease held elsewhere,
+exit codes: 0 ok, 1 error, 2 usage, 3 no such lease, 4 no such job or shard,
+5 the job's run failed (jobs run --wait), 75 lease held elsewhere,
 76 lease lost while the command ran; run passes its command's code through.
 `
 
