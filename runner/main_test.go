@@ -20,6 +20,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(fleetEnv) != "" {
 		os.Exit(fleetMember()) // a service process of TestFleet
 	}
+	if os.Getenv(steerEnv) != "" {
+		os.Exit(steeredReplica()) // a replica of TestSteeringWithAFrozenLeader
+	}
 	pgtest.Main(m)
 }
 

@@ -49,7 +49,7 @@ func newQueries(schema string) queries {
 		claim: func(fence string) string {
 			return `WITH f AS MATERIALIZED (SELECT ` + fence + `),
 last AS (
-    SELECT attempt, status, token FROM ` + runs + `
+    SELECT attempt, status, token, requested_by FROM ` + runs + `
      WHERE job = $1::text AND shard = $2::int AND kind = $3::text AND slot = $4::timestamptz
      ORDER BY attempt DESC LIMIT 1),
 st AS (
@@ -67,8 +67,9 @@ zombie AS (
      WHERE last.status = 'running' AND last.token < $5::bigint AND r.job = $1::text AND r.shard = $2::int
        AND r.kind = $3::text AND r.slot = $4::timestamptz AND r.attempt = last.attempt AND r.status = 'running'),
 ins AS (
-    INSERT INTO ` + runs + ` (job, shard, kind, slot, attempt, token, status, holder, started_at, finished_at, error)
-    SELECT $1::text, $2::int, $3::text, $4::timestamptz, coalesce(last.attempt, 0) + 1, $5::bigint, st.status, $6::text, now(),
+    INSERT INTO ` + runs + ` (job, shard, kind, slot, attempt, token, status, holder, requested_by, started_at, finished_at, error)
+    SELECT $1::text, $2::int, $3::text, $4::timestamptz, coalesce(last.attempt, 0) + 1, $5::bigint, st.status, $6::text,
+           last.requested_by, now(),
            CASE WHEN st.status = 'skipped' THEN now() END, CASE WHEN st.status = 'skipped' THEN 'paused' END
       FROM f CROSS JOIN st LEFT JOIN last ON true
      WHERE (last.attempt IS NULL AND $3::text = 'scheduled')
