@@ -11,10 +11,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
-	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -36,20 +34,9 @@ func fleetMember() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
-	pool, err := pgxpool.New(ctx, os.Getenv(pgtest.EnvURL))
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "fleet:", err)
-		return 1
-	}
-	defer pool.Close()
-	client, err := lock.New(pool, lock.Config{Schema: schema, Holder: id, TTL: fleetTTL, PollInterval: 100 * time.Millisecond, Logger: quiet})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "fleet:", err)
-		return 1
-	}
-	defer client.Close(context.Background())
-	r, err := runner.New(client, runner.Config{RebalanceInterval: 300 * time.Millisecond})
+	r, _, closeAll, err := serviceRunner(ctx, schema, id, fleetTTL, runner.Config{RebalanceInterval: 300 * time.Millisecond})
 	if err == nil {
+		defer closeAll()
 		err = r.RegisterSharded(runner.Job{Name: job, Schedule: "@every " + fleetSlot.String(), Run: func(ctx context.Context, run *runner.Run) error {
 			return run.CommitTx(ctx, func(tx pgx.Tx) error {
 				_, err := tx.Exec(ctx, "INSERT INTO "+pgx.Identifier{schema, "effects"}.Sanitize()+" VALUES ($1, $2, $3, $4)",

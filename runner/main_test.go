@@ -82,6 +82,27 @@ func (ev *events) count(k runner.EventKind) int {
 	return n
 }
 
+// serviceRunner builds, for a service process of a test, a runner on its
+// own pool and lock client (instance id, the given TTL, polls every 100ms);
+// close releases them.
+func serviceRunner(ctx context.Context, schema, id string, ttl time.Duration, cfg runner.Config) (r *runner.Runner, pool *pgxpool.Pool, closeAll func(), err error) {
+	pool, err = pgxpool.New(ctx, os.Getenv(pgtest.EnvURL))
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	client, err := lock.New(pool, lock.Config{Schema: schema, Holder: id, TTL: ttl, PollInterval: 100 * time.Millisecond, Logger: quiet})
+	if err != nil {
+		pool.Close()
+		return nil, nil, nil, err
+	}
+	closeAll = func() { _ = client.Close(context.Background()); pool.Close() }
+	if r, err = runner.New(client, cfg); err != nil {
+		closeAll()
+		return nil, nil, nil, err
+	}
+	return r, pool, closeAll, nil
+}
+
 // slots lists the slots of the events of kind k, in order.
 func (ev *events) slots(k runner.EventKind) []time.Time {
 	ev.mu.Lock()

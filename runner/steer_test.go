@@ -15,10 +15,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
-	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -38,23 +36,12 @@ func steeredReplica() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
 	defer stop()
-	pool, err := pgxpool.New(ctx, os.Getenv(pgtest.EnvURL))
+	r, pool, closeAll, err := serviceRunner(ctx, schema, id, steerTTL, runner.Config{})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "steer:", err)
 		return 1
 	}
-	defer pool.Close()
-	client, err := lock.New(pool, lock.Config{Schema: schema, Holder: id, TTL: steerTTL, PollInterval: 100 * time.Millisecond, Logger: quiet})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "steer:", err)
-		return 1
-	}
-	defer client.Close(context.Background())
-	r, err := runner.New(client, runner.Config{})
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "steer:", err)
-		return 1
-	}
+	defer closeAll()
 	err = r.Register(runner.Job{Name: "steered", Schedule: "@every 200ms", Run: func(ctx context.Context, run *runner.Run) error {
 		if run.Manual {
 			time.Sleep(400 * time.Millisecond) // long enough to be frozen in
