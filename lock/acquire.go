@@ -196,7 +196,8 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 		return casResult{}, err
 	}
 	defer conn.Release()
-	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt)
+	var notified bool // an observer was told
+	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
 	switch {
 	case err == nil:
 		return casResult{won: true}, nil

@@ -20,10 +20,11 @@ import (
 // when idle:
 //   - the renewer, while it holds leases (it stops after one RenewInterval
 //     without any), on a connection of its own;
-//   - the release listener, while an Acquire waits or a Watch is open (it
-//     lingers briefly after the last one ends), on a connection taken out of
-//     the pool;
+//   - the release listener, while an Acquire waits or a Watch or Observe is
+//     open (it lingers briefly after the last one ends), on a connection
+//     taken out of the pool;
 //   - the poller, while an Acquire waits;
+//   - one per Observe, until its context ends;
 //   - one per acquisition given up with its outcome unknown, which frees the
 //     lease once the server has let go of it (at most 5s).
 //

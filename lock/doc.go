@@ -98,6 +98,11 @@
 //
 // # Observing
 //
+// Client.Observe tells a process that does not campaign who holds a lease,
+// and each change within milliseconds (a notification on acquisition while
+// someone observes, a read every PollInterval as the fallback);
+// Client.Inspect reads it once.
+//
 // Config.MeterProvider receives OpenTelemetry metrics (leases held,
 // acquisitions by result, losses by cause, renewal latency, time left at
 // renewal, clock skew, wait time; README's "Metrics" lists them):

@@ -20,7 +20,7 @@ import (
 
 // queries holds the package's SQL, built once per client for its schema.
 type queries struct {
-	acquire, heldBy, acquireNew, syncEpoch, pollWaited, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspectAll, inspectOne, forceRelease, blockers string
+	acquire, heldBy, acquireNew, syncEpoch, pollWaited, observe, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspectAll, inspectOne, forceRelease, blockers string
 }
 
 // wakeWaiters is a RETURNING expression for statements that free a lease
@@ -80,7 +80,8 @@ func newQueries(schema string) queries {
  WHERE l.name = (SELECT f.name FROM %[1]s f WHERE f.name = $1 AND (f.holder IS NULL OR f.expires_at <= now()) FOR UPDATE)
    AND (l.holder IS NULL OR l.expires_at <= now())
    AND %[2]s
-RETURNING l.token, l.expires_at`, t, ready),
+RETURNING l.token, l.expires_at, CASE WHEN l.observers_until > now() THEN %[3]s(l.name) ELSE false END`,
+			t, ready, ident.Table(schema, "pgfence_wake_waiters")),
 
 		// The row after the acquire statement (no row: the name's first
 		// acquisition), and whether it holds the caller's secret $2: after
@@ -122,6 +123,21 @@ RETURNING token, expires_at`, t, ready),
    WHERE l.name = m.name)
 SELECT l.name, l.holder IS NULL OR l.expires_at <= now(), (extract(epoch FROM l.expires_at - now()) * 1e6)::bigint
   FROM %[1]s l WHERE l.name = ANY($1)`, t),
+
+		// An observer's one statement per interval for lease $1: it asks
+		// the lease's next acquisitions and releases to send a NOTIFY for
+		// the next $2
+		// (rewriting the row only when less than $3 is left), skipping a
+		// row locked by a statement in progress as pollWaited does, and
+		// returns the lease's state as inspectOne does.
+		observe: fmt.Sprintf(`WITH marked AS (
+  UPDATE %[1]s l SET observers_until = now() + $2 * interval '1 microsecond',
+                     waiters_until = greatest(l.waiters_until, now() + $2 * interval '1 microsecond')
+    FROM (SELECT f.name FROM %[1]s f
+           WHERE f.name = $1 AND (f.observers_until IS NULL OR f.observers_until < now() + $3 * interval '1 microsecond')
+           FOR NO KEY UPDATE SKIP LOCKED) m
+   WHERE l.name = m.name)
+%[2]s WHERE name = $1`, t, inspect),
 
 		// All of a client's leases in one statement.
 		renew: fmt.Sprintf(`UPDATE %[1]s l

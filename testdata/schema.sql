@@ -297,7 +297,8 @@ CREATE TABLE pgfence.pgfence_leases (
     acquired_at timestamp with time zone NOT NULL,
     renewed_at timestamp with time zone NOT NULL,
     expires_at timestamp with time zone NOT NULL,
-    waiters_until timestamp with time zone
+    waiters_until timestamp with time zone,
+    observers_until timestamp with time zone
 )
 WITH (fillfactor='10');
 

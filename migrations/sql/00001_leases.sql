@@ -14,7 +14,9 @@
 --     (an UNLOGGED table is emptied by a crash). CHECKs are done by an insert
 --     trigger: PostgreSQL re-prepares a table's CHECKs on every UPDATE.
 --   * waiters_until: set by blocked acquirers, so that a release sends NOTIFY
---     only when someone waits (pgfence_wake_waiters).
+--     only when someone waits (pgfence_wake_waiters); observers_until: set
+--     by observers (lock.Client.Observe), so that an acquisition sends one
+--     only when someone observes.
 --   * Tokens survive a failover: token = ms << 22 | n, where a new history
 --     (a promotion, a restore) starts at the promoted server's clock
 --     (pgfence_epoch, below), so every token issued after a promotion is
@@ -30,7 +32,8 @@ CREATE TABLE pgfence_leases (
     acquired_at   timestamptz NOT NULL,
     renewed_at    timestamptz NOT NULL,
     expires_at    timestamptz NOT NULL,
-    waiters_until timestamptz
+    waiters_until timestamptz,
+    observers_until timestamptz
 ) WITH (fillfactor = 10);
 
 -- +goose StatementBegin

@@ -1,0 +1,127 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/wait"
+)
+
+// Observe reports who holds the lease name, without campaigning for it (as
+// etcd's Observe or client-go's OnNewLeader): the channel receives the
+// lease's state at once, then again whenever its holder, token or
+// liveness changes, until ctx ends or the client is closed, when it is
+// closed. A lease never acquired reads as Info{Name: name}.
+//
+// While someone observes a lease, each acquisition of it sends a
+// notification, so an observer learns of a new holder within milliseconds;
+// a read every PollInterval (and at the holder's expiry) catches what no
+// notification announces: an expiry, a name's first acquisition, a
+// notification missed while the listening connection was down. Each
+// observer costs one statement per PollInterval.
+//
+// The channel holds the newest state: a slow reader misses intermediate
+// states, never the latest. Transient errors are retried (logged once when
+// reads start failing and once when they recover); a permanent one (see the
+// package documentation) is logged and ends the observation.
+func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) {
+	if err := fence.ValidateName(name); err != nil {
+		return nil, err
+	}
+	out := make(chan Info, 1)
+	sub := c.lis.subscribe(name)
+	ok := c.bg.Go(func(gctx context.Context) {
+		defer close(out)
+		defer sub.cancel()
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		stop := context.AfterFunc(gctx, cancel) // the client's Close ends it too
+		defer stop()
+		c.observe(ctx, name, sub.C, out)
+	})
+	if !ok {
+		sub.cancel()
+		return nil, ErrClosed
+	}
+	return out, nil
+}
+
+// observe is Observe's loop.
+func (c *Client) observe(ctx context.Context, name string, woken <-chan struct{}, out chan Info) {
+	var (
+		last    Info
+		sent    bool
+		failing retry.Failing
+	)
+	poll := c.cfg.PollInterval
+	for {
+		i, err := c.observeOnce(ctx, name, poll)
+		next := poll
+		switch {
+		case err == nil:
+			failing.Recover(c.cfg.Logger, "pgfence: observe recovered", "lease", name)
+			if !sent || i.Holder != last.Holder || i.Token != last.Token || i.Held != last.Held {
+				latest(out, i)
+				last, sent = i, true
+			}
+			if i.Held && i.ExpiresIn < next {
+				next = max(i.ExpiresIn, 0) + time.Millisecond // look again as it expires
+			}
+		case ctx.Err() != nil:
+			return
+		case !retry.Transient(err):
+			c.cfg.Logger.Error("pgfence: observe stopped on a permanent error", "lease", name, "err", err)
+			return
+		default:
+			failing.Fail(c.cfg.Logger, "pgfence: observe failing; retrying", err, "lease", name)
+			next = c.backoff.Wait(failing.Count() - 1)
+		}
+		t := time.NewTimer(next)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-woken:
+			t.Stop()
+		case <-t.C:
+		}
+	}
+}
+
+// observeOnce marks the lease as observed for two intervals and reads it.
+func (c *Client) observeOnce(ctx context.Context, name string, poll time.Duration) (Info, error) {
+	ctx, cancel := context.WithTimeout(ctx, max(poll, wait.CleanupTimeout))
+	defer cancel()
+	rows, err := c.pool.Query(ctx, c.q.observe, name, (2 * poll).Microseconds(), poll.Microseconds())
+	if err != nil {
+		return Info{}, c.explain(err)
+	}
+	i, err := pgx.CollectExactlyOneRow(rows, scanInfo)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Info{Name: name}, nil
+	}
+	if err != nil {
+		return Info{}, c.explain(err)
+	}
+	return i, nil
+}
+
+// latest puts i in out, replacing a state the reader has not taken yet.
+// Only one goroutine sends on out.
+func latest(out chan Info, i Info) {
+	select {
+	case out <- i:
+		return
+	default:
+	}
+	select {
+	case <-out:
+	default:
+	}
+	out <- i
+}
