@@ -158,3 +158,60 @@ func TestRunNowRunsEachRequestOnce(t *testing.T) {
 		t.Fatalf("RunNow of shard 3 of 3: %v", err)
 	}
 }
+
+// A replica that does not lead a job observes who does, and learns of the
+// next leader by notification (both poll every 30s) when the leader stops.
+func TestObserveNamesTheLeader(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	job := runner.Job{Name: "watched", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}
+	ins := map[string]*instance{}
+	for _, who := range []string{"a", "b"} {
+		ins[who] = start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: who, PollInterval: 30 * time.Second}, runner.Config{},
+			func(r *runner.Runner) error { return r.Register(job) })
+	}
+	var leader string
+	waitFor(t, 10*time.Second, "a leader", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_leases")+" WHERE name = 'pgfence/job/watched' AND holder IS NOT NULL") == 1
+	})
+	leader = holderOf(t, db, "pgfence/job/watched")
+	other := map[string]string{"a": "b", "b": "a"}[leader]
+	seen, err := ins[other].r.Observe(ctx, "watched", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if i := <-seen; !i.Held || i.Holder != leader {
+		t.Fatalf("first state: %+v, want %s leading", i, leader)
+	}
+	ins[leader].stop(t)
+	for deadline := time.After(5 * time.Second); ; {
+		select {
+		case i := <-seen:
+			if i.Held && i.Holder == other {
+				return
+			}
+		case <-deadline:
+			t.Fatalf("no news of %s leading within 5s (polls every 30s)", other)
+		}
+	}
+}
+
+// Observe refuses a job the runner does not run and a shard it lacks.
+func TestObserveRefusesUnknownJobs(t *testing.T) {
+	db := pgtest.New(t)
+	r, err := runner.New(lockClient(t, db.Pool, lock.Config{Schema: db.Schema}), runner.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Register(runner.Job{Name: "j", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}); err != nil {
+		t.Fatal(err)
+	}
+	ctx := pgtest.Context(t, time.Minute)
+	if _, err := r.Observe(ctx, "nope", 0); !errors.Is(err, runner.ErrUnknownJob) {
+		t.Fatalf("Observe of an unknown job: %v", err)
+	}
+	if _, err := r.Observe(ctx, "j", 1); !errors.Is(err, runner.ErrNoSuchShard) {
+		t.Fatalf("Observe of shard 1 of an unsharded job: %v", err)
+	}
+}

@@ -89,6 +89,30 @@ func New(client *lock.Client, cfg Config) (*Runner, error) {
 		names: make(map[string]bool), held: make(map[*lock.Lease]struct{})}, nil
 }
 
+// Observe reports who leads the job name (and shard; 0 for an unsharded job) to a
+// replica that may not lead it: the channel receives the job's lease state
+// now and at each change of leader, within milliseconds, until ctx ends
+// (see lock.Client.Observe). Info.Holder is the leading instance, "" (or
+// Held false) when none leads. It returns ErrUnknownJob for a job not
+// registered on this runner, ErrNoSuchShard for a shard it does not have.
+func (r *Runner) Observe(ctx context.Context, name string, shard int) (<-chan lock.Info, error) {
+	r.mu.Lock()
+	var found *job
+	for _, j := range r.jobs {
+		if j.Name == name {
+			found = j
+		}
+	}
+	r.mu.Unlock()
+	switch {
+	case found == nil:
+		return nil, fmt.Errorf("runner: observe job %q: %w", name, ErrUnknownJob)
+	case shard < 0 || shard >= max(found.shards, 1):
+		return nil, fmt.Errorf("%w: job %q has %s", ErrNoSuchShard, name, shardCount(found.shards))
+	}
+	return r.lc.Observe(ctx, (&worker{j: found, shard: shard}).leaseName())
+}
+
 // Instance returns this runner's instance identity (its client's Holder).
 func (r *Runner) Instance() string { return r.lcfg.Holder }
 
