@@ -221,6 +221,42 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 	return casResult{}, nil
 }
 
+// AcquireOption tunes one Acquire.
+type AcquireOption func(*acquireOptions)
+
+type acquireOptions struct {
+	deferFor func() time.Duration
+}
+
+// Defer makes Acquire leave a lease that has been free (released, or
+// expired by the database's clock) for less than d() to other campaigners:
+// it waits until the lease has been free for d(), then tries. d is asked
+// again before each attempt; 0 or less tries at once. A replica that
+// prefers another to lead defers, so that the other, campaigning without
+// delay, takes the lease when both wait for it, while a lease nobody else
+// wants is still taken d() after it frees.
+func Defer(d func() time.Duration) AcquireOption {
+	return func(o *acquireOptions) { o.deferFor = d }
+}
+
+// freshlyFreed returns how much longer a lease freed less than d ago has
+// to stay free before a deferring Acquire tries it: 0 when it is held,
+// never acquired, or free for d already.
+func (c *Client) freshlyFreed(ctx context.Context, name string, d time.Duration) (time.Duration, error) {
+	var (
+		free      bool
+		freeForUs int64
+	)
+	err := c.pool.QueryRow(ctx, c.q.freeFor, name).Scan(&free, &freeForUs)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil
+	}
+	if err != nil || !free {
+		return 0, err
+	}
+	return max(d-time.Duration(freeForUs)*time.Microsecond, 0), nil
+}
+
 // Acquire blocks until it acquires the lease name or ctx ends. It wakes
 // within milliseconds of a release (LISTEN/NOTIFY) and otherwise retries
 // every PollInterval (jittered), or sooner when the holder's lease is due to
@@ -235,9 +271,13 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 // its own (Acquire keeps one secret across attempts) and returns it, trusted
 // from the first attempt's send time, instead of waiting for it to expire;
 // if Acquire gives up instead, it frees that lease in the background.
-func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error) {
+func (c *Client) Acquire(ctx context.Context, name string, opts ...AcquireOption) (l *Lease, err error) {
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
+	}
+	var o acquireOptions
+	for _, opt := range opts {
+		opt(&o)
 	}
 	var (
 		sub *subscription
@@ -261,6 +301,13 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 	}()
 	var failing retry.Failing
 	for {
+		if o.deferFor != nil {
+			if d := o.deferFor(); d > 0 {
+				if pause, err := c.freshlyFreed(ctx, name, d); err == nil && pause > 0 && !wait.Sleep(ctx, pause) {
+					return nil, ctx.Err()
+				}
+			}
+		}
 		attemptAt := c.clock.Now() // the trust window of an adopted lease counts from here
 		l, err := c.tryAcquire(ctx, name, secret, since)
 		if since.IsZero() {

@@ -20,7 +20,7 @@ import (
 
 // queries holds the package's SQL, built once per client for its schema.
 type queries struct {
-	acquire, heldBy, acquireNew, syncEpoch, pollWaited, observe, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspectAll, inspectOne, forceRelease, blockers string
+	acquire, heldBy, freeFor, acquireNew, syncEpoch, pollWaited, observe, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspectAll, inspectOne, forceRelease, blockers string
 }
 
 // wakeWaiters is a RETURNING expression for statements that free a lease
@@ -89,6 +89,11 @@ RETURNING l.token, l.expires_at, CASE WHEN l.observers_until > now() THEN %[3]s(
 		// secret won and its reply was lost.
 		heldBy: fmt.Sprintf(`SELECT token, coalesce(holder, ''), holder IS NOT NULL AND expires_at > now(), expires_at,
        (extract(epoch FROM expires_at - now()) * 1e6)::bigint, secret IS NOT DISTINCT FROM $2
+  FROM %[1]s WHERE name = $1`, t),
+
+		// Whether lease $1 is free, and for how long (microseconds since
+		// its expiry; a release sets the expiry to the release's time).
+		freeFor: fmt.Sprintf(`SELECT holder IS NULL OR expires_at <= now(), (extract(epoch FROM now() - expires_at) * 1e6)::bigint
   FROM %[1]s WHERE name = $1`, t),
 
 		// First acquisition of a name; a concurrent first acquirer makes
