@@ -81,3 +81,56 @@ func score(job string, shard int, member string) uint64 {
 	x ^= x >> 31
 	return x
 }
+
+// spread returns, for each singleton job, the member that should lead it:
+// the same rendezvous hashing over the live instances that registered the
+// job (view), with the bound taken across all the jobs, so that each
+// instance leads about its share: every member leads at most 1.25 times
+// the mean (rounded up) when all register the same jobs, 13 of 100 jobs on
+// 10. The slack keeps a join or leave from cascading: with the mean itself
+// as the bound, a join moved 23 of those 100 jobs, with 1.25 times it 16
+// (TestSpreadSingletons; the least possible is about 9).
+// Jobs are placed in name order; a job whose every candidate is full goes
+// to its highest-ranked one.
+func spread(jobs []string, view members) map[string]string {
+	distinct := map[string]bool{}
+	for _, j := range jobs {
+		for _, id := range view[j] {
+			distinct[id] = true
+		}
+	}
+	n := len(distinct)
+	if n == 0 {
+		return nil
+	}
+	capacity := (5*len(jobs) + 4*n - 1) / (4 * n) // ceil(1.25 x the mean)
+	load := map[string]int{}
+	out := make(map[string]string, len(jobs))
+	for _, j := range slices.Sorted(slices.Values(jobs)) {
+		ids := view[j]
+		if len(ids) == 0 {
+			continue
+		}
+		ranked := slices.Clone(ids)
+		slices.SortFunc(ranked, func(a, b string) int {
+			wa, wb := score(j, 0, a), score(j, 0, b)
+			switch {
+			case wa > wb:
+				return -1
+			case wa < wb:
+				return 1
+			}
+			return compareStrings(a, b)
+		})
+		owner := ranked[0]
+		for _, id := range ranked {
+			if load[id] < capacity {
+				owner = id
+				break
+			}
+		}
+		out[j] = owner
+		load[owner]++
+	}
+	return out
+}

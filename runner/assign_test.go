@@ -3,6 +3,7 @@ package runner
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -101,5 +102,99 @@ func TestAssignEdgeCases(t *testing.T) {
 	few := assign("j", 3, memberIDs(8))
 	if few[0] == few[1] || few[1] == few[2] || few[0] == few[2] {
 		t.Fatalf("3 shards over 8 members share a member: %v", few)
+	}
+}
+
+// Singleton jobs spread over the members with loads bounded across jobs:
+// 100 jobs on 10 members lead at most 13 each; a join or a leave moves at most a fifth of them
+// and a leave only the leaver's and a few more; the same view gives the
+// same answer in any order; a job goes only to members that registered it.
+func TestSpreadSingletons(t *testing.T) {
+	ids := func(n int) []string {
+		var s []string
+		for i := range n {
+			s = append(s, fmt.Sprintf("replica-%02d", i))
+		}
+		return s
+	}
+	var jobs []string
+	for i := range 100 {
+		jobs = append(jobs, fmt.Sprintf("job-%03d", i))
+	}
+	view := func(ids []string) members {
+		v := members{}
+		for _, j := range jobs {
+			v[j] = slices.Sorted(slices.Values(ids))
+		}
+		return v
+	}
+	loads := func(owner map[string]string) map[string]int {
+		l := map[string]int{}
+		for _, o := range owner {
+			l[o]++
+		}
+		return l
+	}
+	ten := spread(jobs, view(ids(10)))
+	for id, n := range loads(ten) {
+		if n > 13 {
+			t.Fatalf("%s leads %d of 100 jobs on 10 members: %v", id, n, loads(ten))
+		}
+	}
+	t.Logf("100 jobs on 10 members: %v", loads(ten))
+	moved := func(a, b map[string]string) int {
+		n := 0
+		for j := range a {
+			if a[j] != b[j] {
+				n++
+			}
+		}
+		return n
+	}
+	eleven := spread(jobs, view(ids(11)))
+	if m := moved(ten, eleven); m > 20 {
+		t.Fatalf("a join moved %d of 100 jobs", m)
+	} else {
+		t.Logf("a join moved %d, a leave %d", m, moved(ten, spread(jobs, view(ids(10)[1:]))))
+	}
+	if l := loads(eleven); l["replica-10"] < 8 {
+		t.Fatalf("the member that joined leads %d jobs: %v", l["replica-10"], l)
+	}
+	nine := spread(jobs, view(ids(10)[1:]))
+	if m := moved(ten, nine); m > 20 {
+		t.Fatalf("a leave moved %d of 100 jobs", m)
+	}
+	for j, o := range nine {
+		if o == "replica-00" {
+			t.Fatalf("%s stays with the member that left", j)
+		}
+	}
+	reversed := members{}
+	for j, m := range view(ids(10)) {
+		reversed[j] = slices.Clone(m)
+		slices.Reverse(reversed[j])
+	}
+	if got := spread(slices.Clone(jobs), reversed); moved(ten, got) != 0 {
+		t.Fatal("the same view in another order gives another answer")
+	}
+	// Two services: job-000..049 registered by a0..a4, the rest by b0..b4.
+	mixed := members{}
+	for i, j := range jobs {
+		if i < 50 {
+			mixed[j] = []string{"a0", "a1", "a2", "a3", "a4"}
+		} else {
+			mixed[j] = []string{"b0", "b1", "b2", "b3", "b4"}
+		}
+	}
+	got := spread(jobs, mixed)
+	for i, j := range jobs {
+		if (i < 50) != strings.HasPrefix(got[j], "a") {
+			t.Fatalf("%s goes to %s, which did not register it", j, got[j])
+		}
+	}
+	for id, n := range loads(got) {
+		if n > 13 {
+			t.Fatalf("two services: %s leads %d: %v", id, n, loads(got))
+		}
 	}
 }

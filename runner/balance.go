@@ -32,7 +32,8 @@ const deadInstanceRetention = time.Hour
 // registered it, sorted.
 type members map[string][]string
 
-// balance heartbeats this instance (with the sharded jobs it registered) and
+// balance heartbeats this instance (with the jobs it registered), sets the
+// singleton jobs' preferred leaders (prefer) and starts their workers, and
 // keeps a worker for exactly the shards assigned to it: each job's shards
 // are spread by assign over the live instances that registered that job, so
 // services with different jobs can share a schema. Every instance computes
@@ -55,18 +56,22 @@ type members map[string][]string
 //
 // Heartbeats go over a connection of the balancer's own, so that they never
 // wait behind jobs or waiting acquirers for a pooled connection.
-func (r *Runner) balance(ctx context.Context, jobs []*job) {
+func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 	changed, stopWatch := r.lc.Watch(membersName)
 	defer stopWatch()
 	own := ownconn.New(r.pool)
 	defer own.Close()
 	workers := make(map[shardKey]*shardWorker)
-	g := bg.New(ctx) // the shard workers
+	g := bg.New(ctx) // the shard workers and the singleton jobs' workers
 	defer g.Stop()
-	names := make([]string, len(jobs))
-	for i, j := range jobs {
-		names[i] = j.Name
+	var names, singleNames []string
+	for _, j := range jobs {
+		names = append(names, j.Name)
 	}
+	for _, j := range singles {
+		names, singleNames = append(names, j.Name), append(singleNames, j.Name)
+	}
+	singlesStarted := false
 	st := settler{settle: min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second), patience: r.cfg.RebalanceInterval}
 	announced := false
 	for {
@@ -86,6 +91,17 @@ func (r *Runner) balance(ctx context.Context, jobs []*job) {
 			apply, settling := st.observe(view, time.Now())
 			if apply {
 				r.apply(g, jobs, view, workers)
+				r.prefer(singleNames, view)
+				if !singlesStarted {
+					// Singleton workers campaign once the view is known, so
+					// that the replicas that start together give each job
+					// to its preferred replica instead of to the first up.
+					for _, j := range singles {
+						w := &worker{r: r, j: j}
+						g.Go(w.loop)
+					}
+					singlesStarted = true
+				}
 			}
 			if settling {
 				next = st.settle
@@ -140,6 +156,18 @@ func (s *settler) observe(view members, now time.Time) (apply, settling bool) {
 		}
 		return false, true
 	}
+}
+
+// prefer records which of the singleton jobs this instance should lead
+// under view.
+func (r *Runner) prefer(singles []string, view members) {
+	mine := map[string]bool{}
+	for j, id := range spread(singles, view) {
+		if id == r.lcfg.Holder {
+			mine[j] = true
+		}
+	}
+	r.pref.set(mine)
 }
 
 // sameMembers reports whether two views list the same members for every job.

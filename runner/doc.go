@@ -46,7 +46,7 @@
 // # Sharded jobs
 //
 // RegisterSharded gives a job N shards, each with its own lease and token.
-// Live instances heartbeat into pgfence_instances with the sharded jobs they
+// Live instances heartbeat into pgfence_instances with the jobs they
 // registered; each job's shards are spread over the live instances that
 // registered that job only, so services with different jobs can share a
 // schema. The assignment is rendezvous hashing with bounded loads: no
@@ -56,6 +56,19 @@
 // ensures no two instances hold it at once. An instance starts its shard
 // workers once its view of the members has held still for a moment, so
 // replicas that start together do not all grab every shard first.
+//
+// # Singleton jobs spread
+//
+// Instances also list their singleton jobs in pgfence_instances, and each
+// singleton job has a preferred instance: the same hashing, with loads
+// bounded across all the jobs (at most ceil(1.25 x jobs/instances) each).
+// Every instance campaigns for every singleton job, so a takeover after a
+// crash waits for the lease's TTL and the next poll, not for a rebalance;
+// but only the preferred instance takes a freed lease at once, the others
+// after half a PollInterval (lock.Defer). A leader that is not preferred
+// hands the job over between runs, once its term is a RebalanceInterval
+// old (so that a job cannot bounce). Singleton workers start campaigning
+// once their instance's view has held still, as shard workers do.
 //
 // # Leases and the ledger's upkeep
 //

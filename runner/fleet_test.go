@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"os/signal"
 	"syscall"
 	"testing"
 	"time"
@@ -18,7 +17,7 @@ import (
 
 // The fleet: two services share one schema, each with its own sharded job.
 const (
-	fleetEnv    = "PGFENCE_FLEET"        // "schema|job|instance": run as a service process
+	fleetEnv    = "PGFENCE_FLEET"        // "schema instance job": run as a service process
 	fleetShards = 8                      // per job
 	fleetSlot   = 200 * time.Millisecond // each shard's schedule
 	fleetTTL    = 2 * time.Second
@@ -27,32 +26,22 @@ const (
 // fleetMember is a service process: it runs one sharded job until SIGTERM,
 // recording each run's effect in the same transaction as its success.
 func fleetMember() int {
-	var schema, job, id string
-	if _, err := fmt.Sscanf(os.Getenv(fleetEnv), "%s %s %s", &schema, &job, &id); err != nil {
-		fmt.Fprintln(os.Stderr, "fleet:", err)
-		return 1
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	r, _, closeAll, err := serviceRunner(ctx, schema, id, fleetTTL, runner.Config{RebalanceInterval: 300 * time.Millisecond})
-	if err == nil {
-		defer closeAll()
-		err = r.RegisterSharded(runner.Job{Name: job, Schedule: "@every " + fleetSlot.String(), Run: func(ctx context.Context, run *runner.Run) error {
-			return run.CommitTx(ctx, func(tx pgx.Tx) error {
-				_, err := tx.Exec(ctx, "INSERT INTO "+pgx.Identifier{schema, "effects"}.Sanitize()+" VALUES ($1, $2, $3, $4)",
-					run.Job, run.Shard, run.Slot, id)
-				return err
-			})
-		}}, fleetShards)
-	}
-	if err == nil {
-		err = r.Run(ctx)
-	}
+	s, err := newService(fleetEnv, fleetTTL, runner.Config{RebalanceInterval: 300 * time.Millisecond})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "fleet:", err)
-		return 1
+		return exit("fleet", err)
 	}
-	return 0
+	defer s.close()
+	job := s.args[0]
+	err = s.r.RegisterSharded(runner.Job{Name: job, Schedule: "@every " + fleetSlot.String(), Run: func(ctx context.Context, run *runner.Run) error {
+		return run.CommitTx(ctx, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "INSERT INTO "+s.table("effects")+" VALUES ($1, $2, $3, $4)", run.Job, run.Shard, run.Slot, s.id)
+			return err
+		})
+	}}, fleetShards)
+	if err == nil {
+		err = s.r.Run(s.ctx)
+	}
+	return exit("fleet", err)
 }
 
 // Two services with different sharded jobs share a
@@ -73,7 +62,7 @@ func TestFleet(t *testing.T) {
 	procs := map[string]*exec.Cmd{}
 	launch := func(job, id string) {
 		cmd := exec.Command(exe)
-		cmd.Env = append(os.Environ(), fleetEnv+"="+db.Schema+" "+job+" "+id)
+		cmd.Env = append(os.Environ(), fleetEnv+"="+db.Schema+" "+id+" "+job)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)

@@ -2,9 +2,13 @@ package runner_test
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"os/signal"
 	"runtime"
+	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -19,6 +23,9 @@ import (
 func TestMain(m *testing.M) {
 	if os.Getenv(fleetEnv) != "" {
 		os.Exit(fleetMember()) // a service process of TestFleet
+	}
+	if os.Getenv(spreadEnv) != "" {
+		os.Exit(spreadReplica()) // a replica of TestSingletonsSpreadOverReplicas
 	}
 	if os.Getenv(steerEnv) != "" {
 		os.Exit(steeredReplica()) // a replica of TestSteeringWithAFrozenLeader
@@ -82,25 +89,56 @@ func (ev *events) count(k runner.EventKind) int {
 	return n
 }
 
-// serviceRunner builds, for a service process of a test, a runner on its
-// own pool and lock client (instance id, the given TTL, polls every 100ms);
-// close releases them.
-func serviceRunner(ctx context.Context, schema, id string, ttl time.Duration, cfg runner.Config) (r *runner.Runner, pool *pgxpool.Pool, closeAll func(), err error) {
-	pool, err = pgxpool.New(ctx, os.Getenv(pgtest.EnvURL))
-	if err != nil {
-		return nil, nil, nil, err
+// service is a service process of a test: it reads "schema instance
+// [args...]" from its environment variable, runs until SIGTERM, and builds
+// its runner on a pool and lock client of its own (the given TTL, polls
+// every 100ms).
+type service struct {
+	ctx        context.Context
+	schema, id string
+	args       []string
+	r          *runner.Runner
+	pool       *pgxpool.Pool
+	close      func()
+}
+
+func newService(env string, ttl time.Duration, cfg runner.Config) (*service, error) {
+	f := strings.Fields(os.Getenv(env))
+	if len(f) < 2 {
+		return nil, fmt.Errorf("%s=%q: want schema and instance", env, os.Getenv(env))
 	}
-	client, err := lock.New(pool, lock.Config{Schema: schema, Holder: id, TTL: ttl, PollInterval: 100 * time.Millisecond, Logger: quiet})
+	s := &service{schema: f[0], id: f[1], args: f[2:]}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	s.ctx = ctx
+	pool, err := pgxpool.New(ctx, os.Getenv(pgtest.EnvURL))
+	if err != nil {
+		stop()
+		return nil, err
+	}
+	client, err := lock.New(pool, lock.Config{Schema: s.schema, Holder: s.id, TTL: ttl, PollInterval: 100 * time.Millisecond, Logger: quiet})
 	if err != nil {
 		pool.Close()
-		return nil, nil, nil, err
+		stop()
+		return nil, err
 	}
-	closeAll = func() { _ = client.Close(context.Background()); pool.Close() }
-	if r, err = runner.New(client, cfg); err != nil {
-		closeAll()
-		return nil, nil, nil, err
+	s.pool, s.close = pool, func() { _ = client.Close(context.Background()); pool.Close(); stop() }
+	if s.r, err = runner.New(client, cfg); err != nil {
+		s.close()
+		return nil, err
 	}
-	return r, pool, closeAll, nil
+	return s, nil
+}
+
+// table is the quoted name of table in the service's schema.
+func (s *service) table(name string) string { return pgx.Identifier{s.schema, name}.Sanitize() }
+
+// exit reports err, if any, as the process's failure: its exit code.
+func exit(what string, err error) int {
+	if err != nil {
+		fmt.Fprintln(os.Stderr, what+":", err)
+		return 1
+	}
+	return 0
 }
 
 // slots lists the slots of the events of kind k, in order.

@@ -35,6 +35,7 @@ type Runner struct {
 	// clock is what the schedule's slots are computed and waited for on
 	// (the real clock; tests move a fake one).
 	clock clock.Clock
+	pref  *preference // which singleton jobs this instance should lead
 
 	heldMu sync.Mutex
 	held   map[*lock.Lease]struct{} // the leases of running terms
@@ -85,7 +86,7 @@ func New(client *lock.Client, cfg Config) (*Runner, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: newQueries(lcfg.Schema), lc: client, log: lcfg.Logger, m: m, clock: clock.Real(),
+	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: newQueries(lcfg.Schema), lc: client, log: lcfg.Logger, m: m, clock: clock.Real(), pref: newPreference(),
 		names: make(map[string]bool), held: make(map[*lock.Lease]struct{})}, nil
 }
 
@@ -117,13 +118,15 @@ func (r *Runner) Observe(ctx context.Context, name string, shard int) (<-chan lo
 func (r *Runner) Instance() string { return r.lcfg.Holder }
 
 // Register adds a singleton job: each slot runs on exactly one replica, the
-// one that holds the job's lease (whichever took it first; it keeps it until
-// it stops or loses it, so one replica may lead many singleton jobs). To
-// spread many jobs over the replicas, register each with RegisterSharded(j,
-// 1) instead, at the price of a slower takeover after a crash (the TTL plus
-// up to one RebalanceInterval). It returns a *JobError naming the field at
-// fault (it matches ErrInvalidJob, and ErrInvalidSchedule for the
-// schedule), ErrDuplicateJob, or ErrRunning.
+// one that holds the job's lease. Singleton jobs spread over the replicas
+// that registered them (each leads at most 1.25 times its share, rounded
+// up): every replica campaigns for every job, but only the job's preferred
+// replica takes a freed lease at once, the others after half a
+// PollInterval, and a leader that is not preferred hands the job over
+// between runs. So a crashed leader's job is still taken over within the
+// TTL and a PollInterval. It returns a *JobError naming the field at fault
+// (it matches ErrInvalidJob, and ErrInvalidSchedule for the schedule),
+// ErrDuplicateJob, or ErrRunning.
 func (r *Runner) Register(j Job) error { return r.register(j, 0) }
 
 // RegisterSharded adds a job with shards shards: each shard has its own lease
@@ -208,17 +211,16 @@ func (r *Runner) Run(ctx context.Context) error {
 	// The workers, the balancer and the pruner: one group, stopped by
 	// cancelling work (with the cause errShutdown), then waited for.
 	g := bg.New(work)
-	var sharded []*job
+	var sharded, singles []*job
 	for _, j := range jobs {
 		if j.shards > 0 {
 			sharded = append(sharded, j)
-			continue
+		} else {
+			singles = append(singles, j)
 		}
-		w := &worker{r: r, j: j}
-		g.Go(w.loop)
 	}
-	if len(sharded) > 0 {
-		g.Go(func(ctx context.Context) { r.balance(ctx, sharded) })
+	if len(jobs) > 0 {
+		g.Go(func(ctx context.Context) { r.balance(ctx, sharded, singles) })
 	}
 	g.Go(r.prune)
 

@@ -434,7 +434,10 @@ func TestShutdownRecordsFinishedRuns(t *testing.T) {
 				t.Fatal(err)
 			}
 			if status != tc.want {
-				t.Fatalf("status after shutdown = %s, want %s", status, tc.want)
+				rows, _ := db.Pool.Query(context.Background(), "SELECT slot::text || ' #' || attempt || ' ' || status || ' ' || coalesce(error, '') FROM "+
+					tbl(db, "pgfence_runs")+" ORDER BY slot, attempt")
+				all, _ := pgx.CollectRows(rows, pgx.RowTo[string])
+				t.Fatalf("status after shutdown = %s, want %s; the ledger: %q", status, tc.want, all)
 			}
 		})
 	}

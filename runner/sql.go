@@ -120,7 +120,7 @@ SELECT j, s, n, a, now(), $5 FROM unnest($1::text[], $2::text[], $3::int[], $4::
 ON CONFLICT (job) DO UPDATE SET schedule = EXCLUDED.schedule, shards = EXCLUDED.shards,
    max_attempts = EXCLUDED.max_attempts, registered_at = now(), registered_by = EXCLUDED.registered_by`,
 
-		// Renews this instance's row (with the sharded jobs it runs),
+		// Renews this instance's row (with the jobs it runs),
 		// deletes rows of instances dead for longer than $4, and returns
 		// the live instances with their jobs.
 		heartbeat: fmt.Sprintf(`WITH me AS (

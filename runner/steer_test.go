@@ -7,7 +7,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"os/signal"
 	"strings"
 	"sync"
 	"syscall"
@@ -29,32 +28,23 @@ const (
 )
 
 func steeredReplica() int {
-	var schema, id string
-	if _, err := fmt.Sscanf(os.Getenv(steerEnv), "%s %s", &schema, &id); err != nil {
-		fmt.Fprintln(os.Stderr, "steer:", err)
-		return 1
-	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
-	defer stop()
-	r, pool, closeAll, err := serviceRunner(ctx, schema, id, steerTTL, runner.Config{})
+	s, err := newService(steerEnv, steerTTL, runner.Config{})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "steer:", err)
-		return 1
+		return exit("steer", err)
 	}
-	defer closeAll()
+	defer s.close()
+	ctx, schema, id, pool, r := s.ctx, s.schema, s.id, s.pool, s.r
 	err = r.Register(runner.Job{Name: "steered", Schedule: "@every 200ms", Run: func(ctx context.Context, run *runner.Run) error {
 		if run.Manual {
 			time.Sleep(400 * time.Millisecond) // long enough to be frozen in
 		}
 		return run.CommitTx(ctx, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, "INSERT INTO "+pgx.Identifier{schema, "effects"}.Sanitize()+" VALUES ($1, $2, $3, $4)",
-				run.Manual, run.Slot, int64(run.Token), id)
+			_, err := tx.Exec(ctx, "INSERT INTO "+s.table("effects")+" VALUES ($1, $2, $3, $4)", run.Manual, run.Slot, int64(run.Token), id)
 			return err
 		})
 	}})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "steer:", err)
-		return 1
+		return exit("steer", err)
 	}
 	go func() { // commands, one per line; each answered with one line
 		in := bufio.NewScanner(os.Stdin)
@@ -81,11 +71,7 @@ func steeredReplica() int {
 			}
 		}
 	}()
-	if err := r.Run(ctx); err != nil {
-		fmt.Fprintln(os.Stderr, "steer:", err)
-		return 1
-	}
-	return 0
+	return exit("steer", r.Run(ctx))
 }
 
 // replica is a steered replica process and the pipes to command it.
@@ -166,10 +152,19 @@ func TestSteeringWithAFrozenLeader(t *testing.T) {
 		l, _ := leaderNow()
 		return l != "" && queryInt(t, db, "SELECT count(*) FROM "+effects+" WHERE NOT manual") >= 3
 	})
-	frozen, frozenToken := leaderNow()
+	// Leadership settles (the replicas hand the job to its preferred one).
+	var stableSince time.Time
+	var lastLeader string
+	waitFor(t, 20*time.Second, "the leader to hold still for a second", func() bool {
+		l, _ := leaderNow()
+		if l != lastLeader || l == "" {
+			lastLeader, stableSince = l, time.Now()
+		}
+		return time.Since(stableSince) > time.Second
+	})
 	var asker string
 	for id := range procs {
-		if id != frozen {
+		if id != lastLeader {
 			asker = id
 			break
 		}
@@ -188,6 +183,16 @@ func TestSteeringWithAFrozenLeader(t *testing.T) {
 	waitFor(t, 10*time.Second, "the leader to start the manual run", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+runs+" WHERE kind = 'manual' AND status = 'running' AND slot = $1", first) == 1
 	})
+	// Freeze the replica running it, whichever that is.
+	var frozen string
+	var frozenToken int64
+	if err := db.Pool.QueryRow(ctx, "SELECT holder, token FROM "+runs+" WHERE kind = 'manual' AND status = 'running' AND slot = $1",
+		first).Scan(&frozen, &frozenToken); err != nil {
+		t.Fatal(err)
+	}
+	if frozen == asker {
+		t.Fatalf("the replica asking, %s, leads the job", asker)
+	}
 	if err := procs[frozen].cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
@@ -224,10 +229,15 @@ func TestSteeringWithAFrozenLeader(t *testing.T) {
 	if n := queryInt(t, db, "SELECT count(*) FROM "+runs+" WHERE kind = 'manual' AND status = 'succeeded' AND requested_by = $1", asker); n != len(slots) {
 		t.Fatalf("%d manual successes recorded as asked by %s, want %d", n, asker, len(slots))
 	}
-	leader, _ := leaderNow()
-	if leader == "" || leader == frozen {
-		t.Fatalf("jobs status names %q as the leader; the frozen %s lost the lease", leader, frozen)
-	}
+	// Jobs status names a leader with a newer term than the frozen one's
+	// (the thawed replica may lead again, in a new term, if it is the
+	// job's preferred replica).
+	var leader string
+	waitFor(t, 10*time.Second, "jobs status to name a leader in a newer term", func() bool {
+		l, tok := leaderNow()
+		leader = l
+		return l != "" && tok > frozenToken
+	})
 
 	// Pause, asked on a replica that does not lead.
 	var pauser string

@@ -62,6 +62,14 @@ func (w *worker) loop(ctx context.Context) {
 		},
 		RetryDelay: -1, // a lost lease is campaigned for again at once
 	}
+	if w.j.shards == 0 {
+		e.Defer = func() time.Duration {
+			if mine, _ := w.r.pref.get(w.j.Name); mine {
+				return 0
+			}
+			return w.r.deferFor()
+		}
+	}
 	if err := e.Run(ctx); err != nil && !errors.Is(err, lock.ErrClosed) {
 		// Acquire retries transient errors itself: this is permanent.
 		w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
@@ -113,14 +121,20 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 		}
 	}
 	w.runRequested(ctx, t)
+	began := time.Now()
 	cursor := now
 	for {
+		if w.handOver(began) {
+			return errHandOver
+		}
 		next := w.j.sched.Next(cursor)
-		switch w.waitFor(ctx, next, wake) {
+		switch w.waitFor(ctx, next, wake, began) {
 		case leadEnded:
 			return context.Cause(ctx)
 		case woken:
 			w.runRequested(ctx, t)
+			continue
+		case preferenceChanged:
 			continue
 		}
 		// Slots that passed while the previous run was still going are
@@ -138,25 +152,57 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 type waited int
 
 const (
-	slotDue   waited = iota // the slot's time came
-	woken                   // a manual run was announced
-	leadEnded               // ctx ended
+	slotDue           waited = iota // the slot's time came
+	woken                           // a manual run was announced
+	preferenceChanged               // a singleton job's preferred leader may have changed
+	leadEnded                       // ctx ended
 )
 
-// waitFor waits on the runner's clock until slot, or until woken or ctx
-// ends.
-func (w *worker) waitFor(ctx context.Context, slot time.Time, wake <-chan struct{}) waited {
+// waitFor waits on the runner's clock until slot, or until woken, the
+// preference changes (or, for a term younger than handOverAfter, it comes
+// of age), or ctx ends.
+func (w *worker) waitFor(ctx context.Context, slot time.Time, wake <-chan struct{}, began time.Time) waited {
 	fired := make(chan struct{})
 	timer := w.r.clock.AfterFunc(slot.Sub(w.r.clock.Now()), func() { close(fired) })
 	defer timer.Stop()
+	var prefer <-chan struct{}
+	var ofAge <-chan time.Time
+	if w.j.shards == 0 {
+		var mine bool
+		mine, prefer = w.r.pref.get(w.j.Name)
+		if left := w.r.cfg.RebalanceInterval - time.Since(began); !mine && left > 0 {
+			t := time.NewTimer(left) // pacing, so on the real clock
+			defer t.Stop()
+			ofAge = t.C
+		}
+	}
 	select {
 	case <-fired:
 		return slotDue
 	case <-wake:
 		return woken
+	case <-prefer:
+		return preferenceChanged
+	case <-ofAge:
+		return preferenceChanged
 	case <-ctx.Done():
 		return leadEnded
 	}
+}
+
+// errHandOver ends a term whose singleton job another replica should lead.
+var errHandOver = errors.New("runner: handing the job over to its preferred replica")
+
+// handOver reports whether this term (begun at began) should end so that
+// the job's preferred replica takes it: a singleton job this instance is
+// not preferred for, led for at least RebalanceInterval (so that a
+// preferred replica that does not take it cannot make it bounce).
+func (w *worker) handOver(began time.Time) bool {
+	if w.j.shards > 0 {
+		return false
+	}
+	mine, _ := w.r.pref.get(w.j.Name)
+	return !mine && time.Since(began) >= w.r.cfg.RebalanceInterval
 }
 
 // runRequested runs the manual runs asked for that this term should start,

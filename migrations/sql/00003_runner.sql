@@ -59,8 +59,9 @@ CREATE TRIGGER pgfence_runs_protect BEFORE UPDATE ON pgfence_runs
     FOR EACH ROW WHEN (OLD.status = 'succeeded' AND NEW IS DISTINCT FROM OLD)
     EXECUTE FUNCTION pgfence_runs_protect();
 
--- A new leader resumes from the latest scheduled slot of its job and shard: deleting
--- that row (or truncating the ledger) would make finished slots run again.
+-- A new leader resumes from the latest scheduled slot of its job and
+-- shard: deleting that slot's rows (or truncating the ledger) would make
+-- finished slots run again.
 -- Older rows may go (runner.Prune deletes them).
 -- +goose StatementBegin
 CREATE FUNCTION pgfence_runs_protect_delete() RETURNS trigger
@@ -92,8 +93,9 @@ CREATE TRIGGER pgfence_runs_protect_delete BEFORE DELETE ON pgfence_runs
 CREATE TRIGGER pgfence_runs_protect_truncate BEFORE TRUNCATE ON pgfence_runs
     FOR EACH STATEMENT EXECUTE FUNCTION pgfence_runs_protect_delete();
 
--- Live runner instances, each with the sharded jobs it registered: a job's
--- shards are spread over the instances that list it. Rows of instances dead
+-- Live runner instances, each with the jobs it registered: a job's shards,
+-- and the preferred leaders of singleton jobs, are spread over the
+-- instances that list it. Rows of instances dead
 -- for an hour are deleted by the living, through the expiry index.
 CREATE TABLE pgfence_instances (
     id           text        PRIMARY KEY CHECK (octet_length(id) BETWEEN 1 AND 255),
