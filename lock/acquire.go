@@ -239,22 +239,33 @@ func Defer(d func() time.Duration) AcquireOption {
 	return func(o *acquireOptions) { o.deferFor = d }
 }
 
-// freshlyFreed returns how much longer a lease freed less than d ago has
-// to stay free before a deferring Acquire tries it: 0 when it is held,
-// never acquired, or free for d already.
-func (c *Client) freshlyFreed(ctx context.Context, name string, d time.Duration) (time.Duration, error) {
+// deferStep is how often a deferring Acquire asks d() again while it
+// waits, so that one that becomes preferred meanwhile tries at once.
+const deferStep = 25 * time.Millisecond
+
+// deferTo waits while the lease name has been free for less than d(),
+// asking d() again every deferStep; it reports false if ctx ended.
+func (c *Client) deferTo(ctx context.Context, name string, d func() time.Duration) bool {
+	if d() <= 0 {
+		return true
+	}
 	var (
 		free      bool
 		freeForUs int64
 	)
-	err := c.pool.QueryRow(ctx, c.q.freeFor, name).Scan(&free, &freeForUs)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, nil
+	if err := c.pool.QueryRow(ctx, c.q.freeFor, name).Scan(&free, &freeForUs); err != nil || !free {
+		return ctx.Err() == nil // held, never acquired, or unreadable: the attempt says
 	}
-	if err != nil || !free {
-		return 0, err
+	freedAt := time.Now().Add(-time.Duration(freeForUs) * time.Microsecond)
+	for {
+		left := time.Until(freedAt.Add(d()))
+		if left <= 0 {
+			return true
+		}
+		if !wait.Sleep(ctx, min(left, deferStep)) {
+			return false
+		}
 	}
-	return max(d-time.Duration(freeForUs)*time.Microsecond, 0), nil
 }
 
 // Acquire blocks until it acquires the lease name or ctx ends. It wakes
@@ -301,12 +312,8 @@ func (c *Client) Acquire(ctx context.Context, name string, opts ...AcquireOption
 	}()
 	var failing retry.Failing
 	for {
-		if o.deferFor != nil {
-			if d := o.deferFor(); d > 0 {
-				if pause, err := c.freshlyFreed(ctx, name, d); err == nil && pause > 0 && !wait.Sleep(ctx, pause) {
-					return nil, ctx.Err()
-				}
-			}
+		if o.deferFor != nil && !c.deferTo(ctx, name, o.deferFor) {
+			return nil, ctx.Err()
 		}
 		attemptAt := c.clock.Now() // the trust window of an adopted lease counts from here
 		l, err := c.tryAcquire(ctx, name, secret, since)
