@@ -14,8 +14,9 @@ import (
 // Group owns a set of background goroutines. The zero value is not usable:
 // build one with New.
 type Group struct {
+	parent context.Context
 	ctx    context.Context
-	cancel context.CancelFunc
+	cancel context.CancelCauseFunc
 	wg     sync.WaitGroup
 
 	mu      sync.Mutex
@@ -26,8 +27,8 @@ type Group struct {
 // New returns a group whose goroutines' context is derived from parent
 // (its values, and its cancellation).
 func New(parent context.Context) *Group {
-	ctx, cancel := context.WithCancel(parent)
-	return &Group{ctx: ctx, cancel: cancel}
+	ctx, cancel := context.WithCancelCause(parent)
+	return &Group{parent: parent, ctx: ctx, cancel: cancel}
 }
 
 // Context is the context the group's goroutines run with: it ends at Stop.
@@ -50,15 +51,18 @@ func (g *Group) Go(fn func(ctx context.Context)) bool {
 	return true
 }
 
-// Stop cancels the group's context, then waits for every goroutine started
-// with Go to return. It runs once; later and concurrent calls wait for the
+// Stop cancels the group's context (with the parent's cause when the
+// parent has ended), then waits for every goroutine started with Go to
+// return. It runs once; later and concurrent calls wait for the
 // first.
 func (g *Group) Stop() {
 	g.once.Do(func() {
 		g.mu.Lock()
 		g.stopped = true
 		g.mu.Unlock()
-		g.cancel()
+		// The parent's cause, if it has ended: Stop may run before the
+		// parent's cancellation has reached the group's context.
+		g.cancel(context.Cause(g.parent))
 		g.wg.Wait()
 	})
 }

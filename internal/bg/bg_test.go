@@ -2,6 +2,7 @@ package bg
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -65,4 +66,27 @@ func TestGoroutinesEndOnTheirOwnAndWithTheParent(t *testing.T) {
 		t.Fatal("the parent's cancellation did not reach the group's goroutines")
 	}
 	g.Stop()
+}
+
+// A group stopped by its owner as soon as the parent's context ends (as
+// the balancer stops its workers) keeps the parent's cause: the workers
+// tell a shutdown from other cancellations by it. Before, Stop could win
+// the race with the parent's own propagation and leave context.Canceled.
+func TestStopKeepsTheParentsCause(t *testing.T) {
+	shutdown := errors.New("shutdown")
+	lost := 0
+	for range 20000 {
+		parent, cancel := context.WithCancelCause(context.Background())
+		g := New(parent)
+		stopped := make(chan struct{})
+		go func() { <-parent.Done(); g.Stop(); close(stopped) }()
+		cancel(shutdown)
+		<-stopped
+		if !errors.Is(context.Cause(g.Context()), shutdown) {
+			lost++
+		}
+	}
+	if lost > 0 {
+		t.Fatalf("%d of 20000 groups lost their parent's cause", lost)
+	}
 }
