@@ -742,17 +742,14 @@ func TestResourceAdmissionsOfOneTermShareTheFence(t *testing.T) {
 func waitLockWait(t *testing.T, db *pgtest.DB, pool *pgxpool.Pool) {
 	t.Helper()
 	app := pool.Config().ConnConfig.RuntimeParams["application_name"]
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+	pgtest.Eventually(t, 10*time.Second, "the raising transaction to wait for a lock", func() bool {
 		var n int
 		if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
 			WHERE application_name = $1 AND wait_event_type = 'Lock'`, app).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
-		if n > 0 {
-			return
-		}
-	}
-	t.Fatal("the raising transaction never waited for a lock")
+		return n > 0
+	})
 }
 
 // A Guard built by hand with no Schema uses the default schema, "pgfence",

@@ -68,17 +68,11 @@ func TestElectionFailover(t *testing.T) {
 		t.Fatal("no takeover after the leader's lease expired")
 	}
 	// The old leader notices at its next renewal.
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	pgtest.Eventually(t, 5*time.Second, "the old leader's term to end", func() bool {
 		mu.Lock()
-		n := len(stops)
-		mu.Unlock()
-		if n > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the old leader's term never ended")
-		}
-	}
+		defer mu.Unlock()
+		return len(stops) > 0
+	})
 	cancel()
 	wg.Wait()
 

@@ -760,11 +760,7 @@ func TestForceReleaseWakesWaiters(t *testing.T) {
 // waitFor polls cond every 10ms until it holds, failing the test after d.
 func waitFor(t *testing.T, d time.Duration, cond func() bool) {
 	t.Helper()
-	for deadline := time.Now().Add(d); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("condition not met within %v", d)
-		}
-	}
+	pgtest.Eventually(t, d, "the condition", cond)
 }
 
 // An acquisition whose reply was lost (connection dropped after the commit)

@@ -204,13 +204,7 @@ func startWith(t testing.TB, pool *pgxpool.Pool, who string, cfg func(string) (l
 
 func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	pgtest.Eventually(t, d, what, cond)
 }
 
 func tbl(db *pgtest.DB, name string) string { return pgx.Identifier{db.Schema, name}.Sanitize() }

@@ -58,15 +58,7 @@ func TestJobsCommandsSteerTheRunner(t *testing.T) {
 		}
 		return v
 	}
-	waitFor := func(what string, cond func() bool) {
-		t.Helper()
-		for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(50 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("timed out waiting for %s", what)
-			}
-		}
-	}
-	waitFor("both jobs to have a leader", func() bool {
+	pgtest.Eventually(t, 10*time.Second, "both jobs to have a leader", func() bool {
 		v := status()
 		return len(v) == 2 && v[0]["leader"] == "replica-1" && v[1]["leader"] == "replica-1"
 	})

@@ -117,17 +117,17 @@ func TestRunEnvExitCodesAndHeld(t *testing.T) {
 
 func waitHeld(t *testing.T, c *cli, name string) {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+	pgtest.Eventually(t, 10*time.Second, "lease "+name+" to be held", func() bool {
 		out, _ := c.run("", "leases", "--json")
 		var ls []map[string]any
 		_ = json.Unmarshal([]byte(out), &ls)
 		for _, l := range ls {
 			if l["name"] == name && l["held"] == true {
-				return
+				return true
 			}
 		}
-	}
-	t.Fatalf("lease %s never held", name)
+		return false
+	})
 }
 
 // Leases --json, release with and without confirmation;

@@ -368,3 +368,15 @@ func NeedTool(tb testing.TB, err error, missing ...error) {
 		}
 	}
 }
+
+// Eventually polls cond every 10ms until it holds, and fails the test,
+// naming what it waited for, if d passes first: the one polling loop of the
+// tests that wait for something in real time.
+func Eventually(tb testing.TB, d time.Duration, what string, cond func() bool) {
+	tb.Helper()
+	for deadline := time.Now().Add(d); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			tb.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+	}
+}
