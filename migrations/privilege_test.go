@@ -163,8 +163,8 @@ func TestLeastPrivilege(t *testing.T) {
 	}
 
 	// The operator role (the CLI) with exactly GrantOperator: it lists,
-	// force-releases, reads and prunes the ledger, sees the migration
-	// status; it cannot acquire.
+	// force-releases, reads and prunes the ledger, reads, pauses, resumes
+	// and runs jobs, sees the migration status; it cannot acquire.
 	opRole := role + "_op"
 	if _, err := owner.Exec(ctx, "CREATE ROLE "+opRole+" LOGIN NOSUPERUSER"); err != nil {
 		t.Fatal(err)
@@ -190,6 +190,19 @@ func TestLeastPrivilege(t *testing.T) {
 	}
 	if _, err := runner.Prune(ctx, op, schema, time.Now()); err != nil {
 		t.Fatalf("Prune as the operator: %v", err)
+	}
+	// It steers the job the application's runner registered.
+	if jobs, err := runner.Jobs(ctx, op, schema, "nightly"); err != nil || len(jobs) != 2 {
+		t.Fatalf("Jobs as the operator: %+v, %v", jobs, err)
+	}
+	if err := runner.Pause(ctx, op, schema, "nightly", "operator"); err != nil {
+		t.Fatalf("Pause as the operator: %v", err)
+	}
+	if err := runner.Resume(ctx, op, schema, "nightly"); err != nil {
+		t.Fatalf("Resume as the operator: %v", err)
+	}
+	if refs, err := runner.RunNow(ctx, op, schema, "nightly", runner.AllShards, "operator"); err != nil || len(refs) != 2 {
+		t.Fatalf("RunNow as the operator: %v, %v", refs, err)
 	}
 	if st, err := migrations.Status(ctx, op, schema); err != nil || st.Current != migrations.Latest {
 		t.Fatalf("Status as the operator: %+v, %v", st, err)
