@@ -93,6 +93,7 @@ func scheduled(at time.Time) slotRef { return slotRef{KindScheduled, at} }
 // and the missed ones by policy; then each slot of the schedule, and the
 // manual runs asked for, when woken.
 func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
+	began := time.Now()
 	t, err := w.newTerm(l)
 	if err != nil {
 		return err
@@ -121,10 +122,10 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 		}
 	}
 	w.runRequested(ctx, t)
-	began := time.Now()
 	cursor := now
 	for {
 		if w.handOver(began) {
+			w.log().Info("pgfence runner: handing the job over to its preferred replica", "token", l.Token())
 			return errHandOver
 		}
 		next := w.j.sched.Next(cursor)
