@@ -13,10 +13,13 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/lock"
@@ -27,12 +30,15 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
 // newPool opens a pool of at most maxConns connections whose statements are
 // counted.
-func (b *bench) newPool(ctx context.Context, maxConns int32) (*pgxpool.Pool, *counter, error) {
+func (b *bench) newPool(ctx context.Context, maxConns int32, tune ...func(*pgxpool.Config)) (*pgxpool.Pool, *counter, error) {
 	cfg, err := pgxpool.ParseConfig(b.url)
 	if err != nil {
 		return nil, nil, err
 	}
 	cfg.MaxConns = maxConns
+	for _, t := range tune {
+		t(cfg)
+	}
 	sent := &counter{}
 	cfg.ConnConfig.Tracer = sent
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
@@ -212,7 +218,11 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 		"4-connection pool and default timings (TTL 15 s, PollInterval 1 s, RebalanceInterval 5 s), register the same %d jobs "+
 		"(`@every 1h`): with `Register`, and then with `RegisterSharded(job, 1)`. Once every job has its leader, for %s: what the "+
 		"replicas' pools sent (every statement: the leaders' renewals and heartbeats, the waiters' polls), the server's CPU, and "+
-		"the connections they opened.\n\n| | `Register` | `RegisterSharded(job, 1)` |\n|---|---|---|\n", jobs, replicas, jobs, window)
+		"the connections they opened; with `Register`, once the jobs have moved to their preferred replicas (leadership held "+
+		"still for 10 s). Then, with `Register`: one replica leaves gracefully (its `Run` ends), and another is cut "+
+		"off from the database (its connections terminated and no new ones allowed: it neither renews nor releases, as after a "+
+		"crash); the time until each one's jobs are led again, and the jobs led per remaining replica once leadership has held "+
+		"still for 10 s.\n\n| | `Register` | `RegisterSharded(job, 1)` |\n|---|---|---|\n", jobs, replicas, jobs, window)
 	rows := []struct {
 		label string
 		cell  func(fleetCost) string
@@ -225,6 +235,20 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 		}},
 		{"server CPU / s", func(c fleetCost) string { return c.server }},
 		{"new connections opened during the window", func(c fleetCost) string { return fmt.Sprint(c.newConns) }},
+		{"graceful leave: its jobs led again after", func(c fleetCost) string {
+			return orDash(c.afterLeave, func() string { return fmt.Sprintf("%v (%d jobs)", c.leaveTook.Round(time.Millisecond), c.leaveJobs) })
+		}},
+		{"jobs led per replica after the leave", func(c fleetCost) string {
+			return orDash(c.afterLeave, func() string { return summary(c.afterLeave, "%.0f") })
+		}},
+		{"crash: its jobs led again after", func(c fleetCost) string {
+			return orDash(c.afterCrash, func() string {
+				return fmt.Sprintf("%v (%d jobs; TTL + PollInterval = 16 s)", c.crashTook.Round(time.Millisecond), c.crashJobs)
+			})
+		}},
+		{"jobs led per replica after the crash", func(c fleetCost) string {
+			return orDash(c.afterCrash, func() string { return summary(c.afterCrash, "%.0f") })
+		}},
 	}
 	for _, r := range rows {
 		fmt.Fprintf(out, "| %s | %s | %s |\n", r.label, r.cell(got[0]), r.cell(got[1]))
@@ -232,12 +256,26 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 	return nil
 }
 
-// fleetCost is what a fleet of runners sent while its jobs were led.
+// orDash is s(), or "–" for a fleet that did not measure it.
+func orDash(measured []float64, s func() string) string {
+	if measured == nil {
+		return "–"
+	}
+	return s()
+}
+
+// fleetCost is what a fleet of runners sent while its jobs were led, and,
+// for singleton jobs, how leadership moved after a graceful leave and a
+// crash.
 type fleetCost struct {
 	led, perReplica []float64
 	total           float64
 	server          string
 	newConns        int64
+
+	leaveJobs, crashJobs   int
+	leaveTook, crashTook   time.Duration
+	afterLeave, afterCrash []float64
 }
 
 // fleet starts replicas runners with the same jobs jobs (singleton, or of
@@ -246,7 +284,7 @@ type fleetCost struct {
 func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, window time.Duration) (fleetCost, error) {
 	prefix := "single"
 	if sharded {
-		prefix = "spread"
+		prefix = "sharded"
 	}
 	b.pool.Reset() // room for the fleet's connections
 	ctx, cancel := context.WithCancel(ctx)
@@ -255,6 +293,8 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 		pool   *pgxpool.Pool
 		client *lock.Client
 		sent   *counter
+		stop   context.CancelFunc
+		cut    *atomic.Bool // no new connections: the replica is partitioned away
 		done   chan error
 	}
 	fleet := make([]*replica, replicas)
@@ -269,16 +309,27 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 		}
 	}()
 	for i := range fleet {
-		pool, sent, err := b.newPool(ctx, 4)
+		holder := fmt.Sprintf("%s-%d", prefix, i)
+		cut := &atomic.Bool{}
+		pool, sent, err := b.newPool(ctx, 4, func(c *pgxpool.Config) {
+			c.ConnConfig.RuntimeParams["application_name"] = holder
+			c.BeforeConnect = func(context.Context, *pgx.ConnConfig) error {
+				if cut.Load() {
+					return errors.New("partitioned away")
+				}
+				return nil
+			}
+		})
 		if err != nil {
 			return fleetCost{}, err
 		}
-		client, err := lock.New(pool, lock.Config{Schema: schema, Holder: fmt.Sprintf("%s-%d", prefix, i), Logger: quiet})
+		client, err := lock.New(pool, lock.Config{Schema: schema, Holder: holder, Logger: quiet})
 		if err != nil {
 			pool.Close()
 			return fleetCost{}, err
 		}
-		r := &replica{pool: pool, client: client, sent: sent, done: make(chan error, 1)}
+		rctx, stop := context.WithCancel(ctx)
+		r := &replica{pool: pool, client: client, sent: sent, stop: stop, cut: cut, done: make(chan error, 1)}
 		run, err := runner.New(client, runner.Config{})
 		if err == nil {
 			for j := range jobs {
@@ -300,7 +351,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 			return fleetCost{}, err
 		}
 		fleet[i] = r
-		go func() { r.done <- run.Run(ctx) }()
+		go func() { r.done <- run.Run(rctx) }()
 	}
 	like := "pgfence/job/" + prefix + "-%"
 	led := func() int {
@@ -310,6 +361,48 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 	}
 	if err := waitUntil(time.Minute, func() bool { return led() == jobs }); err != nil {
 		return fleetCost{}, fmt.Errorf("%d of %d jobs have a leader after a minute", led(), jobs)
+	}
+	// leadsNow waits until the leadership has held still for two
+	// RebalanceIntervals (10 s) and returns the jobs led per replica.
+	leadsNow := func(skip ...int) ([]float64, error) {
+		last, since := "", time.Now()
+		var per map[string]int
+		err := waitUntil(2*time.Minute, func() bool {
+			per = map[string]int{}
+			rows, err := b.pool.Query(ctx, "SELECT holder, count(*) FROM "+schema+".pgfence_leases WHERE name LIKE $1 AND holder IS NOT NULL "+
+				"AND expires_at > now() GROUP BY holder ORDER BY holder", like)
+			if err != nil {
+				return false
+			}
+			n := 0
+			for rows.Next() {
+				var (
+					h string
+					k int
+				)
+				if rows.Scan(&h, &k) == nil {
+					per[h], n = k, n+k
+				}
+			}
+			if key := fmt.Sprint(per); key != last || n != jobs {
+				last, since = key, time.Now()
+			}
+			return time.Since(since) > 10*time.Second
+		})
+		var out []float64
+		for i := range fleet {
+			if !slices.Contains(skip, i) {
+				out = append(out, float64(per[fmt.Sprintf("%s-%d", prefix, i)]))
+			}
+		}
+		return out, err
+	}
+	if !sharded {
+		// Steady state: singleton jobs move to their preferred replicas
+		// as the replicas' views settle.
+		if _, err := leadsNow(); err != nil {
+			return fleetCost{}, fmt.Errorf("singleton leadership did not settle: %w", err)
+		}
 	}
 	time.Sleep(2 * time.Second) // the waiters are registered and polling
 	leaders := map[string]int{}
@@ -351,6 +444,42 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 	c.server = "–"
 	if cpu >= 0 {
 		c.server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
+	}
+	if sharded {
+		return c, nil
+	}
+	ledBy := func(holder string) int {
+		var n int
+		_ = b.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".pgfence_leases WHERE name LIKE $1 AND holder = $2 AND expires_at > now()",
+			like, holder).Scan(&n)
+		return n
+	}
+	// A graceful leave: replica 0 stops (its Run releases its leases).
+	c.leaveJobs = ledBy(prefix + "-0")
+	left := time.Now()
+	fleet[0].stop()
+	if err := waitUntil(time.Minute, func() bool { return led() == jobs && ledBy(prefix+"-0") == 0 }); err != nil {
+		return fleetCost{}, fmt.Errorf("after a graceful leave, %d of %d jobs have a leader", led(), jobs)
+	}
+	c.leaveTook = time.Since(left)
+	if c.afterLeave, err = leadsNow(0); err != nil {
+		return fleetCost{}, fmt.Errorf("after the leave: %w", err)
+	}
+	// A crash: replica 1 is cut off from the database (its connections
+	// killed, no new ones), so it neither renews nor releases.
+	victim := prefix + "-1"
+	c.crashJobs = ledBy(victim)
+	crashed := time.Now()
+	fleet[1].cut.Store(true)
+	if _, err := b.pool.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", victim); err != nil {
+		return fleetCost{}, err
+	}
+	if err := waitUntil(2*time.Minute, func() bool { return led() == jobs && ledBy(victim) == 0 }); err != nil {
+		return fleetCost{}, fmt.Errorf("after a crash, %d of %d jobs have a leader", led(), jobs)
+	}
+	c.crashTook = time.Since(crashed)
+	if c.afterCrash, err = leadsNow(0, 1); err != nil {
+		return fleetCost{}, fmt.Errorf("after the crash: %w", err)
 	}
 	return c, nil
 }
