@@ -9,8 +9,10 @@
 //
 // # Ledger
 //
-// Every slot has one row in pgfence_runs: job, shard, slot, attempt, token,
-// status (running, succeeded, failed, fenced), times and error. A slot is
+// Every attempt at a slot has a row in pgfence_runs: job, shard, kind
+// (scheduled, or manual: asked for with RunNow), slot, attempt, token,
+// status (pending, running, succeeded, failed, panicked, fenced, skipped),
+// holder, times and error. A slot is
 // claimed in a transaction guarded by the claimant's lease token; success is
 // recorded in a guarded transaction conditioned on that token. Therefore a
 // slot succeeds at most once, even if two replicas both believe they lead:
