@@ -23,9 +23,9 @@ import (
 // statements with the lease's fence folded in, built once when the term
 // starts.
 type term struct {
-	lease                *lock.Lease
-	claim, succeed, fail string
-	fold                 fence.Folded // its Args follow each statement's own
+	lease                            *lock.Lease
+	claimFirst, claim, succeed, fail string
+	fold                             fence.Folded // its Args follow each statement's own
 }
 
 // newTerm builds the term's fenced statements.
@@ -36,7 +36,7 @@ func (w *worker) newTerm(l *lock.Lease) (*term, error) {
 		sql   *string
 		n     int
 		build func(fence string) string
-	}{{&t.claim, 7, w.r.q.claim}, {&t.succeed, 6, w.r.q.succeedFenced}, {&t.fail, 8, w.r.q.fail}} {
+	}{{&t.claimFirst, 5, w.r.q.claimFirst}, {&t.claim, 7, w.r.q.claim}, {&t.succeed, 6, w.r.q.succeedFenced}, {&t.fail, 8, w.r.q.fail}} {
 		f, err := g.Fold(st.n)
 		if err != nil {
 			return nil, err
@@ -175,13 +175,24 @@ func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
 	w.event(RunFenced, run.ref(), l, run.Attempt, cause)
 }
 
-// claim starts an attempt at slot in one autocommitted, fenced statement;
+// claim starts an attempt at slot in an autocommitted, fenced statement:
+// claimFirst for a scheduled slot's first attempt (the common case), else,
+// or when that finds the slot claimed or the job paused, the full claim.
 // status is "" when the slot is finished (or out of attempts), else
 // running or skipped (the job is paused).
 func (w *worker) claim(ctx context.Context, t *term, slot slotRef) (attempt int, status Status, err error) {
 	l := t.lease
 	if err := l.Err(); err != nil {
 		return 0, "", err
+	}
+	if slot.kind == KindScheduled {
+		err = w.r.pool.QueryRow(ctx, t.claimFirst, t.args(w.j.Name, w.shard, slot.at, int64(l.Token()), w.r.lcfg.Holder)...).Scan(&attempt)
+		if err == nil {
+			return attempt, StatusRunning, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return 0, "", t.fold.Err(err)
+		}
 	}
 	err = w.r.pool.QueryRow(ctx, t.claim, t.args(w.j.Name, w.shard, string(slot.kind), slot.at, int64(l.Token()),
 		w.r.lcfg.Holder, w.j.Retry.MaxAttempts)...).Scan(&attempt, &status)

@@ -19,7 +19,7 @@ const (
 // once per leadership term; each numbers its own parameters first, and the
 // fold's two come after them.
 type queries struct {
-	claim, succeedFenced, fail func(fence string) string
+	claimFirst, claim, succeedFenced, fail func(fence string) string
 
 	succeed, markFenced, lastSlot, requested, register, heartbeat, announce, leave, prune, runs string
 	pause, resume, jobShards, request, waitRun, jobs                                            string
@@ -36,6 +36,19 @@ func newQueries(schema string) queries {
 	const attempt = `job = $1::text AND shard = $2::int AND kind = $3::text AND slot = $4::timestamptz
    AND attempt = $5::int AND token = $6::bigint AND status = 'running'`
 	return queries{
+		// The common case of a claim, in one plain statement: the first
+		// attempt at a scheduled slot of a job that is not paused ($1 job,
+		// $2 shard, $3 slot, $4 token, $5 holder; its fence after them).
+		// No row when the slot has an attempt already or the job is
+		// paused: claim then decides.
+		claimFirst: func(fence string) string {
+			return `INSERT INTO ` + runs + ` (job, shard, kind, slot, attempt, token, status, holder, started_at)
+SELECT $1, $2, 'scheduled', $3, 1, $4, 'running', $5, now() FROM (SELECT ` + fence + `) AS fence
+ WHERE NOT EXISTS (SELECT 1 FROM ` + jobs + ` WHERE job = $1 AND paused_at IS NOT NULL)
+ON CONFLICT DO NOTHING
+RETURNING attempt`
+		},
+
 		// Carries its own fence (after its seven parameters: $1 job, $2
 		// shard, $3 kind, $4 slot, $5 token, $6 holder, $7 max attempts):
 		// one autocommitted statement, refused if the lease moved on. It
