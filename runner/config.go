@@ -12,8 +12,10 @@ import (
 // Config configures a Runner. Every field documents its default.
 type Config struct {
 	// RebalanceInterval is how often this instance heartbeats and
-	// recomputes its share of sharded jobs. Default min(5s, TTL/2), with
-	// the client's TTL; must be below the TTL.
+	// recomputes its share of sharded jobs and which singleton jobs it is
+	// preferred for; a leader that is not a singleton job's preferred
+	// replica hands it over once its term is this old. Default min(5s,
+	// TTL/2), with the client's TTL; must be below the TTL.
 	RebalanceInterval time.Duration
 
 	// ShutdownTimeout bounds how long Run waits, after its context ends,
