@@ -220,8 +220,10 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, workers map[shard
 	}
 }
 
-// heartbeat renews this instance's liveness row, listing the sharded jobs it
-// runs, and returns the live members of every job.
+// heartbeat renews this instance's liveness row, listing the jobs it runs,
+// pokes the workers of its jobs that have manual runs pending (their
+// notification may not have arrived), and returns the live members of
+// every job.
 func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string) (members, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
 	defer cancel()
@@ -234,14 +236,18 @@ func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string
 	view := members{}
 	for rows.Next() {
 		var (
-			id   string
-			runs []string
+			id            string
+			runs, pending []string
+			shards        []int
 		)
-		if err := rows.Scan(&id, &runs); err != nil {
+		if err := rows.Scan(&id, &runs, &pending, &shards); err != nil {
 			return nil, err
 		}
 		for _, j := range runs {
 			view[j] = append(view[j], id)
+		}
+		for i, j := range pending {
+			r.poke(j, shards[i])
 		}
 	}
 	for _, ids := range view {

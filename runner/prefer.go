@@ -48,3 +48,53 @@ func (p *preference) get(job string) (mine bool, changed <-chan struct{}) {
 // PollInterval, so a takeover after a crash still comes within the TTL and
 // one PollInterval.
 func (r *Runner) deferFor() time.Duration { return r.lcfg.PollInterval / 2 }
+
+// pokes lets the balancer wake the worker leading a job's shard when a
+// heartbeat finds manual runs pending for it, in case their notification
+// never arrived (a connection behind PgBouncer cannot LISTEN).
+type pokes struct {
+	mu sync.Mutex
+	by map[string]chan struct{} // wakeName -> the leading worker's channel
+}
+
+// add registers the worker now leading key; the function removes it.
+func (p *pokes) add(key string) (<-chan struct{}, func()) {
+	c := make(chan struct{}, 1)
+	p.mu.Lock()
+	if p.by == nil {
+		p.by = map[string]chan struct{}{}
+	}
+	p.by[key] = c
+	p.mu.Unlock()
+	return c, func() {
+		p.mu.Lock()
+		if p.by[key] == c {
+			delete(p.by, key)
+		}
+		p.mu.Unlock()
+	}
+}
+
+// poke wakes the worker leading job's shard here, if any.
+func (r *Runner) poke(job string, shard int) {
+	r.mu.Lock()
+	shards := -1
+	for _, j := range r.jobs {
+		if j.Name == job {
+			shards = j.shards
+		}
+	}
+	r.mu.Unlock()
+	if shards < 0 {
+		return // another service's job
+	}
+	r.pokes.mu.Lock()
+	c := r.pokes.by[wakeName(job, shards, shard)]
+	r.pokes.mu.Unlock()
+	if c != nil {
+		select {
+		case c <- struct{}{}:
+		default:
+		}
+	}
+}

@@ -36,6 +36,7 @@ type Runner struct {
 	// (the real clock; tests move a fake one).
 	clock clock.Clock
 	pref  *preference // which singleton jobs this instance should lead
+	pokes pokes       // the leading workers, woken when manual runs are pending
 
 	heldMu sync.Mutex
 	held   map[*lock.Lease]struct{} // the leases of running terms

@@ -135,16 +135,19 @@ ON CONFLICT (job) DO UPDATE SET schedule = EXCLUDED.schedule, shards = EXCLUDED.
 
 		// Renews this instance's row (with the jobs it runs),
 		// deletes rows of instances dead for longer than $4, and returns
-		// the live instances with their jobs.
+		// the live instances with their jobs; this instance's own row also
+		// carries the (job, shard) pairs of the schema's pending manual
+		// runs, through the partial index.
 		heartbeat: fmt.Sprintf(`WITH me AS (
     INSERT INTO %[1]s (id, started_at, heartbeat_at, expires_at, jobs)
     VALUES ($1, now(), now(), now() + $2 * interval '1 microsecond', $3)
     ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at, jobs = EXCLUDED.jobs
     RETURNING id, jobs),
-gone AS (DELETE FROM %[1]s WHERE expires_at < now() - $4 * interval '1 microsecond' AND id <> $1)
-SELECT id, jobs FROM %[1]s WHERE expires_at > now() AND id <> $1
+gone AS (DELETE FROM %[1]s WHERE expires_at < now() - $4 * interval '1 microsecond' AND id <> $1),
+pending AS (SELECT DISTINCT job, shard FROM %[2]s WHERE status = 'pending')
+SELECT id, jobs, NULL::text[], NULL::int[] FROM %[1]s WHERE expires_at > now() AND id <> $1
 UNION ALL
-SELECT id, jobs FROM me`, inst),
+SELECT id, jobs, (SELECT array_agg(job) FROM pending), (SELECT array_agg(shard) FROM pending) FROM me`, inst, runs),
 		// Announces a change of members (a join, or with leave a graceful
 		// leave) to every runner of the schema, on the channel blocked
 		// acquirers listen to, as a release of the pseudo-lease $1.

@@ -102,6 +102,8 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 	// made after that look goes unannounced.
 	wake, stopWatch := w.r.lc.Watch(wakeName(w.j.Name, w.j.shards, w.shard))
 	defer stopWatch()
+	poked, stopPokes := w.r.pokes.add(wakeName(w.j.Name, w.j.shards, w.shard))
+	defer stopPokes()
 	var last *time.Time
 	if err := w.r.pool.QueryRow(ctx, w.r.q.lastSlot, w.j.Name, w.shard).Scan(&last); err != nil {
 		return err
@@ -129,7 +131,7 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 			return errHandOver
 		}
 		next := w.j.sched.Next(cursor)
-		switch w.waitFor(ctx, next, wake, began) {
+		switch w.waitFor(ctx, next, wake, poked, began) {
 		case leadEnded:
 			return context.Cause(ctx)
 		case woken:
@@ -159,10 +161,11 @@ const (
 	leadEnded                       // ctx ended
 )
 
-// waitFor waits on the runner's clock until slot, or until woken, the
+// waitFor waits on the runner's clock until slot, or until woken (by the
+// notification of a manual run, or by the balancer finding one pending), the
 // preference changes (or, for a term younger than handOverAfter, it comes
 // of age), or ctx ends.
-func (w *worker) waitFor(ctx context.Context, slot time.Time, wake <-chan struct{}, began time.Time) waited {
+func (w *worker) waitFor(ctx context.Context, slot time.Time, wake, poked <-chan struct{}, began time.Time) waited {
 	fired := make(chan struct{})
 	timer := w.r.clock.AfterFunc(slot.Sub(w.r.clock.Now()), func() { close(fired) })
 	defer timer.Stop()
@@ -181,6 +184,8 @@ func (w *worker) waitFor(ctx context.Context, slot time.Time, wake <-chan struct
 	case <-fired:
 		return slotDue
 	case <-wake:
+		return woken
+	case <-poked:
 		return woken
 	case <-prefer:
 		return preferenceChanged

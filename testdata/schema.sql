@@ -355,6 +355,8 @@ ALTER TABLE ONLY pgfence.pgfence_runs
 
 CREATE INDEX pgfence_instances_expires ON pgfence.pgfence_instances USING btree (expires_at);
 
+CREATE INDEX pgfence_runs_pending ON pgfence.pgfence_runs USING btree (job, shard) WHERE (status = 'pending'::text);
+
 CREATE INDEX pgfence_runs_recent ON pgfence.pgfence_runs USING btree (started_at DESC);
 
 CREATE TRIGGER pgfence_fences_protect_delete BEFORE DELETE ON pgfence.pgfence_fences FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_fences_protect();

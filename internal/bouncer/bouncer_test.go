@@ -14,6 +14,7 @@ import (
 	"github.com/pgfence/pgfence/internal/bouncer"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/runner"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
@@ -174,5 +175,50 @@ func TestFenceThroughPgBouncer(t *testing.T) {
 				t.Fatalf("rows written: %d, %v; want only the current holder's 1", n, err)
 			}
 		})
+	}
+}
+
+// A manual run asked for while the job's leader talks to the database
+// through PgBouncer (transaction pooling: the NOTIFY that wakes it never
+// arrives) still runs: the leader finds it at its next heartbeat.
+func TestRunNowThroughPgBouncer(t *testing.T) {
+	b, db, up := start(t, 4)
+	ctx := pgtest.Context(t, time.Minute)
+	pool := poolThrough(t, b, up, "exec")
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Holder: "pooled", TTL: 2 * time.Second, PollInterval: 200 * time.Millisecond,
+		Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	r, err := runner.New(c, runner.Config{RebalanceInterval: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Register(runner.Job{Name: "report", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}); err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	t.Cleanup(func() {
+		stop()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	pgtest.Eventually(t, 10*time.Second, "the job to have a leader", func() bool {
+		jobs, err := runner.Jobs(ctx, db.Pool, db.Schema, "report")
+		return err == nil && len(jobs) == 1 && jobs[0].Leader == "pooled"
+	})
+	refs, err := runner.RunNow(ctx, db.Pool, db.Schema, "report", 0, "the test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	ri, err := runner.WaitRun(wctx, db.Pool, db.Schema, refs[0])
+	if err != nil || ri.Status != runner.StatusSucceeded {
+		t.Fatalf("the manual run through PgBouncer: %+v, %v; want it run within 5s (heartbeats every 300ms)", ri, err)
 	}
 }

@@ -29,6 +29,9 @@ CREATE TABLE pgfence_runs (
     CHECK ((status = 'pending') = (token IS NULL))
 );
 CREATE INDEX pgfence_runs_recent ON pgfence_runs (started_at DESC);
+-- Manual runs not yet started, which every heartbeat looks for (a leader
+-- whose connection cannot LISTEN, behind PgBouncer, learns of them so).
+CREATE INDEX pgfence_runs_pending ON pgfence_runs (job, shard) WHERE status = 'pending';
 
 -- The jobs runners have registered, with what an operator set: paused_at
 -- (NULL: not paused) stops every replica from starting the job's scheduled
