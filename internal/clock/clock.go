@@ -7,7 +7,6 @@
 package clock
 
 import (
-	"context"
 	"sort"
 	"sync"
 	"time"
@@ -120,23 +119,6 @@ func (t *fakeTimer) Reset(d time.Duration) bool {
 	t.at = t.f.now.Add(d)
 	t.f.timers[t] = struct{}{}
 	return pending
-}
-
-// Sleep waits on c until d has passed or ctx ends, and reports whether the
-// full d passed.
-func Sleep(ctx context.Context, c Clock, d time.Duration) bool {
-	if d <= 0 {
-		return ctx.Err() == nil
-	}
-	done := make(chan struct{})
-	t := c.AfterFunc(d, func() { close(done) })
-	defer t.Stop()
-	select {
-	case <-done:
-		return true
-	case <-ctx.Done():
-		return false
-	}
 }
 
 // Pending is how many timers are armed and not yet run: a test waits for

@@ -1,7 +1,6 @@
 package clock
 
 import (
-	"context"
 	"runtime"
 	"testing"
 	"time"
@@ -35,34 +34,24 @@ func TestFakeRunsDueTimersInOrder(t *testing.T) {
 	}
 }
 
-// Sleep returns true once the fake clock has moved past d, and false at
-// once when its context ends first.
-func TestSleepOnAFake(t *testing.T) {
+// Pending counts the armed timers, so that a test can wait for a goroutine
+// to arm one before advancing; a timer that ran or was stopped is not
+// pending.
+func TestPendingCountsArmedTimers(t *testing.T) {
 	f := NewFake(time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC))
-	done := make(chan bool)
-	go func() { done <- Sleep(context.Background(), f, time.Minute) }()
+	fired := make(chan struct{})
+	go f.AfterFunc(time.Minute, func() { close(fired) })
 	for f.Pending() == 0 {
 		runtime.Gosched()
 	}
-	f.Advance(59 * time.Second)
-	select {
-	case <-done:
-		t.Fatal("woke before its minute")
-	default:
+	stopped := f.AfterFunc(time.Hour, func() {})
+	if f.Pending() != 2 {
+		t.Fatalf("%d pending, want 2", f.Pending())
 	}
-	f.Advance(time.Second)
-	if !<-done {
-		t.Fatal("Sleep reported false after the full minute")
-	}
+	f.Advance(time.Minute)
+	<-fired
+	stopped.Stop()
 	if f.Pending() != 0 {
-		t.Fatalf("%d timers left armed", f.Pending())
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	if Sleep(ctx, f, time.Hour) {
-		t.Fatal("Sleep on an ended context reported true")
-	}
-	if f.Pending() != 0 {
-		t.Fatal("an abandoned Sleep left its timer armed")
+		t.Fatalf("%d timers left pending", f.Pending())
 	}
 }
