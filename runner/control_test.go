@@ -16,8 +16,9 @@ import (
 
 // Pause is honoured by every replica from its next slot: the slots that
 // fall due while paused are recorded as skipped ("paused"), by whichever
-// replica leads, also after leadership moves; nothing runs; after Resume
-// the job runs again.
+// replica leads, also after leadership moves; a replica that starts keeps
+// the pause; no scheduled slot runs, a manual run does; after Resume the
+// job runs again.
 func TestPauseHoldsOnEveryReplica(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -53,11 +54,30 @@ func TestPauseHoldsOnEveryReplica(t *testing.T) {
 		jobs[0].Last == nil || jobs[0].Last.Status != runner.StatusSkipped {
 		t.Fatalf("Jobs while paused: %+v, %v", jobs, err)
 	}
-	// Nothing started after the pause (a claim already under way when
-	// Pause committed may start within milliseconds of it).
+	// A replica that starts while the job is paused registers the job
+	// again and keeps the pause.
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "d", TTL: time.Second, PollInterval: 100 * time.Millisecond},
+		runner.Config{}, func(r *runner.Runner) error { return r.Register(job) })
+	waitFor(t, 10*time.Second, "d to register and heartbeat", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_jobs")+" WHERE registered_by = 'd'") == 1 &&
+			queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_instances")+" WHERE id = 'd'") == 1
+	})
+	// A manual run still runs while the job is paused.
+	refs, err := runner.RunNow(ctx, db.Pool, db.Schema, "tick", 0, "the test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ri, err := runner.WaitRun(ctx, db.Pool, db.Schema, refs[0]); err != nil || ri.Status != runner.StatusSucceeded {
+		t.Fatalf("a manual run while paused: %+v, %v", ri, err)
+	}
+	if jobs, err := runner.Jobs(ctx, db.Pool, db.Schema, "tick"); err != nil || !jobs[0].Paused {
+		t.Fatalf("after a replica registered the job again: %+v, %v; want it still paused", jobs, err)
+	}
+	// Nothing scheduled started after the pause (a claim already under
+	// way when Pause committed may start within milliseconds of it).
 	if n := queryInt(t, db, "SELECT count(*) FROM "+runs+" r, "+tbl(db, "pgfence_jobs")+` j
-		WHERE r.job = j.job AND r.status <> 'skipped' AND r.started_at > j.paused_at + interval '50 milliseconds'`); n != 0 {
-		t.Fatalf("%d attempts started while the job was paused", n)
+		WHERE r.job = j.job AND r.kind = 'scheduled' AND r.status <> 'skipped' AND r.started_at > j.paused_at + interval '50 milliseconds'`); n != 0 {
+		t.Fatalf("%d scheduled attempts started while the job was paused", n)
 	}
 	if err := runner.Resume(ctx, db.Pool, db.Schema, "tick"); err != nil {
 		t.Fatal(err)
