@@ -222,3 +222,39 @@ func TestRunNowThroughPgBouncer(t *testing.T) {
 		t.Fatalf("the manual run through PgBouncer: %+v, %v; want it run within 5s (heartbeats every 300ms)", ri, err)
 	}
 }
+
+// Observe through PgBouncer: its notifications cannot arrive, so it sees a
+// new holder at its next read, within a PollInterval (200ms here).
+func TestObserveThroughPgBouncer(t *testing.T) {
+	b, db, up := start(t, 4)
+	ctx := pgtest.Context(t, time.Minute)
+	pool := poolThrough(t, b, up, "exec")
+	newClient := func(holder string) *lock.Client {
+		c, err := lock.New(pool, lock.Config{Schema: db.Schema, Holder: holder, PollInterval: 200 * time.Millisecond, Logger: pgtest.Quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close(context.Background()) })
+		return c
+	}
+	observer, holder := newClient("observer"), newClient("holder")
+	seen, err := observer.Observe(ctx, "watched")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if i := <-seen; i.Held {
+		t.Fatalf("first state: %+v, want free", i)
+	}
+	l, err := holder.TryAcquire(ctx, "watched")
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case i := <-seen:
+		if !i.Held || i.Holder != "holder" || i.Token != l.Token() {
+			t.Fatalf("after the acquisition: %+v, want holder with token %d", i, l.Token())
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("no news of the acquisition within 3s (reads every 200ms)")
+	}
+}
