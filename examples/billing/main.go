@@ -152,10 +152,12 @@ func orchestrate(schema string, ttl time.Duration, unfenced bool) error {
 	case <-time.After(30 * time.Second):
 		return errors.New("the leader never got to its second charge")
 	}
+	// Every line is read before Wait, which closes the pipes: a worker's
+	// last words (its refusal) are printed just before it exits.
+	wg.Wait()
 	for _, p := range procs {
 		_ = p.Wait()
 	}
-	wg.Wait()
 	return report(ctx, pool, schema, refused)
 }
 
