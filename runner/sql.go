@@ -22,7 +22,7 @@ type queries struct {
 	claimFirst, claim, succeedFenced, fail func(fence string) string
 
 	succeed, markFenced, lastSlot, requested, register, heartbeat, announce, leave, prune, runs string
-	pause, resume, jobShards, request, waitRun, jobs                                            string
+	pause, resume, jobShards, request, waitRun, jobs, instances, terms                          string
 }
 
 func newQueries(schema string) queries {
@@ -216,5 +216,31 @@ SELECT s.job, s.shard, s.shards, s.schedule, s.paused_at, coalesce(s.paused_by, 
            FROM ` + runs + ` r WHERE r.job = s.job AND r.shard = s.shard AND r.kind = 'scheduled'
           ORDER BY slot DESC, attempt DESC LIMIT 1) AS last ON true
  ORDER BY s.job, s.shard`,
+
+		// Every instance row ($1 the job lease prefix) with the job
+		// leases it holds, unexpired: parallel arrays of job, shard and
+		// token.
+		instances: `SELECT i.id, i.started_at, i.heartbeat_at, i.expires_at, i.expires_at > now(), i.jobs,
+       coalesce(array_agg(h.job ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
+       coalesce(array_agg(h.shard ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
+       coalesce(array_agg(h.token ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
+       now()
+  FROM ` + inst + ` i
+  LEFT JOIN LATERAL (
+         SELECT j.job, g.shard, l.token
+           FROM ` + jobs + ` j, generate_series(0, greatest(j.shards, 1) - 1) AS g(shard), ` + leases + ` l
+          WHERE l.name = $1 || j.job || CASE WHEN j.shards = 0 THEN '' ELSE '/' || g.shard END
+            AND l.holder = i.id AND l.expires_at > now()) AS h ON true
+ GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.jobs
+ ORDER BY i.id`,
+
+		// The latest $1 leadership terms in the ledger: attempts grouped
+		// by job, shard and token, newest first.
+		terms: `SELECT job, shard, token, min(holder), min(started_at), max(started_at), count(*)
+  FROM ` + runs + `
+ WHERE token IS NOT NULL
+ GROUP BY job, shard, token
+ ORDER BY min(started_at) DESC, job, shard
+ LIMIT $1`,
 	}
 }

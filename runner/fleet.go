@@ -1,0 +1,124 @@
+package runner
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/hint"
+	"github.com/pgfence/pgfence/internal/ident"
+)
+
+// InstanceInfo is what Instances says about one runner instance: its
+// liveness row in pgfence_instances and the job leases it holds.
+type InstanceInfo struct {
+	ID          string    `json:"id"`
+	StartedAt   time.Time `json:"started_at"`
+	HeartbeatAt time.Time `json:"heartbeat_at"`
+	// ExpiresAt is when the instance counts as gone unless it heartbeats
+	// again; Live reports ExpiresAt > Now. A row that stopped heartbeating
+	// is kept a while, then deleted by the live instances.
+	ExpiresAt time.Time `json:"expires_at"`
+	Live      bool      `json:"live"`
+	// Jobs names the jobs the instance registered (it runs them when it
+	// leads them).
+	Jobs []string `json:"jobs"`
+	// Leads lists the jobs and shards whose lease the instance holds.
+	Leads []Lead `json:"leads"`
+	// Now is the database's time when read.
+	Now time.Time `json:"now"`
+}
+
+// Lead is one job (shard) an instance leads, with its lease token.
+type Lead struct {
+	Job   string      `json:"job"`
+	Shard int         `json:"shard"`
+	Token fence.Token `json:"token"`
+}
+
+// Instances reads the runner instances of schema ("" means "pgfence"), by
+// id: live ones, and those that stopped heartbeating recently (Live false).
+// One statement, reading only.
+func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo, error) {
+	if err := ident.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("runner: %w", err)
+	}
+	rows, err := db.Query(ctx, newQueries(schema).instances, jobLeasePrefix)
+	if err != nil {
+		return nil, fmt.Errorf("runner: read the instances: %w", hint.Wrap(err, schema, hint.Role(db)))
+	}
+	infos, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (InstanceInfo, error) {
+		var (
+			ii     InstanceInfo
+			jobs   []string
+			shards []int
+			tokens []int64
+		)
+		err := r.Scan(&ii.ID, &ii.StartedAt, &ii.HeartbeatAt, &ii.ExpiresAt, &ii.Live, &ii.Jobs, &jobs, &shards, &tokens, &ii.Now)
+		for i := range jobs {
+			ii.Leads = append(ii.Leads, Lead{Job: jobs[i], Shard: shards[i], Token: fence.Token(tokens[i])})
+		}
+		if ii.Jobs == nil {
+			ii.Jobs = []string{}
+		}
+		if ii.Leads == nil {
+			ii.Leads = []Lead{}
+		}
+		return ii, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("runner: read the instances: %w", hint.Wrap(err, schema, hint.Role(db)))
+	}
+	return infos, nil
+}
+
+// Term is one leadership term of a job (shard) as the ledger records it:
+// the token its leader ran attempts with, and when.
+type Term struct {
+	Job    string      `json:"job"`
+	Shard  int         `json:"shard"`
+	Token  fence.Token `json:"token"`
+	Holder string      `json:"holder"`
+	// FirstRun and LastRun are when the term's first and latest attempts
+	// started; Attempts counts them.
+	FirstRun time.Time `json:"first_run"`
+	LastRun  time.Time `json:"last_run"`
+	Attempts int       `json:"attempts"`
+}
+
+// Terms returns the most recent leadership terms recorded in the ledger of
+// schema ("" means "pgfence"), newest first, at most limit (default 20): a
+// change of leader shows as a new term with a greater token. A term in
+// which no attempt ran is not in the ledger; the current leader of each job
+// is in Jobs.
+func Terms(ctx context.Context, db fence.DB, schema string, limit int) ([]Term, error) {
+	if err := ident.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("runner: %w", err)
+	}
+	if limit == 0 {
+		limit = 20
+	}
+	if limit < 0 {
+		return nil, fmt.Errorf("runner: Terms limit %d is negative", limit)
+	}
+	rows, err := db.Query(ctx, newQueries(schema).terms, limit)
+	if err != nil {
+		return nil, fmt.Errorf("runner: read the terms: %w", hint.Wrap(err, schema, hint.Role(db)))
+	}
+	terms, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Term, error) {
+		var (
+			t   Term
+			tok int64
+		)
+		err := r.Scan(&t.Job, &t.Shard, &tok, &t.Holder, &t.FirstRun, &t.LastRun, &t.Attempts)
+		t.Token = fence.Token(tok)
+		return t, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("runner: read the terms: %w", hint.Wrap(err, schema, hint.Role(db)))
+	}
+	return terms, nil
+}
