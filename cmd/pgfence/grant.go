@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -65,6 +66,6 @@ func cmdGrant(ctx context.Context, e *env, args []string) error {
 		}
 		return err
 	}
-	fmt.Fprintf(e.stdout, "granted %s's privileges on schema %s to %s\n", kind, printable(e.schema), printable(role))
+	fmt.Fprintf(e.stdout, "granted %s's privileges on schema %s to %s\n", kind, printable.String(e.schema), printable.String(role))
 	return nil
 }

@@ -12,6 +12,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -70,7 +71,7 @@ func cmdJobsStatus(ctx context.Context, e *env, args []string) error {
 	for _, j := range jobs {
 		leader, token, since := "-", "-", "-"
 		if j.Leader != "" {
-			leader, token = printable(j.Leader), j.Token.String()
+			leader, token = printable.String(j.Leader), j.Token.String()
 			if j.LeaderSince != nil {
 				since = round(j.Now.Sub(*j.LeaderSince)).String() + " ago"
 			}
@@ -88,9 +89,9 @@ func cmdJobsStatus(ctx context.Context, e *env, args []string) error {
 		}
 		paused := "no"
 		if j.Paused {
-			paused = "by " + printable(j.PausedBy) + " at " + j.PausedAt.UTC().Format(time.RFC3339)
+			paused = "by " + printable.String(j.PausedBy) + " at " + j.PausedAt.UTC().Format(time.RFC3339)
 		}
-		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\n", printable(j.Job), j.Shard, leader, token, since,
+		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\n", printable.String(j.Job), j.Shard, leader, token, since,
 			last, status, attempt, dur, next, j.Missed, j.Pending, paused)
 	}
 	return w.Flush()
@@ -152,10 +153,10 @@ func cmdJobsRun(ctx context.Context, e *env, args []string) error {
 			return err
 		}
 		fmt.Fprintf(e.stdout, "shard %d: %s after %d attempt(s), token %s, on %s, in %v\n", ri.Shard, ri.Status, ri.Attempt,
-			ri.Token, printable(ri.Holder), round(ri.Duration()))
+			ri.Token, printable.String(ri.Holder), round(ri.Duration()))
 		if ri.Status != runner.StatusSucceeded {
 			failed++
-			fmt.Fprintf(e.stdout, "  error: %s\n", printable(strings.SplitN(ri.Error, "\n", 2)[0]))
+			fmt.Fprintf(e.stdout, "  error: %s\n", printable.String(strings.SplitN(ri.Error, "\n", 2)[0]))
 		}
 	}
 	if failed > 0 {
