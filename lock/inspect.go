@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -16,25 +17,43 @@ import (
 // never been acquired.
 var ErrNoLease = errors.New("lock: no such lease")
 
-// Info describes a lease row, for operators.
+// Info describes a lease row, for operators. In JSON (MarshalJSON) it is
+// the shape `pgfence leases --json` prints and the status page serves.
 type Info struct {
 	// Name is the lease name.
-	Name string `json:"name"`
+	Name string
 	// Token is the newest token issued for the lease.
-	Token fence.Token `json:"token"`
+	Token fence.Token
 	// Holder is the current holder, "" if the lease is free.
-	Holder string `json:"holder"`
+	Holder string
 	// Held reports whether the lease is held and unexpired (database clock).
-	Held bool `json:"held"`
+	Held bool
 	// AcquiredAt, RenewedAt and ExpiresAt are database times.
-	AcquiredAt time.Time `json:"acquired_at"`
-	RenewedAt  time.Time `json:"renewed_at"`
-	ExpiresAt  time.Time `json:"expires_at"`
+	AcquiredAt time.Time
+	RenewedAt  time.Time
+	ExpiresAt  time.Time
 	// ExpiresIn is ExpiresAt minus the database's clock when read
 	// (negative once expired).
-	ExpiresIn time.Duration `json:"expires_in"`
+	ExpiresIn time.Duration
 	// HeldFor is how long the current holder has held it (0 if free).
-	HeldFor time.Duration `json:"held_for"`
+	HeldFor time.Duration
+}
+
+// MarshalJSON writes the lease with its token as a decimal string and its
+// durations in seconds: {"name", "holder", "token", "held", "acquired_at",
+// "renewed_at", "expires_at", "expires_in_seconds", "held_for_seconds"}.
+func (i Info) MarshalJSON() ([]byte, error) {
+	return json.Marshal(struct {
+		Name             string      `json:"name"`
+		Holder           string      `json:"holder"`
+		Token            fence.Token `json:"token"`
+		Held             bool        `json:"held"`
+		AcquiredAt       time.Time   `json:"acquired_at"`
+		RenewedAt        time.Time   `json:"renewed_at"`
+		ExpiresAt        time.Time   `json:"expires_at"`
+		ExpiresInSeconds float64     `json:"expires_in_seconds"`
+		HeldForSeconds   float64     `json:"held_for_seconds"`
+	}{i.Name, i.Holder, i.Token, i.Held, i.AcquiredAt, i.RenewedAt, i.ExpiresAt, i.ExpiresIn.Seconds(), i.HeldFor.Seconds()})
 }
 
 // Leases lists every lease row, by name.

@@ -13,7 +13,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
@@ -55,7 +55,7 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	where := "schema " + printable(st.Schema)
+	where := "schema " + printable.String(st.Schema)
 	switch {
 	case !st.SchemaExists:
 		fmt.Fprintf(e.stdout, "%s: no such schema (not migrated; `pgfence migrate up` creates it)\n", where)
@@ -73,28 +73,6 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 		fmt.Fprintf(e.stdout, "%05d  %-36s %s\n", m.Version, m.Name, applied)
 	}
 	return nil
-}
-
-// printable escapes control characters (and invalid UTF-8) in s, so that a
-// lease name or holder read from the database cannot forge lines or
-// terminal escape sequences in an operator's terminal.
-func printable(s string) string {
-	q := strconv.Quote(s)
-	if q[1:len(q)-1] == s {
-		return s
-	}
-	return q
-}
-
-// leaseJSON is the --json shape of one lease (stable: scripts depend on it).
-type leaseJSON struct {
-	Name             string      `json:"name"`
-	Holder           string      `json:"holder"`
-	Token            fence.Token `json:"token"` // a decimal string, as everywhere
-	Held             bool        `json:"held"`
-	ExpiresAt        time.Time   `json:"expires_at"`
-	ExpiresInSeconds float64     `json:"expires_in_seconds"`
-	HeldForSeconds   float64     `json:"held_for_seconds"`
 }
 
 func (e *env) client(ctx context.Context) (*lock.Client, func(), error) {
@@ -144,12 +122,10 @@ func cmdLeases(ctx context.Context, e *env, args []string) error {
 	}
 	defer closeFn()
 	if asJSON {
-		out := make([]leaseJSON, 0, len(infos))
-		for _, i := range infos {
-			out = append(out, leaseJSON{Name: i.Name, Holder: i.Holder, Token: i.Token, Held: i.Held,
-				ExpiresAt: i.ExpiresAt, ExpiresInSeconds: i.ExpiresIn.Seconds(), HeldForSeconds: i.HeldFor.Seconds()})
+		if infos == nil {
+			infos = []lock.Info{}
 		}
-		return writeJSON(e.stdout, out)
+		return writeJSON(e.stdout, infos) // lock.Info's JSON shape
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "NAME\tHOLDER\tTOKEN\tEXPIRES IN\tHELD FOR")
@@ -163,7 +139,7 @@ func cmdLeases(ctx context.Context, e *env, args []string) error {
 				holder += " (expired)"
 			}
 		}
-		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\n", printable(i.Name), printable(holder), i.Token, expires, heldFor)
+		fmt.Fprintf(w, "%s\t%s\t%d\t%s\t%s\n", printable.String(i.Name), printable.String(holder), i.Token, expires, heldFor)
 	}
 	return w.Flush()
 }
@@ -211,7 +187,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	if !found.Held {
 		why := "free"
 		if found.Holder != "" {
-			why = "expired: " + printable(found.Holder) + " did not renew it"
+			why = "expired: " + printable.String(found.Holder) + " did not renew it"
 		}
 		fmt.Fprintf(e.stdout, "lease %s is not held (%s; last token %d): nothing to release; the next holder gets token %d or greater\n",
 			strconv.Quote(name), why, found.Token, found.Token+1)
@@ -219,7 +195,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	}
 	if !yes {
 		fmt.Fprintf(e.stderr, "Force-release lease %s, held by %s with token %d?\n"+
-			"The holder loses it and its writes with token %d will be refused. [y/N] ", strconv.Quote(name), printable(found.Holder), found.Token, found.Token)
+			"The holder loses it and its writes with token %d will be refused. [y/N] ", strconv.Quote(name), printable.String(found.Holder), found.Token, found.Token)
 		var answer string
 		_, _ = fmt.Fscanln(e.stdin, &answer)
 		if a := strings.ToLower(strings.TrimSpace(answer)); a != "y" && a != "yes" {
@@ -235,7 +211,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	var blocked *lock.BlockedError
 	if errors.As(err, &blocked) {
 		return fail(exitError, "not released: %v\n(guarded transactions on the lease are still open; end them, or wait and try again)",
-			printable(blocked.Error()))
+			printable.String(blocked.Error()))
 	}
 	if err != nil {
 		return err
@@ -243,7 +219,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	if holder == "" {
 		holder = "nobody"
 	}
-	fmt.Fprintf(e.stdout, "released %s (was held by %s, token %d); the next holder gets token %d or greater\n", strconv.Quote(name), printable(holder), tok, tok+1)
+	fmt.Fprintf(e.stdout, "released %s (was held by %s, token %d); the next holder gets token %d or greater\n", strconv.Quote(name), printable.String(holder), tok, tok+1)
 	return nil
 }
 
@@ -298,8 +274,8 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 			dur = round(r.Duration()).String()
 		}
 		msg := strings.SplitN(r.Error, "\n", 2)[0]
-		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", printable(r.Job), r.Shard, r.Kind, r.Slot.UTC().Format(time.RFC3339),
-			r.Attempt, r.Token, r.Status, printable(r.Holder), dur, printable(msg))
+		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\n", printable.String(r.Job), r.Shard, r.Kind, r.Slot.UTC().Format(time.RFC3339),
+			r.Attempt, r.Token, r.Status, printable.String(r.Holder), dur, printable.String(msg))
 	}
 	return w.Flush()
 }

@@ -152,7 +152,7 @@ func TestLeasesReleaseAndLoss(t *testing.T) {
 		keys = append(keys, k)
 	}
 	sort.Strings(keys)
-	if got := strings.Join(keys, ","); got != "expires_at,expires_in_seconds,held,held_for_seconds,holder,name,token" {
+	if got := strings.Join(keys, ","); got != "acquired_at,expires_at,expires_in_seconds,held,held_for_seconds,holder,name,renewed_at,token" {
 		t.Fatalf("JSON keys = %s", got)
 	}
 	// Tokens are decimal strings in every JSON output (exact for readers
