@@ -215,11 +215,12 @@ type Report struct {
 // every token of the histories before it (fence.Token).
 type Epoch struct {
 	// Timeline is the server timeline the history started on.
-	Timeline int64
+	Timeline int64 `json:"timeline"`
 	// Started is the server's clock when it started.
-	Started time.Time
-	// FirstToken is its first token: every token it issues is at least this.
-	FirstToken int64
+	Started time.Time `json:"started"`
+	// FirstToken is its first token: every token it issues is at least
+	// this. In JSON a decimal string, like every token.
+	FirstToken int64 `json:"first_token,string"`
 }
 
 // Status reports, for each embedded migration, whether it is applied in

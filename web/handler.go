@@ -1,0 +1,334 @@
+package web
+
+import (
+	"context"
+	"embed"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"html/template"
+	"io/fs"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"path"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
+	"github.com/pgfence/pgfence/runner"
+)
+
+//go:embed assets
+var assets embed.FS
+
+// Errors New returns.
+var (
+	// ErrNilClient is returned by New for a nil client.
+	ErrNilClient = errors.New("web: nil lock client")
+	// ErrInvalidConfig is wrapped by New's errors for a bad Config field.
+	ErrInvalidConfig = errors.New("web: invalid config")
+)
+
+// MinRefresh is the shortest Config.Refresh.
+const MinRefresh = 200 * time.Millisecond
+
+// Config configures the status page. The zero value serves read-only pages
+// that update every second.
+type Config struct {
+	// AllowActions shows and accepts the actions: force release, run now,
+	// pause and resume. Off by default: the buttons are absent and every
+	// POST is refused with 403.
+	AllowActions bool
+	// Identity names who makes a request (the application's user, from
+	// its session or a header its proxy sets), for the log line of each
+	// action and the ledger's requested_by; "" for nobody known. The
+	// remote address is logged either way. Default: nobody known.
+	Identity func(*http.Request) string
+	// Logger receives one line per action. Default slog.Default().
+	Logger *slog.Logger
+	// Refresh is how often an open page updates itself. Default 1s; at
+	// least MinRefresh.
+	Refresh time.Duration
+	// Attempts is how many recent attempts the jobs page lists. Default 30.
+	Attempts int
+}
+
+// Handler serves the status page and its JSON endpoints; see the package
+// documentation. It holds no goroutine of its own: each request reads the
+// database through the client's pool.
+type Handler struct {
+	client *lock.Client
+	pool   *pgxpool.Pool
+	schema string
+	cfg    Config
+	log    *slog.Logger
+	pages  map[string]*template.Template
+	root   http.Handler
+}
+
+// New returns the status page of the leases and jobs in client's schema,
+// read (and, with AllowActions, steered) through client's pool. Mount it
+// under a path of its own; it links relative to that path:
+//
+//	mux.Handle("/pgfence/", http.StripPrefix("/pgfence", h))
+func New(client *lock.Client, cfg Config) (*Handler, error) {
+	if client == nil {
+		return nil, ErrNilClient
+	}
+	if cfg.Refresh == 0 {
+		cfg.Refresh = time.Second
+	}
+	if cfg.Attempts == 0 {
+		cfg.Attempts = 30
+	}
+	switch {
+	case cfg.Refresh < MinRefresh:
+		return nil, fmt.Errorf("%w: Refresh %v is below %v", ErrInvalidConfig, cfg.Refresh, MinRefresh)
+	case cfg.Attempts < 1 || cfg.Attempts > 1000:
+		return nil, fmt.Errorf("%w: Attempts %d is not within 1..1000", ErrInvalidConfig, cfg.Attempts)
+	}
+	h := &Handler{client: client, pool: client.Pool(), schema: ident.Schema(client.Config().Schema), cfg: cfg, log: cfg.Logger}
+	if h.log == nil {
+		h.log = slog.Default()
+	}
+	pages, err := parsePages()
+	if err != nil {
+		return nil, err
+	}
+	h.pages = pages
+
+	mux := http.NewServeMux()
+	static, _ := fs.Sub(assets, "assets/static")
+	mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
+	mux.HandleFunc("GET /{$}", h.page("leases", h.leases))
+	mux.HandleFunc("GET /jobs", h.page("jobs", h.jobs))
+	mux.HandleFunc("GET /fleet", h.page("fleet", h.fleet))
+	mux.HandleFunc("GET /release", h.action(h.confirmRelease))
+	mux.HandleFunc("POST /release", h.action(h.release))
+	mux.HandleFunc("POST /run", h.action(h.runNow))
+	mux.HandleFunc("POST /pause", h.action(h.pause))
+	mux.HandleFunc("POST /resume", h.action(h.pause))
+	mux.HandleFunc("GET /api/leases", h.api(func(ctx context.Context, r *http.Request) (any, error) {
+		return orEmpty(h.client.Leases(ctx))
+	}))
+	mux.HandleFunc("GET /api/jobs", h.api(func(ctx context.Context, r *http.Request) (any, error) {
+		return orEmpty(runner.Jobs(ctx, h.pool, h.schema, r.FormValue("job")))
+	}))
+	mux.HandleFunc("GET /api/runs", h.api(h.apiRuns))
+	mux.HandleFunc("GET /api/fleet", h.api(func(ctx context.Context, r *http.Request) (any, error) {
+		return h.readFleet(ctx)
+	}))
+	mux.HandleFunc("GET /api/epoch", h.api(func(ctx context.Context, r *http.Request) (any, error) {
+		return h.epoch(ctx)
+	}))
+	h.root = http.NewCrossOriginProtection().Handler(mux)
+	return h, nil
+}
+
+// ServeHTTP implements http.Handler.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	hd := w.Header()
+	hd.Set("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "+
+		"connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+	hd.Set("X-Content-Type-Options", "nosniff")
+	hd.Set("Referrer-Policy", "no-referrer")
+	hd.Set("X-Frame-Options", "DENY")
+	if r.URL.Path == "" {
+		// Mounted with StripPrefix and asked for the prefix without its
+		// slash: the pages link relative to the prefix's slash.
+		u, err := url.ParseRequestURI(r.RequestURI)
+		if err != nil || u.Path == "" {
+			http.NotFound(w, r)
+			return
+		}
+		hd.Set("Location", path.Base(u.Path)+"/")
+		w.WriteHeader(http.StatusMovedPermanently)
+		return
+	}
+	if !strings.HasPrefix(r.URL.Path, "/static/") {
+		hd.Set("Cache-Control", "no-store")
+	}
+	h.root.ServeHTTP(w, r)
+}
+
+// view is what every page template gets.
+type view struct {
+	Page    string
+	Title   string
+	Schema  string
+	Refresh int64 // milliseconds
+	Actions bool
+	Now     time.Time
+	Body    any
+}
+
+// page serves a live page: the whole page, or with ?partial=1 (the
+// page's own script asks for it) the part that updates.
+func (h *Handler) page(name string, read func(context.Context, *http.Request) (any, time.Time, error)) http.HandlerFunc {
+	title := map[string]string{"leases": "Leases", "jobs": "Jobs", "fleet": "Fleet"}[name]
+	return func(w http.ResponseWriter, r *http.Request) {
+		body, now, err := read(r.Context(), r)
+		if err != nil {
+			h.fail(w, r, http.StatusInternalServerError, err)
+			return
+		}
+		v := view{Page: name, Title: title, Schema: h.schema, Refresh: h.cfg.Refresh.Milliseconds(), Actions: h.cfg.AllowActions, Now: now, Body: body}
+		tmpl := "layout"
+		if r.FormValue("partial") == "1" {
+			tmpl = "body"
+		}
+		h.render(w, http.StatusOK, name, tmpl, v)
+	}
+}
+
+// render executes a page's template into a buffer first, so that a
+// template error is a 500, not half a page.
+func (h *Handler) render(w http.ResponseWriter, code int, page, tmpl string, v any) {
+	var b strings.Builder
+	if err := h.pages[page].ExecuteTemplate(&b, tmpl, v); err != nil {
+		h.log.Error("pgfence web: render", "page", page, "err", err)
+		http.Error(w, "pgfence web: the page could not be rendered", http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(code)
+	_, _ = w.Write([]byte(b.String()))
+}
+
+// fail answers with an error page (or, for api/, a JSON error).
+func (h *Handler) fail(w http.ResponseWriter, r *http.Request, code int, err error) {
+	if strings.HasPrefix(r.URL.Path, "/api/") {
+		writeJSON(w, code, map[string]string{"error": err.Error()})
+		return
+	}
+	h.render(w, code, "error", "layout", view{Page: "error", Title: http.StatusText(code), Schema: h.schema, Body: shown(err.Error())})
+}
+
+// api serves one JSON endpoint.
+func (h *Handler) api(read func(context.Context, *http.Request) (any, error)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		v, err := read(r.Context(), r)
+		if err != nil {
+			code := http.StatusInternalServerError
+			if errors.Is(err, errBadRequest) {
+				code = http.StatusBadRequest
+			}
+			h.fail(w, r, code, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, v)
+	}
+}
+
+var errBadRequest = errors.New("bad request")
+
+func (h *Handler) apiRuns(ctx context.Context, r *http.Request) (any, error) {
+	f := runner.RunFilter{Job: r.FormValue("job"), Status: runner.Status(r.FormValue("status")), Limit: 20}
+	if s := r.FormValue("limit"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < 1 || n > 1000 {
+			return nil, fmt.Errorf("%w: limit %q is not within 1..1000", errBadRequest, s)
+		}
+		f.Limit = n
+	}
+	return orEmpty(runner.Runs(ctx, h.pool, h.schema, f))
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+// orEmpty makes a nil list an empty one, so that JSON says [] and not null.
+func orEmpty[T any](list []T, err error) ([]T, error) {
+	if list == nil && err == nil {
+		list = []T{}
+	}
+	return list, err
+}
+
+// epoch reads the database history the schema issues tokens in.
+func (h *Handler) epoch(ctx context.Context) (*migrations.Epoch, error) {
+	st, err := migrations.Status(ctx, h.pool, h.schema)
+	if err != nil {
+		return nil, err
+	}
+	if st.Epoch == nil {
+		return nil, fmt.Errorf("web: schema %s is not migrated (pgfence migrate up)", h.schema)
+	}
+	return st.Epoch, nil
+}
+
+// fleetJSON is api/fleet's shape.
+type fleetJSON struct {
+	Instances []runner.InstanceInfo `json:"instances"`
+	Terms     []runner.Term         `json:"terms"`
+}
+
+func (h *Handler) readFleet(ctx context.Context) (fleetJSON, error) {
+	var (
+		f   fleetJSON
+		err error
+	)
+	if f.Instances, err = orEmpty(runner.Instances(ctx, h.pool, h.schema)); err != nil {
+		return f, err
+	}
+	f.Terms, err = orEmpty(runner.Terms(ctx, h.pool, h.schema, 20))
+	return f, err
+}
+
+// parsePages parses every page's templates: the layout and the page's
+// body, by the name "body".
+func parsePages() (map[string]*template.Template, error) {
+	funcs := template.FuncMap{
+		"shown":     shown,
+		"human":     human,
+		"firstLine": func(s string) string { return firstLine(s, 160) },
+		"stands":    stands,
+		"shard":     shardLabel,
+		"utc":       func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
+		"ms":        func(t time.Time) int64 { return t.UnixMilli() },
+		"ago":       func(now, t time.Time) string { return human(now.Sub(t)) },
+		"idOf":      idOf,
+		"multiline": func(s string) bool { return strings.Contains(s, "\n") || len(s) > 160 },
+		"duration":  func(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond },
+		"neg":       func(d time.Duration) time.Duration { return -d },
+	}
+	base, err := template.New("pages").Funcs(funcs).ParseFS(assets, "assets/pages.html")
+	if err != nil {
+		return nil, fmt.Errorf("web: %w", err)
+	}
+	pages := map[string]*template.Template{}
+	for _, name := range []string{"leases", "jobs", "fleet", "release", "error"} {
+		t, err := base.Clone()
+		if err == nil {
+			_, err = t.New("body").Parse(`{{template "` + name + `" .}}`)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("web: %w", err)
+		}
+		pages[name] = t
+	}
+	return pages, nil
+}
+
+// idOf makes an element id from a kind and a name, stable across updates
+// (the page's script puts the keyboard focus back on it) and safe in any
+// name.
+func idOf(kind string, parts ...any) string {
+	f := fnv.New64a()
+	for _, p := range parts {
+		fmt.Fprintf(f, "%v\x00", p)
+	}
+	return fmt.Sprintf("%s-%x", kind, f.Sum64())
+}
