@@ -84,7 +84,7 @@ func TestJSONEndpointsAndPages(t *testing.T) {
 	})
 	var jobs []runner.JobInfo
 	getJSON(t, rg.srv.URL+"/api/jobs", &jobs)
-	if len(jobs) != 2 || jobs[0].Job != "charge" || jobs[0].Leader != "app-1" {
+	if len(jobs) != 3 || jobs[0].Job != "charge" || jobs[0].Leader != "app-1" {
 		t.Fatalf("api/jobs: %+v", jobs)
 	}
 	var fleet struct {
@@ -92,7 +92,7 @@ func TestJSONEndpointsAndPages(t *testing.T) {
 		Terms     []runner.Term         `json:"terms"`
 	}
 	getJSON(t, rg.srv.URL+"/api/fleet", &fleet)
-	if len(fleet.Instances) != 1 || fleet.Instances[0].ID != "app-1" || !fleet.Instances[0].Live || len(fleet.Instances[0].Leads) != 2 || len(fleet.Terms) == 0 {
+	if len(fleet.Instances) != 1 || fleet.Instances[0].ID != "app-1" || !fleet.Instances[0].Live || len(fleet.Instances[0].Leads) != 3 || len(fleet.Terms) == 0 {
 		t.Fatalf("api/fleet: %+v", fleet)
 	}
 	var ep migrations.Epoch
@@ -150,7 +150,7 @@ func TestActionsOffAreRefused(t *testing.T) {
 	}
 	pgtest.Eventually(t, 10*time.Second, "the runner to register its jobs", func() bool {
 		jobs, err := runner.Jobs(ctx, rg.db.Pool, rg.db.Schema, "")
-		return err == nil && len(jobs) == 2
+		return err == nil && len(jobs) == 3
 	})
 	for _, a := range []struct {
 		path string
@@ -190,7 +190,7 @@ func TestActionsAreSameOriginAndLogged(t *testing.T) {
 	ctx := pgtest.Context(t, time.Minute)
 	pgtest.Eventually(t, 10*time.Second, "the runner to register its jobs", func() bool {
 		jobs, err := runner.Jobs(ctx, rg.db.Pool, rg.db.Schema, "")
-		return err == nil && len(jobs) == 2
+		return err == nil && len(jobs) == 3
 	})
 	form := url.Values{"job": {"tick"}}
 	for _, h := range []map[string]string{

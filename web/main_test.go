@@ -30,7 +30,8 @@ type rig struct {
 const failing = "<script>window.pwned = true</script><b>boom</b>\x1b[31m \u202eevil"
 
 // newRig starts a runner with a job that succeeds ("tick", every second)
-// and one that fails ("charge", every 300ms, its error the text failing),
+// and two that fail ("charge", every 300ms, its error the text failing;
+// "nightly-billing", every 2s),
 // and serves the status page of its schema with cfg.
 func newRig(t *testing.T, cfg web.Config) *rig {
 	t.Helper()
@@ -44,6 +45,9 @@ func newRig(t *testing.T, cfg web.Config) *rig {
 	for _, j := range []runner.Job{
 		{Name: "tick", Schedule: "@every 1s", Run: func(context.Context, *runner.Run) error { return nil }},
 		{Name: "charge", Schedule: "@every 300ms", Run: func(context.Context, *runner.Run) error { return errors.New(failing) }},
+		{Name: "nightly-billing", Schedule: "@every 2s", Run: func(context.Context, *runner.Run) error {
+			return errors.New("charge customer 1042: payment provider answered 402 Payment Required")
+		}},
 	} {
 		if err := r.Register(j); err != nil {
 			t.Fatal(err)

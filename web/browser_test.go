@@ -1,0 +1,359 @@
+package web_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/chromedp/chromedp"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/runner"
+	"github.com/pgfence/pgfence/web"
+)
+
+// refresh is the pages' update interval in the browser test.
+const refresh = 500 * time.Millisecond
+
+// withinRefresh bounds a wait for the page to show a change: one refresh,
+// plus the round trip and the rendering on a loaded machine.
+const withinRefresh = refresh + 2*time.Second
+
+// browser starts headless Chromium (Debian's chromium) and returns a
+// context to drive it. A test without Chromium skips, naming the package
+// to install, and fails with CI=true. Console errors and exceptions (a
+// script the CSP blocked, a script error) fail the test.
+func browser(t *testing.T) (context.Context, *console) {
+	t.Helper()
+	path := os.Getenv("PGFENCE_CHROMIUM")
+	if path == "" {
+		for _, name := range []string{"chromium", "chromium-browser", "google-chrome"} {
+			if p, err := exec.LookPath(name); err == nil {
+				path = p
+				break
+			}
+		}
+	}
+	if path == "" {
+		pgtest.NeedTool(t, fmt.Errorf("the browser tests need Chromium on PATH (Debian: apt-get install chromium; or set PGFENCE_CHROMIUM): %w", exec.ErrNotFound), exec.ErrNotFound)
+	}
+	opts := append(chromedp.DefaultExecAllocatorOptions[:], chromedp.ExecPath(path), chromedp.WindowSize(1400, 900),
+		chromedp.Flag("disable-dev-shm-usage", true))
+	if os.Geteuid() == 0 {
+		opts = append(opts, chromedp.NoSandbox) // Chromium's sandbox refuses to run as root
+	}
+	actx, cancelAlloc := chromedp.NewExecAllocator(context.Background(), opts...)
+	ctx, cancel := chromedp.NewContext(actx)
+	ctx, cancelTimeout := context.WithTimeout(ctx, 3*time.Minute)
+	if err := chromedp.Do(ctx, chromedp.Navigate("about:blank")); err != nil {
+		cancelTimeout()
+		cancel()
+		cancelAlloc()
+		t.Fatalf("start Chromium (%s): %v", path, err)
+	}
+	con := &console{}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for m, err := range chromedp.Console(ctx) {
+			if err != nil {
+				return
+			}
+			if m.IsException() || m.Type == "error" {
+				con.add(m.String())
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		cancelTimeout()
+		cancel()
+		cancelAlloc()
+		<-done
+		for _, p := range con.unexpected() {
+			t.Errorf("the page's console: %s", p)
+		}
+	})
+	return ctx, con
+}
+
+// console keeps the errors the page wrote to its console.
+type console struct {
+	mu       sync.Mutex
+	problems []string
+	expected []string
+}
+
+func (c *console) add(msg string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.problems = append(c.problems, msg)
+}
+
+// expect makes one error containing text expected (a request the test
+// makes fail on purpose).
+func (c *console) expect(text string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.expected = append(c.expected, text)
+}
+
+func (c *console) unexpected() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []string
+	exp := slices.Clone(c.expected)
+	for _, p := range c.problems {
+		if i := slices.IndexFunc(exp, func(e string) bool { return strings.Contains(p, e) }); i >= 0 {
+			exp = slices.Delete(exp, i, i+1)
+			continue
+		}
+		out = append(out, p)
+	}
+	return out
+}
+
+// screenshots is the directory the browser test writes its screenshots to:
+// PGFENCE_SCREENSHOTS, else pgfence-screenshots in the temporary directory.
+func screenshots(t *testing.T) string {
+	dir := os.Getenv("PGFENCE_SCREENSHOTS")
+	if dir == "" {
+		dir = filepath.Join(os.TempDir(), "pgfence-screenshots")
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("screenshots in %s", dir)
+	return dir
+}
+
+func shoot(dir, name string) chromedp.Action[chromedp.Void] {
+	return chromedp.Func(func(ctx context.Context, _ *chromedp.Target) error {
+		buf, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(filepath.Join(dir, name+".png"), buf, 0o644)
+	})
+}
+
+// until waits for the JavaScript expression cond to be true on the page.
+func until(cond string, d time.Duration) chromedp.Action[chromedp.Void] {
+	return chromedp.Func(func(ctx context.Context, _ *chromedp.Target) error {
+		_, err := chromedp.Run(ctx, chromedp.Poll[bool](cond, chromedp.WithPollingTimeout(d), chromedp.WithPollingInterval(50*time.Millisecond)))
+		if err != nil {
+			return fmt.Errorf("waiting %v for %s: %w", d, cond, err)
+		}
+		return nil
+	})
+}
+
+// check fails with what if the JavaScript expression cond is not true.
+func check(cond, what string) chromedp.Action[chromedp.Void] {
+	return chromedp.Func(func(ctx context.Context, _ *chromedp.Target) error {
+		ok, err := chromedp.Run(ctx, chromedp.Evaluate[bool](cond))
+		if err != nil {
+			return fmt.Errorf("%s: %w", what, err)
+		}
+		if !ok {
+			return errors.New(what)
+		}
+		return nil
+	})
+}
+
+// eval sets *v to the value of the JavaScript expression expr.
+func eval[T any](expr string, v *T, opts ...chromedp.EvaluateOption) chromedp.Action[chromedp.Void] {
+	return chromedp.Func(func(ctx context.Context, _ *chromedp.Target) (err error) {
+		*v, err = chromedp.Run(ctx, chromedp.Evaluate[T](expr, opts...))
+		return err
+	})
+}
+
+// The status page in a real browser, against a live schema and a running
+// runner: a lease acquired while the page is open appears within one
+// refresh, without a reload, and its countdown runs; a failed attempt's
+// error shows; a hostile lease name and error text are shown as text; a
+// focused button keeps the focus across updates; "run now" runs the job
+// once and the page shows it; force release asks first; with actions
+// disabled there are no buttons and a POST gets 403.
+func TestStatusPageInBrowser(t *testing.T) {
+	ctx, con := browser(t)
+	dir := screenshots(t)
+	rg := newRig(t, web.Config{AllowActions: true, Refresh: refresh})
+	dbctx := pgtest.Context(t, 3*time.Minute)
+	base := rg.srv.URL + "/"
+	const hostile = "<img src=x onerror=\"window.pwned=1\">\x1b[2J\u202eesael"
+
+	// The leases page: the hostile lease, acquired once the page is open,
+	// appears by the next refresh, as text.
+	err := chromedp.Do(ctx,
+		chromedp.Navigate(base),
+		chromedp.WaitVisible(chromedp.CSS("#leases")),
+		chromedp.Evaluate[chromedp.Void](`window.marker = "same page"`),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease, err := rg.app.Acquire(dbctx, hostile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = chromedp.Do(ctx,
+		until(`[...document.querySelectorAll("#leases th.name")].some(e => e.textContent.startsWith("\"<img src=x"))`, withinRefresh),
+		check(`window.marker === "same page"`, "the page reloaded instead of updating in place"),
+		check(`window.pwned === undefined && document.querySelector("#leases img") === null`, "the lease name was interpreted as HTML"),
+		check(`[...document.querySelectorAll("#leases th.name")].some(e => e.textContent.includes("\\x1b[2J\\u202eesael"))`,
+			"the control and bidi characters of the lease name are not shown escaped"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Two holders that stopped renewing (rows as a frozen holder leaves
+	// them): one expired and not released, one with a renewal overdue.
+	leases := pgx.Identifier{rg.db.Schema, "pgfence_leases"}.Sanitize()
+	if _, err := rg.db.Pool.Exec(dbctx, `INSERT INTO `+leases+` (name, holder, secret, acquired_at, renewed_at, expires_at) VALUES
+		('compact-events', 'worker-7', '\x01', now() - interval '2 hours', now() - interval '20 seconds', now() - interval '5 seconds'),
+		('reports/daily', 'worker-3', '\x02', now() - interval '1 minute', now() - interval '100 seconds', now() + interval '30 seconds')`); err != nil {
+		t.Fatal(err)
+	}
+	err = chromedp.Do(ctx,
+		until(`document.querySelector('#leases tr.st-expired[data-lease="compact-events"]') !== null`, withinRefresh),
+		check(`document.querySelector('#leases tr.st-expired[data-lease="compact-events"]').textContent.includes("expired, not released")`,
+			"the expired lease is not marked as expired and not released"),
+		check(`document.querySelector('#leases tr.st-ending[data-lease="reports/daily"]').textContent.includes("renewal overdue")`,
+			"the lease whose renewal is overdue is not marked"),
+		check(`document.querySelector('#leases tr.st-held[data-lease="pgfence/job/tick"]').textContent.includes("held")`,
+			"a lease held and renewed is not shown as held"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var before, after string
+	countdown := `document.querySelector('#leases tr[data-lease="pgfence/job/tick"] .countdown').textContent`
+	err = chromedp.Do(ctx,
+		eval(countdown, &before),
+		chromedp.Sleep(600*time.Millisecond),
+		eval(countdown, &after),
+		shoot(dir, "status-leases"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before == after {
+		t.Fatalf("the expiry countdown did not move: %q then %q", before, after)
+	}
+
+	// The jobs page: the failed attempt's error, as text.
+	err = chromedp.Do(ctx,
+		chromedp.Navigate(base+"jobs"),
+		until(`document.querySelector('#runs tr.bad[data-status="failed"] .error') !== null`, withinRefresh),
+		check(`[...document.querySelectorAll('#runs tr[data-status="failed"] .error')].some(e => e.textContent.includes("<script>window.pwned = true</script><b>boom</b>\\x1b[31m \\u202eevil"))`,
+			"the failed attempt's error text is not shown as text"),
+		check(`window.pwned === undefined && document.querySelectorAll("#live script, #live b").length === 0`, "the error text was interpreted as HTML"),
+		check(`document.querySelector('#jobs tr[data-job="charge"]').classList.contains("bad")`, "the failing job does not stand out"),
+		shoot(dir, "status-jobs"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Keyboard: a focused button keeps the focus while the page updates.
+	runButton := `#jobs tr[data-job="tick"] form[action="run"] button`
+	err = chromedp.Do(ctx,
+		chromedp.Focus(chromedp.CSS(runButton)),
+		chromedp.Evaluate[chromedp.Void](`document.body.dataset.stamp = document.getElementById("stamp").textContent`),
+		until(`document.getElementById("stamp").textContent !== document.body.dataset.stamp`, withinRefresh),
+		check(`document.activeElement === document.querySelector('`+runButton+`')`, "the focus was lost when the page updated"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Run now: one manual run of tick, shown on the page.
+	err = chromedp.Do(ctx,
+		chromedp.Click(chromedp.CSS(runButton)),
+		chromedp.WaitVisible(chromedp.CSS(`h2[data-job="tick"]`)), // the jobs page of tick, where the click leads
+		until(`document.querySelector('#runs tr[data-kind="manual"][data-status="succeeded"]') !== null`, 10*time.Second),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	runs, err := runner.Runs(dbctx, rg.db.Pool, rg.db.Schema, runner.RunFilter{Job: "tick", Limit: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	manual := slices.DeleteFunc(runs, func(r runner.RunInfo) bool { return r.Kind != runner.KindManual })
+	if len(manual) != 1 || manual[0].Status != runner.StatusSucceeded || !strings.HasPrefix(manual[0].RequestedBy, "pgfence-web:") {
+		t.Fatalf("manual runs of tick after one click: %+v; want one, succeeded", manual)
+	}
+
+	// The fleet page.
+	err = chromedp.Do(ctx,
+		chromedp.Navigate(base+"fleet"),
+		until(`[...document.querySelectorAll("#instances th.name")].some(e => e.textContent === "app-1")`, withinRefresh),
+		until(`document.querySelectorAll("#terms tbody tr th").length > 0`, withinRefresh),
+		shoot(dir, "status-fleet"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Force release: the confirmation first, then the lease is free and
+	// its holder's lease ends.
+	err = chromedp.Do(ctx,
+		chromedp.Navigate(base),
+		chromedp.WaitVisible(chromedp.CSS("#leases")),
+		chromedp.Click(chromedp.CSS(`#leases tr.st-held a.button`)), // the first held lease by name: the hostile one
+		chromedp.WaitVisible(chromedp.CSS("#confirm-release")),
+		check(`document.querySelector("main").textContent.includes("will be refused")`, "the confirmation does not say what releasing does"),
+		shoot(dir, "status-release"),
+		chromedp.Click(chromedp.CSS("#confirm-release")),
+		chromedp.WaitVisible(chromedp.CSS("#leases")),
+		until(`document.querySelector("#leases tr.st-free") !== null`, withinRefresh),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-lease.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the holder's lease did not end after the force release")
+	}
+	if !errors.Is(lease.Err(), lock.ErrLeaseLost) {
+		t.Fatalf("the holder's lease ended with %v, want ErrLeaseLost", lease.Err())
+	}
+
+	// Actions disabled: no buttons, and the browser's POST gets 403.
+	h, err := web.New(rg.db.Client(t, lock.Config{Holder: "read-only-page"}), web.Config{Refresh: refresh})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ro := httptest.NewServer(h)
+	t.Cleanup(ro.Close)
+	var status int
+	con.expect("status of 403")
+	err = chromedp.Do(ctx,
+		chromedp.Navigate(ro.URL+"/jobs"),
+		chromedp.WaitVisible(chromedp.CSS("#jobs")),
+		check(`document.querySelectorAll("form, button, a.button").length === 0`, "the read-only page shows actions"),
+		eval(`fetch("run", {method: "POST", body: new URLSearchParams({job: "tick"})}).then(r => r.status)`, &status, chromedp.EvalAwaitPromise),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if status != http.StatusForbidden {
+		t.Fatalf("POST run from the read-only page: %d, want 403", status)
+	}
+}
