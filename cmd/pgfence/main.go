@@ -23,6 +23,8 @@
 //	                      delete finished runs older than D (the latest slot of each job is kept)
 //	grant app|operator ROLE [--print]
 //	                      give ROLE what an application (or this CLI) needs in the schema
+//	ui [--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]
+//	                      serve the status page (leases, jobs, fleet) in a browser
 //	version               print the module version and the commit it was built from
 //
 // Global flags (also accepted after the command name):
@@ -191,6 +193,8 @@ commands:
                         delete finished runs older than D
   grant app|operator ROLE [--print]
                         give ROLE what an application (or this CLI) needs in the schema
+  ui [--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]
+                        serve the status page: leases, jobs, fleet (read-only by default)
   version               the module version and commit this binary was built from
 
 exit codes: 0 ok, 1 error, 2 usage, 3 no such lease, 4 no such job or shard,
@@ -231,6 +235,8 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		err = cmdJobs(ctx, e, rest)
 	case "grant":
 		err = cmdGrant(ctx, e, rest)
+	case "ui":
+		err = cmdUI(ctx, e, rest)
 	case "version":
 		fmt.Fprintln(stdout, version())
 		return exitOK

@@ -1,0 +1,81 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/web"
+)
+
+// cmdUI serves the status page (package web) until interrupted.
+func cmdUI(ctx context.Context, e *env, args []string) error {
+	var (
+		listen  string
+		allow   bool
+		refresh time.Duration
+	)
+	fs, err := parse(e, "ui", "[--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]", args, func(fs *flag.FlagSet) {
+		fs.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the page on (localhost by default)")
+		fs.BoolVar(&allow, "allow-actions", false, "offer force release, run now, pause and resume on the page")
+		fs.DurationVar(&refresh, "refresh", time.Second, "how often an open page updates")
+	})
+	if err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		fs.Usage()
+		return fail(exitUsage, "ui takes no arguments")
+	}
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	c, err := lock.New(pool, lock.Config{Schema: e.schema})
+	if err != nil {
+		return err
+	}
+	defer c.Close(context.WithoutCancel(ctx))
+	h, err := web.New(c, web.Config{AllowActions: allow, Refresh: refresh, Logger: slog.New(slog.NewTextHandler(e.stderr, nil))})
+	if errors.Is(err, web.ErrInvalidConfig) {
+		return fail(exitUsage, "%v", err)
+	}
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		return fail(exitError, "--listen: %v", err)
+	}
+	actions := "read-only (--allow-actions to offer force release, run now, pause, resume)"
+	if allow {
+		actions = "actions enabled"
+	}
+	fmt.Fprintf(e.stdout, "pgfence status page of schema %s: http://%s/ (%s); Ctrl-C stops it\n", e.schemaName(), ln.Addr(), actions)
+	if ip := ln.Addr().(*net.TCPAddr).IP; !ip.IsLoopback() {
+		fmt.Fprintf(e.stderr, "pgfence: warning: listening on %s, beyond this machine: whoever reaches it reads the page%s\n",
+			ln.Addr(), map[bool]string{true: " and can steer jobs and release leases", false: ""}[allow])
+	}
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	select {
+	case err := <-served:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		return err
+	}
+	<-served
+	return nil
+}
