@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"slices"
 	"strings"
@@ -353,5 +354,52 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		if _, err := web.New(c, cfg); !errors.Is(err, web.ErrInvalidConfig) {
 			t.Fatalf("New(%+v): %v, want ErrInvalidConfig", cfg, err)
 		}
+	}
+}
+
+// Mounted under a prefix, the page links and redirects relative to it, and
+// the prefix without its slash is redirected to it.
+func TestMountedUnderAPrefix(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	h, err := web.New(db.Client(t, lock.Config{}), web.Config{AllowActions: true, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/ops/pgfence/", http.StripPrefix("/ops/pgfence", h))
+	srv := httptestServer(t, mux)
+	c := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	res, err := c.Get(srv + "/ops/pgfence")
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	if loc := res.Header.Get("Location"); res.StatusCode/100 != 3 || !strings.HasSuffix(loc, "pgfence/") {
+		t.Fatalf("GET /ops/pgfence: %d to %q, want a redirect to pgfence/", res.StatusCode, loc)
+	}
+	// A router that passes the prefix without its slash on (StripPrefix
+	// leaves an empty path): the handler redirects itself.
+	rec := httptest.NewRecorder()
+	http.StripPrefix("/ops/pgfence", h).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/ops/pgfence", nil))
+	if loc := rec.Header().Get("Location"); rec.Code != http.StatusMovedPermanently || loc != "pgfence/" {
+		t.Fatalf("the handler asked for an empty path: %d to %q, want 301 to pgfence/", rec.Code, loc)
+	}
+	code, _, body := get(t, srv+"/ops/pgfence/jobs")
+	if code != http.StatusOK || !strings.Contains(body, `href="static/style.css"`) || !strings.Contains(body, `href="fleet"`) || strings.Contains(body, `href="/`) {
+		t.Fatalf("GET /ops/pgfence/jobs: %d; want only links relative to the mount point\n%s", code, body)
+	}
+	if code, _, _ := get(t, srv+"/ops/pgfence/static/app.js"); code != http.StatusOK {
+		t.Fatalf("GET /ops/pgfence/static/app.js: %d", code)
+	}
+	req, _ := http.NewRequest(http.MethodPost, srv+"/ops/pgfence/resume", strings.NewReader("job=nope"))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	res, err = c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	if res.StatusCode != http.StatusNotFound {
+		t.Fatalf("POST resume of an unknown job under the prefix: %d, want 404", res.StatusCode)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"net/http"
 	"net/http/httptest"
 	"testing"
 	"time"
@@ -75,7 +76,7 @@ func newRig(t *testing.T, cfg web.Config) *rig {
 }
 
 // httptestServer serves h for the test and returns its URL.
-func httptestServer(t *testing.T, h *web.Handler) string {
+func httptestServer(t *testing.T, h http.Handler) string {
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 	return srv.URL

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/url"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -17,6 +18,14 @@ import (
 // --allow-actions, and stops cleanly on SIGINT.
 func TestUIServesTheStatusPage(t *testing.T) {
 	c := newCLI(t)
+	if out, code := c.run("", "run", "--lease", "nightly", "--", "true"); code != 0 {
+		t.Fatalf("run: %d %s", code, out)
+	}
+	cliOut, code := c.run("", "leases", "--json")
+	var cliLeases []map[string]any
+	if err := json.Unmarshal([]byte(cliOut), &cliLeases); code != 0 || err != nil || len(cliLeases) != 1 {
+		t.Fatalf("leases --json: %d %v\n%s", code, err, cliOut)
+	}
 	for _, allow := range []bool{false, true} {
 		args := []string{"ui", "--listen", "127.0.0.1:0"}
 		if allow {
@@ -45,11 +54,14 @@ func TestUIServesTheStatusPage(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		var leases []any
+		var leases []map[string]any
 		err = json.NewDecoder(res.Body).Decode(&leases)
 		res.Body.Close()
-		if err != nil || res.StatusCode != http.StatusOK {
-			t.Fatalf("GET api/leases: %d, %v", res.StatusCode, err)
+		if err != nil || res.StatusCode != http.StatusOK || len(leases) != 1 {
+			t.Fatalf("GET api/leases: %d, %v, %v", res.StatusCode, err, leases)
+		}
+		if got, want := keys(leases[0]), keys(cliLeases[0]); got != want || leases[0]["token"] != cliLeases[0]["token"] {
+			t.Fatalf("api/leases has the keys %s (token %v), leases --json %s (token %v)", got, leases[0]["token"], want, cliLeases[0]["token"])
 		}
 		res, err = http.Get(base)
 		if err != nil {
@@ -86,4 +98,13 @@ func TestUIServesTheStatusPage(t *testing.T) {
 	if out, code := c.run("", "ui", "--refresh", "1ms"); code != exitUsage || !strings.Contains(out, "Refresh") {
 		t.Fatalf("ui --refresh 1ms: %d %s", code, out)
 	}
+}
+
+func keys(m map[string]any) string {
+	var ks []string
+	for k := range m {
+		ks = append(ks, k)
+	}
+	slices.Sort(ks)
+	return strings.Join(ks, ",")
 }
