@@ -13,6 +13,7 @@ import (
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // Client acquires and renews leases. It is safe for concurrent use. Its
@@ -38,6 +39,7 @@ type Client struct {
 
 	mu       sync.Mutex
 	held     map[*Lease]struct{}
+	renewMu  sync.Mutex // held while a renewal statement runs (releaseAll waits for it)
 	renewing bool
 	closed   bool
 	bg       *bg.Group   // every background goroutine
@@ -129,17 +131,41 @@ func (c *Client) close(ctx context.Context) error {
 		leases = append(leases, l)
 	}
 	c.mu.Unlock()
-	var first error
-	for _, l := range leases {
-		if err := l.Release(ctx); err != nil && first == nil {
-			first = err
-		}
-	}
+	first := c.releaseAll(ctx, leases)
 	c.lis.stop()
 	c.poll.close()
 	c.bg.Stop() // cancel, then wait for every goroutine
 	_ = c.m.observed.Unregister()
 	return first
+}
+
+// releaseAll ends leases and frees their rows in one statement. It waits
+// for a renewal in flight first: both statements lock many rows, each in
+// its own order, and would deadlock.
+func (c *Client) releaseAll(ctx context.Context, leases []*Lease) error {
+	names := make([]string, 0, len(leases))
+	tokens := make([]int64, 0, len(leases))
+	secrets := make([][]byte, 0, len(leases))
+	for _, l := range leases {
+		if l.end() {
+			names, tokens, secrets = append(names, l.name), append(tokens, int64(l.token)), append(secrets, l.secret)
+		}
+	}
+	if len(names) == 0 {
+		return nil
+	}
+	sql := c.q.releaseMany
+	if c.cfg.DurableRelease {
+		sql = c.q.releaseManyDurable
+	}
+	c.renewMu.Lock()
+	defer c.renewMu.Unlock()
+	ctx, cancel := wait.Cleanup(ctx)
+	defer cancel()
+	if _, err := c.pool.Exec(ctx, sql, names, tokens, secrets); err != nil {
+		return fmt.Errorf("lock: release %d leases: %w", len(names), c.explain(err))
+	}
+	return nil
 }
 
 func (c *Client) isClosed() bool {

@@ -181,17 +181,9 @@ func (l *Lease) judge(token int64, ours, live bool, expiresAt time.Time) (LossCa
 // at shutdown, when ctx is cancelled, still frees the lease, bounded by its
 // own timeout (5s).
 func (l *Lease) Release(ctx context.Context) error {
-	l.mu.Lock()
-	if l.ended {
-		l.mu.Unlock()
+	if !l.end() {
 		return nil
 	}
-	l.ended = true
-	l.timer.Stop()
-	l.mu.Unlock()
-	l.cancel(ErrReleased)
-	l.c.untrack(l)
-	l.c.emit(Event{Kind: Released, Lease: l.name, Token: l.token})
 	sql := l.c.q.release
 	if l.c.cfg.DurableRelease {
 		sql = l.c.q.releaseDurable
@@ -202,6 +194,24 @@ func (l *Lease) Release(ctx context.Context) error {
 		return fmt.Errorf("lock: release %q: %w", l.name, l.c.explain(err))
 	}
 	return nil
+}
+
+// end ends the lease as released, before the row is freed: its context is
+// cancelled with ErrReleased and it is renewed no more. It reports false if
+// the lease had already ended.
+func (l *Lease) end() bool {
+	l.mu.Lock()
+	if l.ended {
+		l.mu.Unlock()
+		return false
+	}
+	l.ended = true
+	l.timer.Stop()
+	l.mu.Unlock()
+	l.cancel(ErrReleased)
+	l.c.untrack(l)
+	l.c.emit(Event{Kind: Released, Lease: l.name, Token: l.token})
+	return true
 }
 
 // lose ends the lease with err (which wraps ErrLeaseLost), lost for cause.

@@ -978,3 +978,42 @@ func TestInspectSaysWhoHolds(t *testing.T) {
 		t.Fatalf("Inspect of an invalid name: %v", err)
 	}
 }
+
+// Close releases every lease the client holds in a few statements, not one
+// per lease: each lease ends with ErrReleased, and every row is free.
+func TestCloseReleasesManyLeasesInFewStatements(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, 2*time.Minute)
+	counter := &stmtCounter{}
+	pool := pgtest.NewPool(t, "close-count", func(c *pgxpool.Config) { c.ConnConfig.Tracer = counter })
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 1000
+	leases := make([]*lock.Lease, n)
+	for i := range leases {
+		if leases[i], err = c.TryAcquire(ctx, fmt.Sprintf("close-%04d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	counter.reset()
+	if err := c.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := counter.count("UPDATE") + counter.count("WITH"); got > 5 {
+		t.Fatalf("Close of %d leases sent %d UPDATE statements; want at most 5", n, got)
+	}
+	for _, l := range leases {
+		if !errors.Is(l.Err(), lock.ErrReleased) {
+			t.Fatalf("lease %s after Close: %v, want ErrReleased", l.Name(), l.Err())
+		}
+	}
+	var held int
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
+		" WHERE holder IS NOT NULL OR expires_at > now()").Scan(&held); err != nil || held != 0 {
+		t.Fatalf("%d lease rows still held after Close (%v)", held, err)
+	}
+	t.Logf("Close released %d leases with %d statements", n, counter.total())
+}

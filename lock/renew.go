@@ -53,7 +53,10 @@ func (c *Client) renewLoop(ctx context.Context) {
 			batch = append(batch, l)
 		}
 		c.mu.Unlock()
-		if err := c.renew(ctx, own, batch); err != nil {
+		c.renewMu.Lock()
+		err := c.renew(ctx, own, batch)
+		c.renewMu.Unlock()
+		if err != nil {
 			c.stats.failures.Add(1)
 			failing.Fail(c.cfg.Logger, "pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
 				err, "leases", len(batch))
@@ -101,7 +104,7 @@ func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease) error {
 	for _, l := range batch {
 		if exp, ok := got[renewKey{l.name, l.token}]; ok {
 			l.renewed(sent, exp)
-		} else {
+		} else if l.Err() == nil { // not released meanwhile (Close)
 			l.lose(c.whyNotRenewed(ctx, q, l))
 		}
 	}

@@ -20,7 +20,7 @@ import (
 
 // queries holds the package's SQL, built once per client for its schema.
 type queries struct {
-	acquire, heldBy, freeFor, acquireNew, syncEpoch, pollWaited, observe, renew, release, releaseDurable, releaseSecret, backendAlive, check, inspectAll, inspectOne, forceRelease, blockers string
+	acquire, heldBy, freeFor, acquireNew, syncEpoch, pollWaited, observe, renew, release, releaseDurable, releaseMany, releaseManyDurable, releaseSecret, backendAlive, check, inspectAll, inspectOne, forceRelease, blockers string
 }
 
 // wakeWaiters is a RETURNING expression for statements that free a lease
@@ -165,6 +165,18 @@ RETURNING %[2]s, set_config('synchronous_commit', 'off', true)`, t, wake),
 
 		releaseDurable: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
  WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
+RETURNING %[2]s`, t, wake),
+
+		// Close's release of all the client's leases in one statement,
+		// as the renewal renews them ($1 names, $2 tokens, $3 secrets).
+		releaseMany: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
+  FROM unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
+ WHERE l.name = r.name AND l.token = r.token AND l.secret = r.secret
+RETURNING %[2]s, set_config('synchronous_commit', 'off', true)`, t, wake),
+
+		releaseManyDurable: fmt.Sprintf(`UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
+  FROM unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
+ WHERE l.name = r.name AND l.token = r.token AND l.secret = r.secret
 RETURNING %[2]s`, t, wake),
 
 		// Frees an acquisition whose outcome its client does not know
