@@ -46,10 +46,27 @@ func main() {
 	cell := flag.Duration("cell", time.Second, "time per measurement")
 	handovers := flag.Int("handovers", 200, "handovers per handover row")
 	write := flag.String("write", "", "BENCHMARKS.md to update between its generated-section markers")
-	only := flag.String("sections", strings.Join(sectionNames, ","), "the sections to run, comma-separated")
+	only := flag.String("sections", strings.Join(sectionNames, ","), "the sections to run, comma-separated; also "+
+		strings.Join(longSections, ", ")+" (each a few minutes, written to a block of its own)")
 	childName, childTTL := childFlags()
+	etcdKey, etcdURL := etcdChildFlags()
+	riverID := riverChildFlag()
 	flag.Parse()
 	ctx := context.Background()
+	if *riverID != "" {
+		if err := riverChild(ctx, *dbURL, *riverID); err != nil {
+			fmt.Fprintln(os.Stderr, "bench: river child:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if *etcdKey != "" {
+		if err := etcdChild(ctx, *etcdURL, *etcdKey, *childTTL); err != nil {
+			fmt.Fprintln(os.Stderr, "bench: etcd crash child:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *childName != "" {
 		if err := crashChild(ctx, *dbURL, *childName, *childTTL); err != nil {
 			fmt.Fprintln(os.Stderr, "bench: crash child:", err)
@@ -73,6 +90,7 @@ func main() {
 		"scale":      func(out *bytes.Buffer) error { return b.scale(ctx, out, 5) },
 		"singletons": func(out *bytes.Buffer) error { return b.singletons(ctx, out, 10*time.Second) },
 		"runner":     func(out *bytes.Buffer) error { return b.runnerRows(ctx, out) },
+		"river":      func(out *bytes.Buffer) error { return b.river(ctx, out, 2, 10*time.Second) },
 	}
 	var out bytes.Buffer
 	start := time.Now()
@@ -92,11 +110,16 @@ func main() {
 	fmt.Fprintf(&out, "\nThe whole run took %s.\n", time.Since(start).Round(time.Second))
 	os.Stdout.Write(out.Bytes())
 	if *write != "" {
-		if *only != strings.Join(sectionNames, ",") {
-			fmt.Fprintln(os.Stderr, "bench: -write needs every section, so that BENCHMARKS.md shows one run")
+		block := "bench"
+		switch {
+		case slices.Contains(longSections, *only):
+			block = "bench:" + *only
+		case *only != strings.Join(sectionNames, ","):
+			fmt.Fprintln(os.Stderr, "bench: -write needs every section (or one of "+strings.Join(longSections, ", ")+
+				" alone), so that each block of BENCHMARKS.md shows one run")
 			os.Exit(2)
 		}
-		if err := splice(*write, out.Bytes()); err != nil {
+		if err := splice(*write, block, out.Bytes()); err != nil {
 			fmt.Fprintln(os.Stderr, "bench:", err)
 			os.Exit(1)
 		}
@@ -106,11 +129,16 @@ func main() {
 // sectionNames are the sections, in the order they run and print.
 var sectionNames = []string{"pairs", "guarded", "costs", "parts", "handover", "crash", "scale", "singletons", "runner"}
 
+// longSections run only when named, and -write puts each in a block of
+// its own (<!-- bench:NAME:begin --> ... <!-- bench:NAME:end -->).
+var longSections = []string{"river"}
+
 type bench struct {
 	url   string
 	pool  *pgxpool.Pool
 	sent  *counter // what pool has sent
 	redis *redis.Client
+	etcd  *etcdServer
 }
 
 func setup(ctx context.Context, dbURL, redisAddr string) (*bench, error) {
@@ -130,6 +158,10 @@ func setup(ctx context.Context, dbURL, redisAddr string) (*bench, error) {
 		b.close()
 		return nil, fmt.Errorf("redis at %s: %w (start it as ../shared/README.md says)", redisAddr, err)
 	}
+	if b.etcd, err = startEtcd(ctx); err != nil {
+		b.close()
+		return nil, fmt.Errorf("etcd: %w", err)
+	}
 	if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+schema+" CASCADE"); err != nil {
 		b.close()
 		return nil, err
@@ -142,6 +174,20 @@ func setup(ctx context.Context, dbURL, redisAddr string) (*bench, error) {
 		"CREATE TABLE " + schema + ".floor (id int PRIMARY KEY, v bigint NOT NULL) WITH (fillfactor = 10)",
 		"INSERT INTO " + schema + ".floor SELECT g, 0 FROM generate_series(0, 64) g",
 		"CREATE TABLE " + schema + ".events (id bigserial PRIMARY KEY, payload text)",
+		// The handshake without WAL, measured against the row lock: a
+		// guard that takes a transaction-level shared advisory lock on the
+		// lease (a takeover would take it exclusively) and reads the token
+		// without locking its row. Not pgfence's check; see BENCHMARKS.md.
+		`CREATE FUNCTION ` + schema + `.check_advisory(p_name text, p_token bigint) RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE cur bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended(p_name, 0));
+    SELECT l.token INTO cur FROM ` + schema + `.pgfence_leases l WHERE l.name = p_name;
+    IF NOT FOUND OR cur <> p_token THEN
+        RAISE EXCEPTION 'stale token % for lease % (current %)', p_token, p_name, cur USING ERRCODE = 'PF001';
+    END IF;
+    RETURN cur;
+END $$`,
 	} {
 		if _, err := pool.Exec(ctx, st); err != nil {
 			b.close()
@@ -154,6 +200,9 @@ func setup(ctx context.Context, dbURL, redisAddr string) (*bench, error) {
 func (b *bench) close() {
 	b.pool.Close()
 	_ = b.redis.Close()
+	if b.etcd != nil {
+		b.etcd.stop()
+	}
 }
 
 func (b *bench) header(ctx context.Context) string {
@@ -174,9 +223,9 @@ func (b *bench) header(ctx context.Context) string {
 	}
 	return fmt.Sprintf("Generated by `go run -C bench . -write ../BENCHMARKS.md` on %s: %d cores (%s), %s, "+
 		"PostgreSQL %s on 127.0.0.1 (fsync = %s, synchronous_commit = %s, shared_buffers = %s), Redis %s on 127.0.0.1 "+
-		"(no persistence). Each figure: median over the rounds, [min – max], rounds; the forms of a table take turns "+
+		"(no persistence), etcd %s on 127.0.0.1 (one member, its data on the same disk, fsync on). Each figure: median over the rounds, [min – max], rounds; the forms of a table take turns "+
 		"within each round.\n", time.Now().UTC().Format("2006-01-02"), runtime.NumCPU(), cpu, runtime.Version(),
-		version, fsync, syncCommit, sharedBuffers, redisVersion)
+		version, fsync, syncCommit, sharedBuffers, redisVersion, b.etcd.version(ctx))
 }
 
 // op is one client's unit of work: it reports whether it counted (a try
@@ -398,6 +447,7 @@ func (b *bench) pairForms() ([]form, func(form) string) {
 		{pgfenceDur, "yes", pgfence(true)},
 		{"`pg_try_advisory_lock` / `pg_advisory_unlock`", "no", advisory},
 		{"Redis `SET NX PX` + compare-and-delete", "no", redisLock},
+		{etcdForm, "yes", b.etcdPairs},
 	}
 	baseline := func(f form) string {
 		switch f.name {
@@ -543,6 +593,13 @@ func (b *bench) guardForms(more int) ([]form, func(form) string, func(), error) 
 				return err == nil, err
 			}, func() {}, nil
 		}},
+		{advisoryForm, "yes", tx(func(ctx context.Context, tx pgx.Tx, l *lock.Lease, _ fence.Resource) error {
+			if _, err := tx.Exec(ctx, "SELECT "+schema+".check_advisory($1, $2)", l.Name(), int64(l.Token())); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, ins, "x")
+			return err
+		})},
 		{"`Resource.Exec` (admission pipelined)", "yes", tx(func(ctx context.Context, tx pgx.Tx, l *lock.Lease, res fence.Resource) error {
 			_, err := res.Exec(ctx, tx, l.Token(), ins, "x")
 			return err
@@ -612,6 +669,11 @@ func (b *bench) handover(ctx context.Context, out *bytes.Buffer, n int) error {
 		}
 		fmt.Fprintf(out, "| %s | %s | %s | %s | %d |\n", label, ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100]), ms(lat[len(lat)-1]), opened)
 	}
+	lat, err := b.etcdHandovers(ctx, n)
+	if err != nil {
+		return fmt.Errorf("etcd: %w", err)
+	}
+	fmt.Fprintf(out, "| etcd `Mutex`: Unlock to the waiting Lock, idle | %s | %s | %s | – |\n", ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100]), ms(lat[len(lat)-1]))
 	return nil
 }
 
@@ -670,8 +732,8 @@ func acquireAsync(ctx context.Context, c *lock.Client, name string) <-chan acqui
 func ms(d time.Duration) string { return fmt.Sprintf("%.1f ms", float64(d.Microseconds())/1000) }
 
 // splice replaces what lies between the generated-section markers of path.
-func splice(path string, body []byte) error {
-	const begin, end = "<!-- bench:begin -->\n", "<!-- bench:end -->"
+func splice(path, block string, body []byte) error {
+	begin, end := "<!-- "+block+":begin -->\n", "<!-- "+block+":end -->"
 	old, err := os.ReadFile(path)
 	if err != nil {
 		return err
@@ -695,3 +757,7 @@ func firstNonEmpty(vs ...string) string {
 	}
 	return ""
 }
+
+// advisoryForm is the guarded table's measurement of item "the handshake
+// without WAL": a shared advisory lock instead of the row lock.
+const advisoryForm = "prototype: shared advisory xact lock + token read, then the INSERT (not pgfence's check)"

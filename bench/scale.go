@@ -568,8 +568,13 @@ func (b *bench) crash(ctx context.Context, out *bytes.Buffer, rounds int) error 
 		"(SIGKILL) while another client's `Acquire` waits for it (default PollInterval 1 s). Takeover: from the kill to that "+
 		"`Acquire` returning. After expiry: the takeover minus what was left of the lease at the database (`expires_at - now()`, "+
 		"read just before the kill). A graceful release hands over in the time of the handover table.\n\n"+
-		"| TTL | takeover after the kill, ms | after the lease expired, ms |\n|---|---|---|\n| %s | %s | %s |\n",
+		"| holder | TTL | takeover after the kill, ms | after the lease expired, ms |\n|---|---|---|---|\n| pgfence | %s | %s | %s |\n",
 		ttl, (ttl / 3).Round(time.Millisecond), ttl, summary(takeover, "%.0f"), summary(afterExpiry, "%.0f"))
+	etcd, err := b.etcdCrash(ctx, rounds, ttl)
+	if err != nil {
+		return fmt.Errorf("etcd: %w", err)
+	}
+	fmt.Fprintf(out, "| etcd `Mutex` (session TTL; its keepalive every TTL/3) | %s | %s | – |\n", ttl, summary(etcd, "%.0f"))
 	return nil
 }
 
