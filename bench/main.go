@@ -87,10 +87,18 @@ func main() {
 		"parts":      func(out *bytes.Buffer) error { return b.parts(ctx, out, 2**rounds, *cell) },
 		"handover":   func(out *bytes.Buffer) error { return b.handover(ctx, out, *handovers) },
 		"crash":      func(out *bytes.Buffer) error { return b.crash(ctx, out, 5) },
-		"scale":      func(out *bytes.Buffer) error { return b.scale(ctx, out, 5) },
-		"singletons": func(out *bytes.Buffer) error { return b.singletons(ctx, out, 10*time.Second) },
+		"scale":      func(out *bytes.Buffer) error { return b.scale(ctx, out, 3*time.Second, 5, 1, 100, 1000, 10000) },
+		"singletons": func(out *bytes.Buffer) error { return b.singletons(ctx, out, 10*time.Second, 100) },
 		"runner":     func(out *bytes.Buffer) error { return b.runnerRows(ctx, out) },
 		"river":      func(out *bytes.Buffer) error { return b.river(ctx, out, 2, 10*time.Second) },
+		// Fleets at scale: 100,000 leases on one client (the default TTL,
+		// 10 renewal intervals), 1,000 singleton jobs on ten replicas.
+		"fleet": func(out *bytes.Buffer) error {
+			if err := b.scale(ctx, out, 15*time.Second, 10, 100000); err != nil {
+				return err
+			}
+			return b.singletons(ctx, out, 10*time.Second, 1000)
+		},
 	}
 	var out bytes.Buffer
 	start := time.Now()
@@ -131,7 +139,7 @@ var sectionNames = []string{"pairs", "guarded", "costs", "parts", "handover", "c
 
 // longSections run only when named, and -write puts each in a block of
 // its own (<!-- bench:NAME:begin --> ... <!-- bench:NAME:end -->).
-var longSections = []string{"river"}
+var longSections = []string{"river", "fleet"}
 
 type bench struct {
 	url   string

@@ -186,7 +186,7 @@ func (b *bench) costOf(ctx context.Context, f form, clients int, d time.Duration
 // the evidence for the ratios of the tables above.
 func (b *bench) costs(ctx context.Context, out *bytes.Buffer, d time.Duration) error {
 	fmt.Fprint(out, "\n### Where the time goes\n\nOne measurement per form and client count (distinct names; many leases), "+
-		d.String()+" each, with what it cost per op: round trips and statements the client sent (a pgx tracer; Redis: –), "+
+		d.String()+" each, with what it cost per op: round trips and statements the client sent (a pgx tracer; Redis and etcd: –, and so are their WAL and server CPU), "+
 		"WAL records (`pg_stat_wal`, read after the connections closed so that every backend reported) and bytes (the WAL "+
 		"position), the CPU time of every `postgres` process (`/proc`, with the backends that exited), and this process's "+
 		"CPU time (client and its goroutines). Server and client share the 2 cores.\n")
@@ -209,15 +209,17 @@ func (b *bench) costs(ctx context.Context, out *bytes.Buffer, d time.Duration) e
 					return err
 				}
 				trips, statements := fmt.Sprintf("%.2f", c.trips), fmt.Sprintf("%.2f", c.statements)
-				if strings.HasPrefix(f.name, "Redis") {
-					trips, statements = "–", "–"
-				}
+				records, bytes := fmt.Sprintf("%.2f", c.walRecords), fmt.Sprintf("%.0f", c.walBytes)
 				server := "–"
 				if c.serverKnown {
 					server = fmt.Sprintf("%.0f", float64(c.serverCPU.Nanoseconds())/1000)
 				}
-				fmt.Fprintf(out, "| %s | %d | %.0f | %s | %s | %.2f | %.0f | %s | %.0f |\n", f.name, clients, c.perSecond, trips, statements,
-					c.walRecords, c.walBytes, server, float64(c.clientCPU.Nanoseconds())/1000)
+				if strings.HasPrefix(f.name, "Redis") || f.name == etcdForm {
+					// Not PostgreSQL: its client, WAL and server are not the ones measured.
+					trips, statements, records, bytes, server = "–", "–", "–", "–", "–"
+				}
+				fmt.Fprintf(out, "| %s | %d | %.0f | %s | %s | %s | %s | %s | %.0f |\n", f.name, clients, c.perSecond, trips, statements,
+					records, bytes, server, float64(c.clientCPU.Nanoseconds())/1000)
 			}
 		}
 	}

@@ -47,11 +47,8 @@ func (b *bench) newPool(ctx context.Context, maxConns int32, tune ...func(*pgxpo
 
 // scale measures one client holding many leases: what its renewals send and
 // cost, and its memory per lease.
-func (b *bench) scale(ctx context.Context, out *bytes.Buffer, intervals int) error {
-	const (
-		ttl   = 3 * time.Second
-		renew = ttl / 3
-	)
+func (b *bench) scale(ctx context.Context, out *bytes.Buffer, ttl time.Duration, intervals int, counts ...int) error {
+	renew := ttl / 3
 	fmt.Fprintf(out, "\n### Scale: one client holding many leases\n\nOne client (TTL %s, so a renewal every %s) acquires the leases, then "+
 		"holds them for %d renewal intervals. Statements: what its pool sent per interval (a pgx tracer). Renew latency: the "+
 		"renewal statement's round trip (`Client.Stats`), median and max over the intervals. Server CPU: every `postgres` "+
@@ -60,7 +57,7 @@ func (b *bench) scale(ctx context.Context, out *bytes.Buffer, intervals int) err
 		"Close: `Client.Close`, which releases them all.\n\n"+
 		"| leases | statements / renewal interval | renew latency | server CPU / s | client heap / lease | acquiring them | Close |\n"+
 		"|---|---|---|---|---|---|---|\n", ttl, renew, intervals)
-	for _, n := range []int{1, 100, 1000, 10000} {
+	for _, n := range counts {
 		if err := b.hold(ctx, out, n, ttl, intervals); err != nil {
 			return fmt.Errorf("scale %d: %w", n, err)
 		}
@@ -124,7 +121,13 @@ func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Dur
 	}
 	took, statements, cpu := time.Since(t0), sent.statements.Load()-s0, mustCPU()-cpu0
 	if st := c.Stats(); st.Held != n || st.RenewalFailures > 0 {
-		return fmt.Errorf("holds %d leases of %d, %d renewals failed", st.Held, n, st.RenewalFailures)
+		why := map[string]int{}
+		for _, l := range leases {
+			if err := l.Err(); err != nil {
+				why[err.Error()]++
+			}
+		}
+		return fmt.Errorf("holds %d leases of %d, %d renewals failed; the others ended with %v", st.Held, n, st.RenewalFailures, why)
 	}
 	closing := time.Now()
 	open = false
@@ -201,11 +204,8 @@ func waitUntil(limit time.Duration, cond func() bool) error {
 // jobs and then as jobs of one shard, and writes what the fleet sends while
 // every job has its leader and the other replicas wait, and how the jobs'
 // leadership is spread.
-func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.Duration) error {
-	const (
-		replicas = 10
-		jobs     = 100
-	)
+func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.Duration, jobs int) error {
+	const replicas = 10
 	var got [2]fleetCost
 	for i, sharded := range []bool{false, true} {
 		c, err := b.fleet(ctx, replicas, jobs, sharded, window)
