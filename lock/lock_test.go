@@ -991,12 +991,28 @@ func TestCloseReleasesManyLeasesInFewStatements(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const n = 1000
+	const n, workers = 10000, 8
 	leases := make([]*lock.Lease, n)
-	for i := range leases {
-		if leases[i], err = c.TryAcquire(ctx, fmt.Sprintf("close-%04d", i)); err != nil {
-			t.Fatal(err)
-		}
+	errs := make(chan error, workers)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < n; i += workers {
+				l, err := c.TryAcquire(ctx, fmt.Sprintf("close-%05d", i))
+				if err != nil {
+					errs <- err
+					return
+				}
+				leases[i] = l
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		t.Fatal(err)
 	}
 	counter.reset()
 	if err := c.Close(ctx); err != nil {
