@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"flag"
@@ -175,20 +174,9 @@ func (b *bench) etcdCrash(ctx context.Context, rounds int, ttl time.Duration) ([
 	var takeover []float64
 	for i := range rounds {
 		key := fmt.Sprintf("/pgfence-bench/crash-%d", i)
-		cmd := exec.CommandContext(ctx, exe, "-etcd-child", key, "-etcd-url", b.etcd.url, "-crash-ttl", ttl.String())
-		stdout, err := cmd.StdoutPipe()
+		cmd, line, err := startChild(ctx, exe, "-etcd-child", key, "-etcd-url", b.etcd.url, "-crash-ttl", ttl.String())
 		if err != nil {
 			return nil, err
-		}
-		cmd.Stderr = os.Stderr
-		if err := cmd.Start(); err != nil {
-			return nil, err
-		}
-		line, err := bufio.NewReader(stdout).ReadString('\n')
-		if err != nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-			return nil, fmt.Errorf("etcd crash child: %w", err)
 		}
 		var old int64
 		if _, err := fmt.Sscanf(line, "held %d", &old); err != nil {

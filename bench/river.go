@@ -189,7 +189,7 @@ func (b *bench) riverRounds(ctx context.Context, row *electionRow, rounds int, w
 	}
 	for i := range rounds {
 		id := fmt.Sprintf("river-child-%d", i)
-		cmd, err := startChild(ctx, exe, "-river-child", id, "-database-url", b.url)
+		cmd, _, err := startChild(ctx, exe, "-river-child", id, "-database-url", b.url)
 		if err != nil {
 			return err
 		}
@@ -222,23 +222,24 @@ func (b *bench) riverRounds(ctx context.Context, row *electionRow, rounds int, w
 }
 
 // startChild starts the bench binary in a child mode and waits for its
-// first line (it holds what it was asked to).
-func startChild(ctx context.Context, exe string, args ...string) (*exec.Cmd, error) {
+// first line (it holds what it was asked to), which it returns.
+func startChild(ctx context.Context, exe string, args ...string) (*exec.Cmd, string, error) {
 	cmd := exec.CommandContext(ctx, exe, args...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
-		return nil, err
+		return nil, "", err
 	}
-	if _, err := bufio.NewReader(stdout).ReadString('\n'); err != nil {
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
-		return nil, fmt.Errorf("child %v: %w", args, err)
+		return nil, "", fmt.Errorf("child %v: %w", args, err)
 	}
-	return cmd, nil
+	return cmd, line, nil
 }
 
 // riverChildFlag is the hidden flag of the River child.
@@ -317,7 +318,7 @@ func (b *bench) electionRounds(ctx context.Context, row *electionRow, poll time.
 	}
 	for i := range rounds {
 		name := fmt.Sprintf("bench-elect-crash-%v-%d", poll, i)
-		cmd, err := startChild(ctx, exe, "-crash-child", name, "-crash-ttl", ttl.String(), "-database-url", b.url)
+		cmd, _, err := startChild(ctx, exe, "-crash-child", name, "-crash-ttl", ttl.String(), "-database-url", b.url)
 		if err != nil {
 			return err
 		}

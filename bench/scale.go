@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -11,7 +10,6 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"runtime"
 	"slices"
 	"sort"
@@ -519,20 +517,9 @@ func (b *bench) crash(ctx context.Context, out *bytes.Buffer, rounds int) error 
 	var takeover, afterExpiry []float64
 	for i := range rounds {
 		name := fmt.Sprintf("bench-crash-%d", i)
-		cmd := exec.CommandContext(ctx, exe, "-crash-child", name, "-crash-ttl", ttl.String(), "-database-url", b.url)
-		stdout, err := cmd.StdoutPipe()
+		cmd, line, err := startChild(ctx, exe, "-crash-child", name, "-crash-ttl", ttl.String(), "-database-url", b.url)
 		if err != nil {
 			return err
-		}
-		cmd.Stderr = os.Stderr
-		if err := cmd.Start(); err != nil {
-			return err
-		}
-		line, err := bufio.NewReader(stdout).ReadString('\n')
-		if err != nil {
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-			return fmt.Errorf("crash child: %w", err)
 		}
 		got := acquireAsync(ctx, waiter, name)
 		// The waiter waits; the kill lands anywhere in the holder's renewal cycle.
