@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
 )
@@ -46,9 +47,9 @@ func (h *Handler) who(r *http.Request) (by, identity string) {
 	return "pgfence-web:" + r.RemoteAddr, ""
 }
 
-// logAction writes the one line each action gets, with who asked.
-func (h *Handler) logAction(r *http.Request, action string, err error, attrs ...any) {
-	_, identity := h.who(r)
+// logAction writes the one line each action gets, with who asked
+// (identity, from who).
+func (h *Handler) logAction(r *http.Request, identity, action string, err error, attrs ...any) {
 	attrs = append([]any{"action", action, "remote_addr", r.RemoteAddr, "identity", identity}, attrs...)
 	if err != nil {
 		h.log.Warn("pgfence web: action failed", append(attrs, "err", err)...)
@@ -86,9 +87,9 @@ func (h *Handler) runNow(w http.ResponseWriter, r *http.Request) {
 		}
 		shard = n
 	}
-	by, _ := h.who(r)
+	by, identity := h.who(r)
 	refs, err := runner.RunNow(r.Context(), h.pool, h.schema, job, shard, by)
-	h.logAction(r, "run", err, "job", job, "shard", shard, "runs", len(refs))
+	h.logAction(r, identity, "run", err, "job", job, "shard", shard, "runs", len(refs))
 	if err != nil {
 		h.fail(w, r, steerErr(err), err)
 		return
@@ -99,16 +100,16 @@ func (h *Handler) runNow(w http.ResponseWriter, r *http.Request) {
 // pause serves both pause and resume.
 func (h *Handler) pause(w http.ResponseWriter, r *http.Request) {
 	job := r.PostFormValue("job")
+	by, identity := h.who(r)
 	var err error
 	action := "resume"
 	if r.URL.Path == "/pause" {
 		action = "pause"
-		by, _ := h.who(r)
 		err = runner.Pause(r.Context(), h.pool, h.schema, job, by)
 	} else {
 		err = runner.Resume(r.Context(), h.pool, h.schema, job)
 	}
-	h.logAction(r, action, err, "job", job)
+	h.logAction(r, identity, action, err, "job", job)
 	if err != nil {
 		h.fail(w, r, steerErr(err), err)
 		return
@@ -153,7 +154,7 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	info, err := h.inspect(r.Context(), name)
 	if err == nil && (info.Token != shownTok || info.Holder == "") {
 		err = fmt.Errorf("%w: lease %s is now token %s held by %q, not token %s as confirmed; nothing released",
-			errChanged, shown(name), info.Token, shown(info.Holder), shownTok)
+			errChanged, printable.String(name), info.Token, printable.String(info.Holder), shownTok)
 	}
 	var holder string
 	if err == nil {
@@ -161,7 +162,8 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 		holder, _, err = h.client.ForceRelease(ctx, name)
 		cancel()
 	}
-	h.logAction(r, "release", err, "lease", name, "token", shownTok.String(), "holder", holder)
+	_, identity := h.who(r)
+	h.logAction(r, identity, "release", err, "lease", name, "token", shownTok.String(), "holder", holder)
 	var blocked *lock.BlockedError
 	switch {
 	case errors.Is(err, errChanged), errors.As(err, &blocked):

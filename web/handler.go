@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
@@ -208,7 +209,7 @@ func (h *Handler) fail(w http.ResponseWriter, r *http.Request, code int, err err
 		writeJSON(w, code, map[string]string{"error": err.Error()})
 		return
 	}
-	h.render(w, code, "error", "layout", view{Page: "error", Title: http.StatusText(code), Schema: h.schema, Body: shown(err.Error())})
+	h.render(w, code, "error", "layout", view{Page: "error", Title: http.StatusText(code), Schema: h.schema, Body: printable.String(err.Error())})
 }
 
 // api serves one JSON endpoint.
@@ -287,20 +288,26 @@ func (h *Handler) readFleet(ctx context.Context) (fleetJSON, error) {
 	return f, err
 }
 
+// errLine is how much of an error message a table cell shows; longer or
+// multi-line messages open in a <details>.
+const errLine = 160
+
 // parsePages parses every page's templates: the layout and the page's
 // body, by the name "body".
 func parsePages() (map[string]*template.Template, error) {
 	funcs := template.FuncMap{
-		"shown":     shown,
+		// Text from the database: control and format characters made
+		// visible; html/template escapes the rest.
+		"shown":     printable.String,
 		"human":     human,
-		"firstLine": func(s string) string { return firstLine(s, 160) },
+		"firstLine": func(s string) string { return firstLine(s, errLine) },
 		"stands":    stands,
 		"shard":     shardLabel,
 		"utc":       func(t time.Time) string { return t.UTC().Format(time.RFC3339) },
 		"ms":        func(t time.Time) int64 { return t.UnixMilli() },
 		"ago":       func(now, t time.Time) string { return human(now.Sub(t)) },
 		"idOf":      idOf,
-		"multiline": func(s string) bool { return strings.Contains(s, "\n") || len(s) > 160 },
+		"multiline": func(s string) bool { return strings.Contains(s, "\n") || len(s) > errLine },
 		"duration":  func(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond },
 		"neg":       func(d time.Duration) time.Duration { return -d },
 	}

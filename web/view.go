@@ -87,16 +87,11 @@ func human(d time.Duration) string {
 	return fmt.Sprintf("%dd%02dh", int(d.Hours())/24, int(d.Hours())%24)
 }
 
-// shown is text from the database as the pages show it: control and
-// format characters made visible (printable.String); html/template
-// escapes the rest.
-func shown(s string) string { return printable.String(s) }
-
 // firstLine is the first line of an error message, made visible, at most
 // n runes (with "…" when cut).
 func firstLine(s string, n int) string {
 	line, _, more := strings.Cut(s, "\n")
-	line = shown(line)
+	line = printable.String(line)
 	if r := []rune(line); len(r) > n {
 		return string(r[:n]) + "…"
 	} else if more {
