@@ -3,8 +3,10 @@ package faultproxy
 import (
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
-// TestMain fails the package's tests if any of them leaves a goroutine running.
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// TestMain finds the test database (TEST_DATABASE_URL) for the tests that
+// commit through the proxy, and fails the package's tests if any of them
+// leaves a goroutine running.
+func TestMain(m *testing.M) { pgtest.Main(m) }

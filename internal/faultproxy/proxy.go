@@ -1,11 +1,6 @@
-// Package faultproxy is a small TCP proxy for fault injection in tests: it
-// sits between clients and PostgreSQL and can pass traffic, delay it, drop it
-// silently (blackhole, like a network partition) or reset every connection.
 package faultproxy
 
 import (
-	"errors"
-	"io"
 	"net"
 	"sync"
 	"time"
@@ -33,13 +28,15 @@ type Proxy struct {
 	ln     net.Listener
 	target string
 
-	mu    sync.Mutex
-	cond  *sync.Cond
-	mode  Mode
-	delay time.Duration
-	conns map[net.Conn]struct{}
-	done  bool
-	wg    sync.WaitGroup
+	mu       sync.Mutex
+	cond     *sync.Cond
+	mode     Mode
+	delay    time.Duration
+	onCommit func() (CommitFault, time.Duration)
+	commits  map[CommitFault]int
+	conns    map[net.Conn]struct{}
+	done     bool
+	wg       sync.WaitGroup
 }
 
 // New starts a proxy on 127.0.0.1 (a free port) forwarding to target.
@@ -48,7 +45,12 @@ func New(target string) (*Proxy, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Proxy{ln: ln, target: target, conns: make(map[net.Conn]struct{})}
+	p := &Proxy{
+		ln:      ln,
+		target:  target,
+		commits: make(map[CommitFault]int),
+		conns:   make(map[net.Conn]struct{}),
+	}
 	p.cond = sync.NewCond(&p.mu)
 	p.wg.Add(1)
 	go p.accept()
@@ -65,10 +67,7 @@ func (p *Proxy) Set(m Mode) {
 	p.mode = m
 	if m == Reset {
 		for c := range p.conns {
-			if tc, ok := c.(*net.TCPConn); ok {
-				_ = tc.SetLinger(0)
-			}
-			_ = c.Close()
+			reset(c)
 		}
 	}
 	p.cond.Broadcast()
@@ -81,7 +80,8 @@ func (p *Proxy) SetDelay(d time.Duration) {
 	p.mu.Unlock()
 }
 
-// Close stops the proxy and closes every connection.
+// Close stops the proxy, closes every connection (half-open ones too) and
+// waits for the proxy's goroutines (a LateCommit not yet forwarded never is).
 func (p *Proxy) Close() error {
 	p.mu.Lock()
 	p.done = true
@@ -133,10 +133,11 @@ func (p *Proxy) serve(client net.Conn) {
 	p.conns[server] = struct{}{}
 	p.mu.Unlock()
 	defer p.forget(server)
+	l := newLink(p, client, server)
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { defer wg.Done(); p.pipe(server, client, false) }()
-	go func() { defer wg.Done(); p.pipe(client, server, true) }()
+	go func() { defer wg.Done(); l.requests() }()
+	go func() { defer wg.Done(); l.replies() }()
 	wg.Wait()
 }
 
@@ -147,35 +148,13 @@ func (p *Proxy) forget(c net.Conn) {
 	p.mu.Unlock()
 }
 
-// pipe copies src to dst, holding data while blackholed and delaying it when
-// a delay is set. Either side closing ends both.
-func (p *Proxy) pipe(dst, src net.Conn, reply bool) {
-	defer dst.Close()
-	defer src.Close()
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			if !p.gate(reply) {
-				return
-			}
-			p.mu.Lock()
-			d := p.delay
-			p.mu.Unlock()
-			if d > 0 {
-				time.Sleep(d)
-			}
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
-			}
-		}
-		if err != nil {
-			if !errors.Is(err, io.EOF) {
-				return
-			}
-			return
-		}
+// reset closes c with an RST rather than a FIN (SO_LINGER 0), as a proxy or
+// NAT that drops a connection does.
+func reset(c net.Conn) {
+	if tc, ok := c.(*net.TCPConn); ok {
+		_ = tc.SetLinger(0)
 	}
+	_ = c.Close()
 }
 
 // gate blocks while the proxy holds traffic in this direction (reply: from
@@ -187,4 +166,28 @@ func (p *Proxy) gate(reply bool) bool {
 		p.cond.Wait()
 	}
 	return !p.done && p.mode != Reset
+}
+
+// gated reads from a connection through the proxy's gate and delay: data read
+// waits while its direction is held and is delayed when a delay is set.
+type gated struct {
+	p     *Proxy
+	c     net.Conn
+	reply bool // the connection is the server's
+}
+
+func (g gated) Read(b []byte) (int, error) {
+	n, err := g.c.Read(b)
+	if n > 0 {
+		if !g.p.gate(g.reply) {
+			return 0, net.ErrClosed
+		}
+		g.p.mu.Lock()
+		d := g.p.delay
+		g.p.mu.Unlock()
+		if d > 0 {
+			time.Sleep(d)
+		}
+	}
+	return n, err
 }
