@@ -11,9 +11,10 @@ import (
 )
 
 // A failed COMMIT is taken as certainly not committed only when the server
-// refused it with an ERROR, answered ROLLBACK, or never got it; a FATAL (a
-// terminated session) or a broken connection is looked up on the server.
-func TestAbortedCommits(t *testing.T) {
+// itself refused it with an ERROR or answered ROLLBACK; a FATAL (a
+// terminated session), a broken or closed connection, and what pgx calls
+// safe to retry are looked up on the server.
+func TestRefusedCommits(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		err  error
@@ -28,9 +29,12 @@ func TestAbortedCommits(t *testing.T) {
 		{"connection broken mid-flight", fmt.Errorf("commit: %w", io.ErrUnexpectedEOF), false},
 		{"wrapped FATAL", fmt.Errorf("x: %w", &pgconn.PgError{SeverityUnlocalized: "FATAL", Code: "57P01"}), false},
 		{"some other error", errors.New("boom"), false},
+		// What pgx v5 returns when the connection is reset right after
+		// COMMIT reached the server: the transaction committed.
+		{"connection closed after COMMIT was written (pgx: safe to retry)", fmt.Errorf("commit: %w", pgconn.ErrConnClosed), false},
 	} {
-		if got := aborted(tc.err); got != tc.want {
-			t.Errorf("%s: aborted(%v) = %v, want %v", tc.name, tc.err, got, tc.want)
+		if got := refused(tc.err); got != tc.want {
+			t.Errorf("%s: refused(%v) = %v, want %v", tc.name, tc.err, got, tc.want)
 		}
 	}
 }

@@ -50,6 +50,11 @@ var (
 	// ErrNilTx is returned when a guard is given a nil transaction.
 	ErrNilTx = errors.New("fence: nil transaction")
 
+	// ErrNilContext is returned, wrapped with the name of the call, by every
+	// pgfence function that talks to the database when it is given a nil
+	// context (use context.Background() or context.TODO()).
+	ErrNilContext = errors.New("pgfence: nil context")
+
 	// ErrTxClosed is returned when a guard is given a transaction that has
 	// already committed or rolled back. It is pgx.ErrTxClosed.
 	ErrTxClosed = pgx.ErrTxClosed
@@ -59,11 +64,13 @@ var (
 	// data back before retrying anything with side effects.
 	ErrOutcomeUnknown = errors.New("fence: commit outcome unknown")
 
-	// ErrNotCommitted is returned by RunTx when the connection failed
-	// during COMMIT and the server, asked on another connection, reports
-	// that the transaction aborted: nothing it did took effect, and it may
-	// be run again (Retryable). RunTx has already run it again, up to
-	// MaxAttempts times.
+	// ErrNotCommitted is returned by RunTx, wrapping the cause, when the
+	// transaction certainly did not commit although nothing refused it:
+	// the connection failed during COMMIT and the server, asked on another
+	// connection, reports that the transaction aborted; or the connection
+	// was lost before COMMIT was sent. Nothing it did took effect, and it
+	// may be run again (Retryable). RunTx has already run it again, up to
+	// MaxAttempts times, unless its context ended.
 	ErrNotCommitted = errors.New("fence: the transaction did not commit")
 )
 
@@ -163,28 +170,50 @@ func translateCheck(err error, g Guard, tx pgx.Tx) error {
 	return fmt.Errorf("fence: check the token of lease %q: %w", g.Lease, hint.Wrap(err, g.Schema, hint.Role(tx)))
 }
 
-// Retryable reports whether err, from a guarded transaction (RunTx, or a
-// transaction that used Check, Exec or a Resource), means that the
-// transaction did not commit and the same work may be tried again in a new
-// transaction: the connect failed on every host (refused, timed out, read
-// only: a failover in progress), the server ended the session or refused a
-// write as read only before COMMIT, a serialization failure or a deadlock,
-// a COMMIT the server reports aborted (ErrNotCommitted). It is false when
-// the outcome is not known (ErrOutcomeUnknown: read the data back first),
-// when the writer is no longer the holder (ErrFenced: stop acting), and for
-// permanent errors (a missing schema, privileges, invalid data).
+// Retryable reports whether err, from a guarded transaction, proves that
+// the transaction did not commit and that the same work may be tried again
+// in a new transaction: ErrNotCommitted (the server reports the COMMIT
+// aborted, or the connection was lost before COMMIT was sent: RunTx marks
+// both), a connect that failed on every host for a passing reason (refused,
+// timed out, read only: a failover in progress), or the server's own ERROR
+// for a passing reason (read only 25006, a serialization failure 40001, a
+// deadlock 40P01, a lock or statement timeout). It is false when the
+// outcome is not known (ErrOutcomeUnknown: read the data back first), when
+// the writer is no longer the holder (ErrFenced: stop acting), for
+// permanent errors (a missing schema, privileges, invalid data), and for a
+// broken connection or a FATAL that no pgfence function has judged: after
+// COMMIT was written, neither says whether it committed (pgx's own
+// pgconn.SafeToRetry is true for a connection reset right after a COMMIT
+// that went through).
 //
-// It judges RunTx's errors, which have the COMMIT's own failures resolved.
-// For a transaction the caller commits itself, an error from its Commit
-// other than the server's ERROR (a broken connection, a FATAL: the session
-// was terminated, perhaps after the commit went through) leaves the outcome
-// unknown whatever Retryable says: read back first.
+// So Retryable never says yes for a transaction that committed, whatever
+// the error came from; and RunTx (Guard's, Resource's, Lease's) answers
+// with errors it can judge. Commit by hand, and a COMMIT that fails without
+// the server's ERROR leaves the outcome unknown: use RunTx.
 func Retryable(err error) bool {
-	if err == nil || errors.Is(err, ErrOutcomeUnknown) || errors.Is(err, ErrFenced) {
+	switch {
+	case err == nil, errors.Is(err, ErrOutcomeUnknown), errors.Is(err, ErrFenced):
 		return false
-	}
-	if errors.Is(err, ErrNotCommitted) {
+	case errors.Is(err, ErrNotCommitted):
 		return true
 	}
-	return retry.Transient(err)
+	var ce *pgconn.ConnectError
+	if errors.As(err, &ce) {
+		return retry.Transient(err) // nothing was sent
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) && !fatal(pg) {
+		return retry.Transient(err)
+	}
+	return false
+}
+
+// fatal reports an error that ended the session (FATAL, PANIC): it can
+// follow a COMMIT that went through.
+func fatal(pg *pgconn.PgError) bool {
+	sev := pg.SeverityUnlocalized
+	if sev == "" {
+		sev = pg.Severity
+	}
+	return sev == "FATAL" || sev == "PANIC"
 }

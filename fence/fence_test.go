@@ -329,7 +329,10 @@ func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	holder := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond})
+	// The guarded transaction below stays open for longer than the TTL on
+	// purpose: no idle bound, which would end it (TestFrozenHolderInGuardedTx).
+	holder := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond,
+		SafetyMargin: 50 * time.Millisecond, GuardIdleTimeout: -1})
 	taker, _, app := newTaker(t, db)
 
 	l, err := holder.TryAcquire(ctx, "wait")

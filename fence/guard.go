@@ -10,8 +10,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/internal/ident"
-	"github.com/pgfence/pgfence/internal/retry"
-	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // Guard fences writes with a lease's token. Used inside a transaction, it
@@ -37,7 +35,23 @@ type Guard struct {
 	// Metrics records the guard's outcomes; nil uses the global
 	// MeterProvider's (see Metrics).
 	Metrics *Metrics
+	// IdleTimeout bounds how long a guarded transaction may sit idle
+	// between its statements while it holds the lease row's lock, which a
+	// takeover waits for: past it the server ends the transaction's
+	// session (idle_in_transaction_session_timeout, set for the
+	// transaction only, or the session's own setting where that is
+	// shorter). Without a bound, a holder frozen inside a guarded
+	// transaction (a GC pause, SIGSTOP, a stalled VM) keeps every other
+	// holder out for as long as it is frozen, whatever the TTL. The check
+	// sets it in its own round trip. 0 means DefaultIdleTimeout;
+	// Lease.Guard sets the lease client's GuardIdleTimeout (its TTL by
+	// default); a negative value leaves the session's setting alone.
+	IdleTimeout time.Duration
 }
+
+// DefaultIdleTimeout is a guard's IdleTimeout when it has none: lock's
+// default TTL.
+const DefaultIdleTimeout = 15 * time.Second
 
 // DB is the database handle pgfence's functions take: *pgxpool.Pool,
 // *pgx.Conn and pgx.Tx (a savepoint for Begin) all satisfy it. It is the one
@@ -51,8 +65,9 @@ type DB interface {
 
 // MaxAttempts is how many times RunTx runs a transaction that provably did
 // not commit for a reason that can pass: a serialization failure (40001), a
-// deadlock (40P01), or a connection lost before COMMIT was sent (a pooled
-// connection the server terminated, 57P01).
+// deadlock (40P01), a connection lost before COMMIT was sent (a pooled
+// connection the server terminated, 57P01), or a COMMIT that the server,
+// asked afterwards, reports aborted (ErrNotCommitted).
 const MaxAttempts = 3
 
 func (g Guard) validate() error {
@@ -71,20 +86,21 @@ func (g Guard) validate() error {
 // ErrTokenNotIssued) and tx is aborted: nothing it did or does can commit.
 // It costs one round trip; see Exec to save it.
 func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
+	if ctx == nil {
+		return fmt.Errorf("fence: Guard.Check: %w", ErrNilContext)
+	}
 	if tx == nil {
 		return ErrNilTx
 	}
 	if err := g.validate(); err != nil {
 		return err
 	}
-	var cur int64
-	return g.check(ctx, tx, g.checkSQL(), &cur)
-}
-
-// check runs a check statement (checkSQL or checkTxSQL) into dest.
-func (g Guard) check(ctx context.Context, tx pgx.Tx, sql string, dest ...any) error {
+	var (
+		cur  int64
+		idle *string
+	)
 	start := time.Now()
-	err := tx.QueryRow(ctx, sql, g.Lease, int64(g.Token)).Scan(dest...)
+	err := tx.QueryRow(ctx, g.checkSQL(), g.Lease, int64(g.Token), g.idleMillis()).Scan(&cur, &idle)
 	m := g.metrics()
 	m.checked(ctx, start)
 	if err != nil {
@@ -98,6 +114,9 @@ func (g Guard) check(ctx context.Context, tx pgx.Tx, sql string, dest ...any) er
 // trip for both. If the check fails, sql does not run and tx is aborted. Use it
 // for a guarded transaction's first statement on hot paths.
 func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pgconn.CommandTag, error) {
+	if ctx == nil {
+		return pgconn.CommandTag{}, fmt.Errorf("fence: Guard.Exec: %w", ErrNilContext)
+	}
 	if tx == nil {
 		return pgconn.CommandTag{}, ErrNilTx
 	}
@@ -105,7 +124,7 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 		return pgconn.CommandTag{}, err
 	}
 	// The same pipelining RunTx gives its function's first statement.
-	tag, err := (&guardedTx{Tx: tx, g: g}).Exec(ctx, sql, args...)
+	tag, err := (&guardedTx{Tx: tx, fence: g.txFence()}).Exec(ctx, sql, args...)
 	if errors.Is(err, ErrFenced) {
 		g.metrics().outcome(ctx, err, false)
 	}
@@ -123,155 +142,62 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // context fn passes: when ctx ends (for Lease.RunTx: when the lease ends),
 // the statement in flight is cancelled, whatever context fn gave it.
 //
+// What RunTx returns is the truth about the commit:
+//   - nil: the transaction committed;
+//   - an error matching ErrNotCommitted, ErrFenced, or any other error
+//     except ErrOutcomeUnknown: it did not commit, and nothing of it took
+//     effect;
+//   - ErrOutcomeUnknown: it may have committed (see below).
+//
 // If the transaction provably did not commit for a passing reason (40001,
-// 40P01, or the connection lost before COMMIT was sent), the whole
-// transaction, fn included, runs again, up to MaxAttempts times: fn must not
-// have effects outside the transaction. When the connection is lost during
-// COMMIT, RunTx asks the server, on another connection of db, whether the
-// transaction committed (its id was read with the check): nil if it did,
-// and if it did not, the transaction runs again like the cases above (the
-// last such failure is ErrNotCommitted). ErrOutcomeUnknown is left for when
-// the server cannot be asked: db is a single connection or a transaction,
-// the server does not answer within wait.CleanupTimeout (5s), or it has
-// failed over since.
+// 40P01, a connection lost before COMMIT was sent, or a COMMIT the server
+// reports aborted), the whole transaction, fn included, runs again, up to
+// MaxAttempts times: fn must not have effects outside the transaction.
+// When COMMIT fails without the server's own answer (the connection reset
+// or closed after COMMIT may have been written, the session terminated, the
+// reply held past ctx's end), RunTx asks the server, on another connection
+// of db, whether the transaction committed (its id was read with the
+// check): nil if it did, and if it did not, the transaction runs again like
+// the cases above (the last such failure is ErrNotCommitted). A transaction
+// the server still has in progress a second later (its client gone without
+// the server knowing) has its backend ended first, so that the answer is
+// known. ErrOutcomeUnknown is left for when the server cannot be asked: db
+// is a single connection or a transaction, the server does not answer
+// within wait.CleanupTimeout (5s), or it has failed over since.
 func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error {
+	if ctx == nil {
+		return fmt.Errorf("fence: Guard.RunTx: %w", ErrNilContext)
+	}
 	if err := g.validate(); err != nil {
 		return err
 	}
-	if db == nil {
-		return errors.New("fence: nil database handle")
-	}
-	if fn == nil {
-		return errors.New("fence: nil function")
-	}
-	var err error
-	for attempt := 1; attempt <= MaxAttempts; attempt++ {
-		var committing bool
-		committing, err = g.runOnce(ctx, db, fn)
-		if !retryable(err, committing) || ctx.Err() != nil {
-			break
-		}
-	}
-	g.metrics().outcome(ctx, err, true)
-	return err
+	return runTx(ctx, db, g.txFence(), fn)
 }
 
-// runOnce runs one attempt; committing reports that COMMIT was sent (its
-// error, if any, is final).
-func (g Guard) runOnce(ctx context.Context, db DB, fn func(tx pgx.Tx) error) (committing bool, err error) {
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		return false, err
-	}
-	defer func() {
-		if err != nil && !committing {
-			_ = tx.Rollback(context.WithoutCancel(ctx))
-		}
-	}()
-	gtx := &guardedTx{Tx: tx, g: g, bound: ctx}
-	if err := fn(gtx); err != nil {
-		return false, err
-	}
-	if err := gtx.ensure(ctx); err != nil {
-		return false, err
-	}
-	return true, g.commit(ctx, db, gtx)
-}
-
-// commit classifies a failed COMMIT (aborted): when the server answered
-// COMMIT with an error or a rollback, or the request was never sent, the
-// transaction did not commit. Otherwise (the connection broke while COMMIT
-// was in flight, or the server ended the session: a FATAL error can follow
-// a commit that went through) the server is asked on another connection
-// what became of the transaction (resolve).
-func (g Guard) commit(ctx context.Context, db DB, t *guardedTx) error {
-	err := t.Tx.Commit(ctx)
-	if err == nil || aborted(err) {
-		return err
-	}
-	return g.resolve(ctx, db, t, err)
-}
-
-// aborted reports a failed COMMIT that certainly did not commit: the server
-// refused it with an ERROR (a serialization failure, a deferred constraint),
-// answered ROLLBACK, or never got it. A FATAL or PANIC (the session
-// terminated, the server shutting down) is not one: it can arrive after the
-// commit record was written, before the reply was sent.
-func aborted(err error) bool {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		sev := pg.SeverityUnlocalized
-		if sev == "" {
-			sev = pg.Severity
-		}
-		return sev != "FATAL" && sev != "PANIC"
-	}
-	return errors.Is(err, pgx.ErrTxCommitRollback) || pgconn.SafeToRetry(err)
-}
-
-// resolvePoll is how often resolve asks again while the server still has
-// the transaction in progress (its COMMIT not yet done).
-const resolvePoll = 20 * time.Millisecond
-
-// resolve finds out from the server whether the transaction whose COMMIT
-// reply was lost (cause) committed: pg_xact_status of its id, read in the
-// first round trip, on another connection of db (a pool; a single
-// connection broke with the COMMIT, and cannot be asked). It returns nil if
-// the transaction committed, ErrNotCommitted if it aborted, and
-// ErrOutcomeUnknown when the server cannot be asked within
-// wait.CleanupTimeout, or is no longer the one the transaction ran on (its
-// timeline changed: a promoted standby's transaction ids are not the old
-// primary's).
-func (g Guard) resolve(ctx context.Context, db DB, t *guardedTx, cause error) error {
-	unknown := func(why string) error { return fmt.Errorf("%w: %w (%s)", ErrOutcomeUnknown, cause, why) }
-	if t.xid == "" {
-		return unknown("the transaction's id was not read")
-	}
-	if c, isConn := db.(*pgx.Conn); isConn && c.IsClosed() {
-		return unknown("its connection is closed and there is no other to ask the server on")
-	}
-	if _, isTx := db.(pgx.Tx); isTx {
-		return unknown("a savepoint of a transaction whose connection broke: the outcome is that transaction's")
-	}
-	ctx, cancel := wait.Detached(ctx)
-	defer cancel()
-	again := retry.Backoff{Base: resolvePoll, Max: time.Second}
-	for n := 0; ; n++ {
-		var (
-			status   *string
-			timeline int64
-		)
-		err := db.QueryRow(ctx, g.xactStatusSQL(), t.xid).Scan(&status, &timeline)
-		switch {
-		case err != nil && retry.Transient(err) && wait.Sleep(ctx, again.Wait(n)):
-			continue // the server restarting, a failover: ask again
-		case err != nil:
-			return unknown("asking the server failed: " + err.Error())
-		case timeline != t.timeline:
-			return unknown(fmt.Sprintf("the server changed timeline (%d, then %d) before it could be asked", t.timeline, timeline))
-		case status == nil:
-			return unknown("the server no longer knows the transaction")
-		case *status == "committed":
-			return nil
-		case *status == "aborted":
-			return fmt.Errorf("%w: %w (the server reports transaction %s aborted)", ErrNotCommitted, cause, t.xid)
-		}
-		if !wait.Sleep(ctx, resolvePoll) { // "in progress": the COMMIT is not done yet
-			return unknown("the server still had the transaction in progress")
-		}
+// txFence is the guard's check as the fence of a transaction RunTx runs.
+func (g Guard) txFence() *txFence {
+	return &txFence{
+		sql:       g.checkTxSQL(),
+		args:      []any{g.Lease, int64(g.Token), g.idleMillis()},
+		translate: func(err error, tx pgx.Tx) error { return translateCheck(err, g, tx) },
+		schema:    g.Schema,
+		metrics:   g.metrics(),
 	}
 }
 
-// retryable reports a failure that provably left nothing committed and can
-// pass: a definite abort (40001, 40P01, before or at COMMIT), or a lost
-// connection before COMMIT was sent (one lost during COMMIT leaves the
-// outcome unknown).
-func retryable(err error, committing bool) bool {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) && (pg.Code == "40001" || pg.Code == "40P01") {
-		return true
+// idleMillis is the idle bound the check sets, in milliseconds (0: none).
+func (g Guard) idleMillis() int64 { return idleMillis(g.IdleTimeout) }
+
+// idleMillis turns an IdleTimeout field into the check's parameter: the
+// default for 0, none (0) for a negative value, at least 1 ms.
+func idleMillis(d time.Duration) int64 {
+	switch {
+	case d < 0:
+		return 0
+	case d == 0:
+		d = DefaultIdleTimeout
 	}
-	return !committing && retry.ConnectionLost(err) || errors.Is(err, ErrNotCommitted)
+	return max(d.Milliseconds(), 1)
 }
 
 // Folded is a guard's check as an SQL expression, for a statement that

@@ -2,6 +2,7 @@ package fence_test
 
 import (
 	"context"
+	"os"
 	"testing"
 	"time"
 
@@ -11,7 +12,12 @@ import (
 	"github.com/pgfence/pgfence/lock"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+func TestMain(m *testing.M) {
+	if spec := os.Getenv(frozenEnv); spec != "" {
+		os.Exit(frozenHolder(spec))
+	}
+	pgtest.Main(m)
+}
 
 func newClient(t testing.TB, db *pgtest.DB, cfg lock.Config) *lock.Client { return db.Client(t, cfg) }
 

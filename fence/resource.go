@@ -31,6 +31,12 @@ type Resource struct {
 	Schema string
 	// Metrics records refusals; nil uses the global MeterProvider's.
 	Metrics *Metrics
+	// IdleTimeout bounds how long a transaction that admitted a token may
+	// sit idle between its statements holding the fence row's lock, which
+	// a writer of a greater token waits for (see Guard.IdleTimeout). 0
+	// means DefaultIdleTimeout; a negative value leaves the session's
+	// setting alone.
+	IdleTimeout time.Duration
 }
 
 func (r Resource) validate(t Token) error {
@@ -47,16 +53,22 @@ func (r Resource) validate(t Token) error {
 // *StaleTokenError (Resource set) if a greater token has been admitted, in
 // which case tx is aborted and nothing it did can commit.
 func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
+	if ctx == nil {
+		return fmt.Errorf("fence: Resource.Admit: %w", ErrNilContext)
+	}
 	if tx == nil {
 		return ErrNilTx
 	}
 	if err := r.validate(t); err != nil {
 		return err
 	}
-	var cur int64
+	var (
+		cur  int64
+		idle *string
+	)
 	start := time.Now()
-	err := r.translate(tx.QueryRow(ctx, r.admitSQL(), r.Name, int64(t)).Scan(&cur), t, tx)
-	m := Guard{Metrics: r.Metrics}.metrics()
+	err := r.translate(tx.QueryRow(ctx, r.admitSQL(), r.Name, int64(t), idleMillis(r.IdleTimeout)).Scan(&cur, &idle), t, tx)
+	m := r.metrics()
 	m.checked(ctx, start)
 	if errors.Is(err, ErrFenced) {
 		m.outcome(ctx, err, false)
@@ -69,27 +81,53 @@ func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
 // does not run and tx is aborted. Use it for a fenced transaction's first
 // statement on hot paths.
 func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args ...any) (pgconn.CommandTag, error) {
+	if ctx == nil {
+		return pgconn.CommandTag{}, fmt.Errorf("fence: Resource.Exec: %w", ErrNilContext)
+	}
 	if tx == nil {
 		return pgconn.CommandTag{}, ErrNilTx
 	}
 	if err := r.validate(t); err != nil {
 		return pgconn.CommandTag{}, err
 	}
-	var cur int64
-	br, err := pipelined(ctx, tx, r.admitSQL(), []any{r.Name, int64(t)}, []any{&cur}, sql, args)
-	if err != nil {
-		err = r.translate(err, t, tx)
-		if errors.Is(err, ErrFenced) {
-			Guard{Metrics: r.Metrics}.metrics().outcome(ctx, err, false)
-		}
-		return pgconn.CommandTag{}, err
-	}
-	tag, err := br.Exec()
-	if cerr := br.Close(); err == nil {
-		err = cerr
+	tag, err := (&guardedTx{Tx: tx, fence: r.txFence(t)}).Exec(ctx, sql, args...)
+	if errors.Is(err, ErrFenced) {
+		r.metrics().outcome(ctx, err, false)
 	}
 	return tag, err
 }
+
+// RunTx runs fn in a transaction on db that admits t first: begin, admit,
+// fn, commit, with the admission pipelined with fn's first Exec, Query or
+// QueryRow (no statement of fn runs unless t was admitted, and a refusal,
+// a *StaleTokenError with Resource set, is what that first call returns).
+// It answers as Guard.RunTx does, and with the same truth: nil only if the
+// transaction committed; ErrOutcomeUnknown only if the server cannot be
+// asked; any other error, nothing of it committed. Transactions that
+// provably did not commit for a passing reason run again (fn included), up
+// to MaxAttempts times.
+func (r Resource) RunTx(ctx context.Context, db DB, t Token, fn func(tx pgx.Tx) error) error {
+	if ctx == nil {
+		return fmt.Errorf("fence: Resource.RunTx: %w", ErrNilContext)
+	}
+	if err := r.validate(t); err != nil {
+		return err
+	}
+	return runTx(ctx, db, r.txFence(t), fn)
+}
+
+// txFence is the resource's admission of t as the fence of a transaction.
+func (r Resource) txFence(t Token) *txFence {
+	return &txFence{
+		sql:       r.admitTxSQL(),
+		args:      []any{r.Name, int64(t), idleMillis(r.IdleTimeout)},
+		translate: func(err error, tx pgx.Tx) error { return r.translate(err, t, tx) },
+		schema:    r.Schema,
+		metrics:   r.metrics(),
+	}
+}
+
+func (r Resource) metrics() *Metrics { return Guard{Metrics: r.Metrics}.metrics() }
 
 // translate maps pgfence_admit's errors, naming the resource in a refusal,
 // and says what pgfence was doing when anything else failed.
@@ -108,6 +146,9 @@ func (r Resource) translate(err error, t Token, tx pgx.Tx) error {
 // Current returns the highest token the resource has admitted, or 0 if it has
 // admitted none.
 func (r Resource) Current(ctx context.Context, db DB) (Token, error) {
+	if ctx == nil {
+		return 0, fmt.Errorf("fence: Resource.Current: %w", ErrNilContext)
+	}
 	if err := r.validate(1); err != nil {
 		return 0, err
 	}

@@ -15,8 +15,10 @@ import (
 
 // Which guarded-transaction errors a caller may retry as a whole: what a
 // failover shows (a connect refused or timed out on every host, a read-only
-// server, a terminated session) yes; an unknown outcome, a fenced writer and
-// a permanent error no.
+// server, a session terminated before COMMIT, as RunTx reports it) yes; an
+// unknown outcome, a fenced writer, a permanent error, and a broken
+// connection or a FATAL that nothing has judged (either can follow a COMMIT
+// that went through) no.
 func TestRetryable(t *testing.T) {
 	closed, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -51,7 +53,12 @@ func TestRetryable(t *testing.T) {
 		{"no such database (3D000) on the only host", noDB, false},
 		{"refused on one host, no such database on the next", noDBOrRefused, true},
 		{"read only (a standby after failover)", pg("25006"), true},
-		{"session terminated", pg("57P01"), true},
+		{"session terminated before COMMIT (RunTx's word)", fmt.Errorf("%w: %w", fence.ErrNotCommitted,
+			&pgconn.PgError{Severity: "FATAL", SeverityUnlocalized: "FATAL", Code: "57P01"}), true},
+		{"session terminated, unjudged (may follow a commit)", fmt.Errorf("commit: %w",
+			&pgconn.PgError{Severity: "FATAL", SeverityUnlocalized: "FATAL", Code: "57P01"}), false},
+		{"connection closed, unjudged (pgx: safe to retry; the COMMIT went through)", fmt.Errorf("commit: %w", pgconn.ErrConnClosed), false},
+		{"a COMMIT the server reports aborted", fmt.Errorf("%w: conn closed", fence.ErrNotCommitted), true},
 		{"serialization failure", pg("40001"), true},
 		{"outcome unknown", fmt.Errorf("%w: %w", fence.ErrOutcomeUnknown, pg("08006")), false},
 		{"stale token", &fence.StaleTokenError{Lease: "x", Presented: 1, Current: 2}, false},

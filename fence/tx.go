@@ -20,14 +20,27 @@ import (
 // Lease.RunTx even when its function uses its own context.
 type guardedTx struct {
 	pgx.Tx
-	g       Guard
+	fence   *txFence
 	checked bool
 	bound   context.Context
 
 	// The transaction's id (xid8, as text) and the server's timeline, read
-	// with the check, for resolving a lost COMMIT reply.
+	// with the fence, for resolving a lost COMMIT reply.
 	xid      string
 	timeline int64
+}
+
+// txFence is the statement that fences a transaction RunTx runs: a lease's
+// check (Guard) or a resource's admission (Resource). It returns the
+// fence's value, the transaction's id and the server's timeline, and sets
+// the transaction's idle bound, all in the round trip of the transaction's
+// first statement.
+type txFence struct {
+	sql       string
+	args      []any
+	translate func(err error, tx pgx.Tx) error // the fence's refusal as a typed error
+	schema    string                           // where pgfence_timeline lives, for resolve
+	metrics   *Metrics
 }
 
 // bind returns a context that ends when ctx or t.bound ends, and the
@@ -77,28 +90,39 @@ func (t *guardedTx) cancelAtServer() {
 // cancelTimeout bounds a cancel request (a new connection to the server).
 const cancelTimeout = 2 * time.Second
 
+// dest is where the fence's row is scanned: its value and the idle bound's
+// are not kept.
+func (t *guardedTx) dest() []any {
+	var (
+		cur  int64
+		idle *string
+	)
+	return []any{&cur, &t.xid, &t.timeline, &idle}
+}
+
+// ensure sends the fence on its own, unless it has been sent.
 func (t *guardedTx) ensure(ctx context.Context) error {
 	if t.checked {
 		return nil
 	}
-	if err := t.g.validate(); err != nil {
-		return err
-	}
-	var cur int64
-	if err := t.g.check(ctx, t.Tx, t.g.checkTxSQL(), &cur, &t.xid, &t.timeline); err != nil {
+	start := time.Now()
+	err := t.Tx.QueryRow(ctx, t.fence.sql, t.fence.args...).Scan(t.dest()...)
+	t.fence.metrics.checked(ctx, start)
+	if err != nil {
+		err = t.fence.translate(err, t.Tx)
+		t.fence.metrics.outcome(ctx, err, false)
 		return err
 	}
 	t.checked = true
 	return nil
 }
 
-// pipeline sends the check and one statement in one batch and returns the
+// pipeline sends the fence and one statement in one batch and returns the
 // open batch positioned at the statement's result.
 func (t *guardedTx) pipeline(ctx context.Context, sql string, args []any) (pgx.BatchResults, error) {
-	var cur int64
-	br, err := pipelined(ctx, t.Tx, t.g.checkTxSQL(), []any{t.g.Lease, int64(t.g.Token)}, []any{&cur, &t.xid, &t.timeline}, sql, args)
+	br, err := pipelined(ctx, t.Tx, t.fence.sql, t.fence.args, t.dest(), sql, args)
 	if err != nil {
-		return nil, translateCheck(err, t.g, t.Tx)
+		return nil, t.fence.translate(err, t.Tx)
 	}
 	t.checked = true
 	return br, nil
@@ -196,7 +220,7 @@ func (t *guardedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &guardedTx{Tx: inner, g: t.g, checked: true, bound: t.bound}, nil
+	return &guardedTx{Tx: inner, fence: t.fence, checked: true, bound: t.bound}, nil
 }
 
 // boundBatch releases its batch's bound context when closed.

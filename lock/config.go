@@ -49,6 +49,20 @@ type Config struct {
 	// to 10 x PollInterval). Default 1s; at least MinPollInterval.
 	PollInterval time.Duration
 
+	// GuardIdleTimeout bounds how long a transaction guarded by one of the
+	// client's leases (Lease.RunTx, Lease.Guard) may sit idle between its
+	// statements holding the lease row's lock, which every takeover and
+	// ForceRelease waits for: past it the server ends the transaction's
+	// session (fence.Guard.IdleTimeout). With it, a holder frozen inside
+	// a guarded transaction is replaced about TTL + PollInterval after it
+	// froze, as one frozen outside a transaction is; a guarded
+	// transaction that waits on something else (a remote call) between
+	// two statements for longer is ended. Default TTL; negative: leave
+	// the server's idle_in_transaction_session_timeout alone (with the
+	// server's default, 0, a frozen holder then blocks takeovers for as
+	// long as it is frozen).
+	GuardIdleTimeout time.Duration
+
 	// Holder identifies this client in the leases table (for operators and
 	// HeldError). At most 255 bytes of UTF-8 without NUL.
 	// Default "host:pid:random".
@@ -138,6 +152,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.PollInterval == 0 {
 		c.PollInterval = time.Second
+	}
+	if c.GuardIdleTimeout == 0 {
+		c.GuardIdleTimeout = c.TTL
 	}
 	if c.Holder == "" {
 		c.Holder = defaultHolder()

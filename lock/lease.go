@@ -110,7 +110,8 @@ func (l *Lease) Err() error {
 
 // Guard returns the fence guard for this lease's token.
 func (l *Lease) Guard() fence.Guard {
-	return fence.Guard{Lease: l.name, Token: l.token, Schema: l.c.cfg.Schema, Metrics: l.c.m.fence}
+	return fence.Guard{Lease: l.name, Token: l.token, Schema: l.c.cfg.Schema, Metrics: l.c.m.fence,
+		IdleTimeout: l.c.cfg.GuardIdleTimeout}
 }
 
 // RunTx runs fn in a transaction fenced by this lease (see fence.Guard.RunTx)

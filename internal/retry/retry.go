@@ -110,12 +110,14 @@ func transientCode(code string) bool {
 }
 
 // ConnectionLost reports whether err says the session ended (the server
-// terminated it, or the connection broke): whatever the statement was, its
-// transaction did not and will not commit, unless the statement was COMMIT.
+// terminated it, also for sitting idle in a transaction past
+// idle_in_transaction_session_timeout, 25P03; or the connection broke):
+// whatever the statement was, its transaction did not and will not commit,
+// unless the statement was COMMIT.
 func ConnectionLost(err error) bool {
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) {
-		return pg.Code == "57P01" || pg.Code == "57P02" || pg.Code == "57P03" ||
+		return pg.Code == "57P01" || pg.Code == "57P02" || pg.Code == "57P03" || pg.Code == "25P03" ||
 			(len(pg.Code) == 5 && pg.Code[:2] == "08")
 	}
 	return Transient(err)
