@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 )
@@ -26,6 +27,9 @@ import (
 // client then frees that lease in the background (by its secret, which
 // only this attempt knows), so nothing is left held by nobody.
 func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
+	if err := ctxcheck.NotNil(ctx, "lock: TryAcquire"); err != nil {
+		return nil, err
+	}
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}
@@ -283,6 +287,9 @@ func (c *Client) deferTo(ctx context.Context, name string, d func() time.Duratio
 // from the first attempt's send time, instead of waiting for it to expire;
 // if Acquire gives up instead, it frees that lease in the background.
 func (c *Client) Acquire(ctx context.Context, name string, opts ...AcquireOption) (l *Lease, err error) {
+	if err := ctxcheck.NotNil(ctx, "lock: Acquire"); err != nil {
+		return nil, err
+	}
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}

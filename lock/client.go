@@ -10,6 +10,7 @@ import (
 
 	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/clock"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
@@ -119,6 +120,9 @@ func (c *Client) verify(ctx context.Context) error {
 // runs once: later and concurrent calls wait for the first and return its
 // result.
 func (c *Client) Close(ctx context.Context) error {
+	if err := ctxcheck.NotNil(ctx, "lock: Close"); err != nil {
+		return err
+	}
 	c.closeOnce.Do(func() { c.closeErr = c.close(ctx) })
 	return c.closeErr
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -57,6 +58,9 @@ var ErrInvalidElection = errors.New("lock: invalid election")
 // that is missing or too old, missing privileges: see the package
 // documentation); transient errors are retried with backoff.
 func (e *Election) Run(ctx context.Context) error {
+	if err := ctxcheck.NotNil(ctx, "lock: Election.Run"); err != nil {
+		return err
+	}
 	switch {
 	case e.Client == nil:
 		return errors.Join(ErrInvalidElection, errors.New("Client is nil"))

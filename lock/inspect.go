@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -58,6 +59,9 @@ func (i Info) MarshalJSON() ([]byte, error) {
 
 // Leases lists every lease row, by name.
 func (c *Client) Leases(ctx context.Context) ([]Info, error) {
+	if err := ctxcheck.NotNil(ctx, "lock: Leases"); err != nil {
+		return nil, err
+	}
 	rows, err := c.pool.Query(ctx, c.q.inspectAll)
 	if err != nil {
 		return nil, fmt.Errorf("lock: list leases: %w", c.explain(err))
@@ -74,6 +78,9 @@ func (c *Client) Leases(ctx context.Context) ([]Info, error) {
 // false when it is free or expired. It returns ErrNoLease for a name never
 // acquired.
 func (c *Client) Inspect(ctx context.Context, name string) (Info, error) {
+	if err := ctxcheck.NotNil(ctx, "lock: Inspect"); err != nil {
+		return Info{}, err
+	}
 	if err := fence.ValidateName(name); err != nil {
 		return Info{}, err
 	}
@@ -117,6 +124,9 @@ func scanInfo(r pgx.CollectableRow) (Info, error) {
 // current token. Bound the wait with ctx: if ctx ends first, ForceRelease
 // gives up and returns a *BlockedError naming the sessions it waited for.
 func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, token fence.Token, err error) {
+	if err := ctxcheck.NotNil(ctx, "lock: ForceRelease"); err != nil {
+		return "", 0, err
+	}
 	if err := fence.ValidateName(name); err != nil {
 		return "", 0, err
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clock"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -84,6 +85,9 @@ type leaseKey struct{}
 // that code can check that it runs under a lease (and which one); the lease
 // may have ended since (see Lease.Err).
 func FromContext(ctx context.Context) (*Lease, bool) {
+	if ctx == nil {
+		return nil, false
+	}
 	l, ok := ctx.Value(leaseKey{}).(*Lease)
 	return l, ok
 }
@@ -119,6 +123,9 @@ func (l *Lease) Guard() fence.Guard {
 // lease has already ended, and the transaction is cancelled if the lease ends
 // while it runs.
 func (l *Lease) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	if err := ctxcheck.NotNil(ctx, "lock: Lease.RunTx"); err != nil {
+		return err
+	}
 	if err := l.Err(); err != nil {
 		return err
 	}
@@ -138,6 +145,9 @@ func (l *Lease) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 // with ErrLeaseLost and Check returns that error. A failure to reach the
 // database is returned as is and does not end the lease.
 func (l *Lease) Check(ctx context.Context) error {
+	if err := ctxcheck.NotNil(ctx, "lock: Lease.Check"); err != nil {
+		return err
+	}
 	if err := l.Err(); err != nil {
 		return err
 	}
@@ -182,6 +192,9 @@ func (l *Lease) judge(token int64, ours, live bool, expiresAt time.Time) (LossCa
 // at shutdown, when ctx is cancelled, still frees the lease, bounded by its
 // own timeout (5s).
 func (l *Lease) Release(ctx context.Context) error {
+	if err := ctxcheck.NotNil(ctx, "lock: Lease.Release"); err != nil {
+		return err
+	}
 	if !l.end() {
 		return nil
 	}

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 )
@@ -30,6 +31,9 @@ import (
 // reads start failing and once when they recover); a permanent one (see the
 // package documentation) is logged and ends the observation.
 func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) {
+	if err := ctxcheck.NotNil(ctx, "lock: Observe"); err != nil {
+		return nil, err
+	}
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}

@@ -7,6 +7,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/ident"
 )
 
@@ -16,7 +17,9 @@ import (
 // release and force-release leases, guard transactions, admit resource
 // fences, run jobs and read and prune the ledger, and call Up and Verify when
 // the schema is current. Nothing else: no DELETE or TRUNCATE of leases or
-// fences, no DDL. See README's "Roles and what they may do".
+// fences, no UPDATE of their keys (a lease's name, a fence's resource), no
+// DDL. A table-wide UPDATE on them, which earlier grants gave, is revoked
+// first. See README's "Roles and what they may do".
 func AppGrants(schema, role string) ([]string, error) {
 	s, r, err := quoted(schema, role)
 	if err != nil {
@@ -27,8 +30,9 @@ func AppGrants(schema, role string) ([]string, error) {
 
 // OperatorGrants returns the statements that give role what the operator
 // CLI needs in schema: list leases and runs, force-release a lease, prune
-// the ledger, and see the migration status. (`pgfence run` acquires leases
-// like an application: give its role AppGrants too.)
+// the ledger, and see the migration status; as AppGrants, no UPDATE of a
+// lease's name. (`pgfence run` acquires leases like an application: give
+// its role AppGrants too.)
 func OperatorGrants(schema, role string) ([]string, error) {
 	s, r, err := quoted(schema, role)
 	if err != nil {
@@ -39,11 +43,17 @@ func OperatorGrants(schema, role string) ([]string, error) {
 
 // GrantApp runs AppGrants on db, in one transaction.
 func GrantApp(ctx context.Context, db fence.DB, schema, role string) error {
+	if err := ctxcheck.NotNil(ctx, "migrations: GrantApp"); err != nil {
+		return err
+	}
 	return grant(ctx, db, AppGrants, schema, role)
 }
 
 // GrantOperator runs OperatorGrants on db, in one transaction.
 func GrantOperator(ctx context.Context, db fence.DB, schema, role string) error {
+	if err := ctxcheck.NotNil(ctx, "migrations: GrantOperator"); err != nil {
+		return err
+	}
 	return grant(ctx, db, OperatorGrants, schema, role)
 }
 

@@ -49,6 +49,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/schemaver"
@@ -109,6 +110,9 @@ func mustSub(f fs.FS, dir string) fs.FS {
 // advisory lock; each returns the latest version. It needs CREATE on the
 // database only when the schema does not exist yet.
 func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
+	if err := ctxcheck.NotNil(ctx, "migrations: Up"); err != nil {
+		return 0, err
+	}
 	if pool == nil {
 		return 0, ErrNilPool
 	}
@@ -227,6 +231,9 @@ type Epoch struct {
 // schema ("" means DefaultSchema). It only reads: a mistyped schema is
 // reported as missing (SchemaExists false), never created.
 func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, error) {
+	if err := ctxcheck.NotNil(ctx, "migrations: Status"); err != nil {
+		return nil, err
+	}
 	if pool == nil {
 		return nil, ErrNilPool
 	}
@@ -266,6 +273,9 @@ type NotMigratedError = schemaver.NotMigratedError
 // it cannot tell (for instance, the role may not use the schema: 42501,
 // with the grant to run).
 func Verify(ctx context.Context, db fence.DB, schema string) error {
+	if err := ctxcheck.NotNil(ctx, "migrations: Verify"); err != nil {
+		return err
+	}
 	return schemaver.Verify(ctx, db, schema)
 }
 

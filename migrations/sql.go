@@ -33,31 +33,48 @@ func epochSQL(schema string) string {
 	return `SELECT timeline, started_at, first_token FROM ` + ident.Table(schema, "pgfence_epoch")
 }
 
+// leaseUpdateSQL grants UPDATE on every column of pgfence_leases but its key:
+// renaming a row would end its holder's lease (the renewals miss it). A
+// table-wide UPDATE, as earlier grants gave, is revoked first, with the
+// column grants it carries, so that granting again tightens it.
+func leaseUpdateSQL(schema, r string) []string {
+	t := ident.Table(schema, "pgfence_leases")
+	return []string{
+		"REVOKE UPDATE ON " + t + " FROM " + r,
+		"GRANT UPDATE (token, holder, secret, acquired_at, renewed_at, expires_at, waiters_until, observers_until) ON " +
+			t + " TO " + r,
+	}
+}
+
 // appGrantSQL is AppGrants' statements for schema, whose quoted name is s, and
 // the quoted role r.
 func appGrantSQL(schema, s, r string) []string {
 	t := func(name string) string { return ident.Table(schema, name) }
-	return []string{
+	return append([]string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
-		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
+		"GRANT SELECT, INSERT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
+		// Not the key of a fence either: a renamed fence would let its
+		// resource's mark start again (the trigger refuses it to the owner).
+		"REVOKE UPDATE ON " + t("pgfence_fences") + " FROM " + r,
+		"GRANT UPDATE (token, updated_at) ON " + t("pgfence_fences") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_jobs") + " TO " + r,
 		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
 			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
 			t("pgfence_timeline") + "(), " + t("pgfence_epoch_timeline") + "() TO " + r,
-	}
+	}, leaseUpdateSQL(schema, r)...)
 }
 
 // operatorGrantSQL is OperatorGrants' statements, as appGrantSQL.
 func operatorGrantSQL(schema, s, r string) []string {
 	t := func(name string) string { return ident.Table(schema, name) }
-	return []string{
+	return append([]string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
 			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_epoch") + ", " + t(VersionTable) + " TO " + r,
-		"GRANT UPDATE ON " + t("pgfence_leases") + ", " + t("pgfence_jobs") + " TO " + r,
+		"GRANT UPDATE ON " + t("pgfence_jobs") + " TO " + r,
 		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text) TO " + r,
-	}
+	}, leaseUpdateSQL(schema, r)...)
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -47,6 +48,9 @@ type RunRef struct {
 // by says who paused it (shown by Jobs); pausing a paused job keeps the
 // first pause. It returns ErrUnknownJob for a job no runner registered.
 func Pause(ctx context.Context, db fence.DB, schema, job, by string) error {
+	if err := ctxcheck.NotNil(ctx, "runner: Pause"); err != nil {
+		return err
+	}
 	q, err := control(schema, job)
 	if err != nil {
 		return err
@@ -60,6 +64,9 @@ func Pause(ctx context.Context, db fence.DB, schema, job, by string) error {
 // skipped while paused are not run; see Missed for downtime). It returns
 // ErrUnknownJob for a job no runner registered.
 func Resume(ctx context.Context, db fence.DB, schema, job string) error {
+	if err := ctxcheck.NotNil(ctx, "runner: Resume"); err != nil {
+		return err
+	}
 	q, err := control(schema, job)
 	if err != nil {
 		return err
@@ -80,6 +87,9 @@ func Resume(ctx context.Context, db fence.DB, schema, job string) error {
 // is none. by says who asked. It returns the runs it asked for; WaitRun
 // waits for their outcome.
 func RunNow(ctx context.Context, db fence.DB, schema, job string, shard int, by string) ([]RunRef, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: RunNow"); err != nil {
+		return nil, err
+	}
 	q, err := control(schema, job)
 	if err != nil {
 		return nil, err
@@ -127,6 +137,9 @@ const waitPoll = 100 * time.Millisecond
 // fenced attempt is not an outcome: the job's next leader runs the slot
 // again. It returns ctx's error if ctx ends first.
 func WaitRun(ctx context.Context, db fence.DB, schema string, ref RunRef) (RunInfo, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: WaitRun"); err != nil {
+		return RunInfo{}, err
+	}
 	q, err := control(schema, ref.Job)
 	if err != nil {
 		return RunInfo{}, err
@@ -187,6 +200,9 @@ type JobInfo struct {
 // scheduled slot's attempt, the next slot, missed slots, pending manual
 // runs, the pause. One statement, reading only.
 func Jobs(ctx context.Context, db fence.DB, schema, job string) ([]JobInfo, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: Jobs"); err != nil {
+		return nil, err
+	}
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}

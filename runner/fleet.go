@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -43,6 +44,9 @@ type Lead struct {
 // id: live ones, and those that stopped heartbeating recently (Live false).
 // One statement, reading only.
 func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: Instances"); err != nil {
+		return nil, err
+	}
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
@@ -95,6 +99,9 @@ type Term struct {
 // which no attempt ran is not in the ledger; the current leader of each job
 // is in Jobs.
 func Terms(ctx context.Context, db fence.DB, schema string, limit int) ([]Term, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: Terms"); err != nil {
+		return nil, err
+	}
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}

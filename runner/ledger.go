@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -75,6 +76,9 @@ type RunFilter struct {
 // Runs returns recent attempts from the ledger in schema ("" means "pgfence"),
 // newest first: for dashboards, and for `pgfence jobs`.
 func Runs(ctx context.Context, db fence.DB, schema string, f RunFilter) ([]RunInfo, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: Runs"); err != nil {
+		return nil, err
+	}
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
@@ -113,6 +117,9 @@ func scanRun(r pgx.Row, more ...any) (RunInfo, error) {
 // returns how many it deleted. Runners call it hourly
 // with Config.Retention; `pgfence jobs prune` calls it on demand.
 func Prune(ctx context.Context, db fence.DB, schema string, before time.Time) (int64, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: Prune"); err != nil {
+		return 0, err
+	}
 	if err := ident.ValidateSchema(schema); err != nil {
 		return 0, fmt.Errorf("runner: %w", err)
 	}

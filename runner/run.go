@@ -7,6 +7,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/lock"
 )
 
@@ -44,6 +45,9 @@ func (r *Run) Guard() fence.Guard { return r.lease.Guard() }
 // replica has taken the job over, it is refused (fence.ErrStaleToken) and
 // nothing of it commits.
 func (r *Run) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	if err := ctxcheck.NotNil(ctx, "runner: Run.RunTx"); err != nil {
+		return err
+	}
 	return r.lease.RunTx(ctx, fn)
 }
 
@@ -57,6 +61,9 @@ func (r *Run) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 // anything is sent (lock.ErrLeaseLost); all of them match fence.ErrFenced.
 // Like RunTx, its statements are cancelled when the lease ends.
 func (r *Run) CommitTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	if err := ctxcheck.NotNil(ctx, "runner: Run.CommitTx"); err != nil {
+		return err
+	}
 	err := r.lease.RunTx(ctx, func(tx pgx.Tx) error {
 		if err := fn(tx); err != nil {
 			return err

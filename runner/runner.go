@@ -14,6 +14,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/clock"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
@@ -98,6 +99,9 @@ func New(client *lock.Client, cfg Config) (*Runner, error) {
 // Held false) when none leads. It returns ErrUnknownJob for a job not
 // registered on this runner, ErrNoSuchShard for a shard it does not have.
 func (r *Runner) Observe(ctx context.Context, name string, shard int) (<-chan lock.Info, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: Runner.Observe"); err != nil {
+		return nil, err
+	}
 	r.mu.Lock()
 	var found *job
 	for _, j := range r.jobs {
@@ -175,6 +179,9 @@ var errShutdown = errors.New("runner: shutting down")
 // classification) stops every job the same graceful way and is returned;
 // transient errors are retried.
 func (r *Runner) Run(ctx context.Context) error {
+	if err := ctxcheck.NotNil(ctx, "runner: Runner.Run"); err != nil {
+		return err
+	}
 	r.mu.Lock()
 	if r.running {
 		r.mu.Unlock()

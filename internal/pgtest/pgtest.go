@@ -380,3 +380,14 @@ func Eventually(tb testing.TB, d time.Duration, what string, cond func() bool) {
 		}
 	}
 }
+
+// NoPanic runs f and returns its error, or its panic as an error, so that a
+// table test reports a row that panics and goes on with the next.
+func NoPanic(f func() error) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("panic: %v", p)
+		}
+	}()
+	return f()
+}
