@@ -59,7 +59,11 @@ func (r *Run) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 // is refused by the database (fence.ErrStaleToken, or ErrFenced if a newer
 // attempt claimed the slot) or, when it already knows its lease ended, before
 // anything is sent (lock.ErrLeaseLost); all of them match fence.ErrFenced.
-// Like RunTx, its statements are cancelled when the lease ends.
+// Like RunTx, its statements are cancelled when the lease ends, and its
+// answer is the truth about the commit (fence.Guard.RunTx): when it has
+// committed, the slot is succeeded, and the runner reports it so even if
+// the job then returns an error, or CommitTx itself could not learn the
+// outcome (fence.ErrOutcomeUnknown): the ledger decides.
 func (r *Run) CommitTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	if err := ctxcheck.NotNil(ctx, "runner: Run.CommitTx"); err != nil {
 		return err

@@ -125,31 +125,41 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 	// has begun; the folded fence, not the context, decides whether it may.
 	ctx, cancel := wait.Detached(ctx)
 	defer cancel()
-	var err error
+	var (
+		tag pgconn.CommandTag
+		err error
+	)
+	status := StatusSucceeded
 	if runErr == nil {
-		var tag pgconn.CommandTag
 		tag, err = w.r.pool.Exec(ctx, t.succeed, t.args(run.key()...)...)
-		if err = t.fold.Err(err); err == nil && tag.RowsAffected() != 1 {
-			err = ErrFenced
-		}
-		if err == nil {
-			w.event(RunSucceeded, slot, l, attempt, nil)
-			return false
-		}
 	} else {
-		status := StatusFailed
+		status = StatusFailed
 		var p *panicError
 		if errors.As(runErr, &p) {
 			status = StatusPanicked
 		}
-		_, err = w.r.pool.Exec(ctx, t.fail, t.args(append(run.key(), string(status), runErr.Error())...)...)
-		if err = t.fold.Err(err); err == nil {
-			retry := attempt < w.j.Retry.MaxAttempts
-			w.log().Error("pgfence runner: run failed", "slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(),
-				"status", status, "retry", retry, "err", runErr)
-			w.event(RunFailed, slot, l, attempt, runErr)
-			return retry
-		}
+		tag, err = w.r.pool.Exec(ctx, t.fail, t.args(append(run.key(), string(status), runErr.Error())...)...)
+	}
+	err = t.fold.Err(err)
+	if err == nil && tag.RowsAffected() != 1 || err != nil && !errors.Is(err, fence.ErrFenced) {
+		// The statement changed nothing (the attempt is no longer
+		// running: its CommitTx committed, whatever the job returned, or
+		// a newer leader took the slot over), or its answer was lost: the
+		// ledger says which.
+		status, err = w.recorded(ctx, run, err)
+	}
+	switch {
+	case err == nil && status == StatusSucceeded:
+		w.event(RunSucceeded, slot, l, attempt, nil)
+		return false
+	case err == nil && (status == StatusFailed || status == StatusPanicked):
+		retry := attempt < w.j.Retry.MaxAttempts
+		w.log().Error("pgfence runner: run failed", "slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(),
+			"status", status, "retry", retry, "err", runErr)
+		w.event(RunFailed, slot, l, attempt, runErr)
+		return retry
+	case err == nil:
+		err = ErrFenced // fenced by a newer leader
 	}
 	if errors.Is(err, fence.ErrFenced) || l.Err() != nil {
 		w.fenced(l, run, err)
@@ -158,6 +168,23 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 	w.log().Warn("pgfence runner: recording the outcome failed; the next leader will rerun the slot",
 		"slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(), "err", err)
 	return false
+}
+
+// recorded reads what the ledger holds for run's attempt, after the
+// statement recording its outcome changed nothing or failed with cause. A
+// status other than succeeded, failed or panicked (running, fenced) is
+// returned as ErrFenced if the statement changed nothing, and as cause if
+// it failed: the outcome is not recorded.
+func (w *worker) recorded(ctx context.Context, run *Run, cause error) (Status, error) {
+	var status Status
+	if err := w.r.pool.QueryRow(ctx, w.r.q.outcome, run.key()...).Scan(&status); err != nil {
+		return "", firstErr(cause, err)
+	}
+	switch status {
+	case StatusSucceeded, StatusFailed, StatusPanicked:
+		return status, nil
+	}
+	return "", firstErr(cause, ErrFenced)
 }
 
 // fenced marks this attempt's own row as fenced (only if it is still

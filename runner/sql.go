@@ -21,8 +21,8 @@ const (
 type queries struct {
 	claimFirst, claim, succeedFenced, fail func(fence string) string
 
-	succeed, markFenced, lastSlot, requested, register, heartbeat, announce, leave, prune, runs string
-	pause, resume, jobShards, request, waitRun, jobs, instances, terms                          string
+	succeed, markFenced, outcome, lastSlot, requested, register, heartbeat, announce, leave, prune, runs string
+	pause, resume, jobShards, request, waitRun, jobs, instances, terms                                   string
 }
 
 func newQueries(schema string) queries {
@@ -112,6 +112,11 @@ SELECT attempt, status FROM took UNION ALL SELECT attempt, status FROM ins`
 		// and its token: it only marks this attempt's own row.
 		markFenced: `UPDATE ` + runs + ` SET status = 'fenced', finished_at = now(), error = $7::text
  WHERE ` + attempt,
+
+		// What the ledger holds for an attempt ($1 job ... $6 token), when
+		// the statement recording its outcome did not say.
+		outcome: `SELECT status FROM ` + runs + ` WHERE job = $1::text AND shard = $2::int AND kind = $3::text
+   AND slot = $4::timestamptz AND attempt = $5::int AND token = $6::bigint`,
 
 		lastSlot: `SELECT max(slot) FROM ` + runs + ` WHERE job = $1 AND shard = $2 AND kind = 'scheduled'`,
 

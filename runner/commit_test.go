@@ -1,0 +1,129 @@
+package runner_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/internal/faultproxy"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/runner"
+)
+
+// What the runner reports for a slot whose CommitTx committed is what the
+// ledger holds: succeeded, once, with its effect once, and no failure event
+// nor another attempt, whether the COMMIT's reply was lost on the wire (the
+// connection reset right after the server answered) or the job returned an
+// error after its CommitTx went through.
+func TestCommitTxOutcomeIsTheLedgers(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []string{"reply lost", "error after CommitTx"} {
+		t.Run(tc, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			mustExec(t, db, "CREATE TABLE "+tbl(db, "effects")+" (slot timestamptz PRIMARY KEY, token bigint)")
+			pool := db.Pool
+			var arm func()
+			if tc == "reply lost" {
+				up, err := pgx.ParseConfig(db.URL)
+				if err != nil {
+					t.Fatal(err)
+				}
+				link, err := faultproxy.New(net.JoinHostPort(up.Host, strconv.Itoa(int(up.Port))))
+				if err != nil {
+					t.Fatal(err)
+				}
+				pool = pgtest.NewPool(t, pgtest.UniqueName("commit"), func(cfg *pgxpool.Config) {
+					host, port, _ := net.SplitHostPort(link.Addr())
+					p, _ := strconv.Atoi(port)
+					cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+				})
+				t.Cleanup(func() { _ = link.Close() })
+				var armed atomic.Bool
+				link.OnCommit(func() (faultproxy.CommitFault, time.Duration) {
+					if armed.Swap(false) {
+						return faultproxy.ResetAfterReply, 0
+					}
+					return faultproxy.CommitPass, 0
+				})
+				arm = func() { armed.Store(true) }
+			}
+			var (
+				mu    sync.Mutex
+				first time.Time // the slot under test: the job's first
+				calls int
+			)
+			job := runner.Job{Name: "charge", Schedule: "@every 200ms", Retry: runner.Retry{MaxAttempts: 3, Backoff: 10 * time.Millisecond},
+				Run: func(ctx context.Context, run *runner.Run) error {
+					mu.Lock()
+					if first.IsZero() {
+						first = run.Slot
+					}
+					mine := run.Slot.Equal(first)
+					if mine {
+						calls++
+					}
+					mu.Unlock()
+					if mine && arm != nil {
+						arm() // this run's COMMIT meets the fault
+					}
+					err := run.CommitTx(ctx, func(tx pgx.Tx) error {
+						_, err := tx.Exec(ctx, "INSERT INTO "+tbl(db, "effects")+" VALUES ($1, $2)", run.Slot, int64(run.Token))
+						return err
+					})
+					if err == nil && mine && tc == "error after CommitTx" {
+						return errors.New("an error after the commit")
+					}
+					return err
+				}}
+			ev := &events{}
+			start(t, pool, lock.Config{Schema: db.Schema}, runner.Config{OnEvent: ev.hook("a")},
+				func(r *runner.Runner) error { return r.Register(job) })
+			waitFor(t, 20*time.Second, "slots after the first to succeed", func() bool {
+				return len(ev.slots(runner.RunSucceeded)) >= 3
+			})
+			mu.Lock()
+			slot, n := first, calls
+			mu.Unlock()
+			var attempts []string
+			rows, err := db.Pool.Query(context.Background(), "SELECT status FROM "+tbl(db, "pgfence_runs")+
+				" WHERE job = 'charge' AND slot = $1 ORDER BY attempt", slot)
+			if err == nil {
+				attempts, err = pgx.CollectRows(rows, pgx.RowTo[string])
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			effects := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "effects")+" WHERE slot = $1", slot)
+			if len(attempts) != 1 || attempts[0] != "succeeded" || effects != 1 || n != 1 {
+				t.Errorf("the slot's attempts %v, effects %d, job calls %d; want [succeeded], 1, 1", attempts, effects, n)
+			}
+			ev.mu.Lock()
+			defer ev.mu.Unlock()
+			succeeded := 0
+			for _, e := range ev.all {
+				if !e.Slot.Equal(slot) {
+					continue
+				}
+				switch e.Kind {
+				case runner.RunSucceeded:
+					succeeded++
+				case runner.RunFailed, runner.RunFenced:
+					t.Errorf("the runner reported %v for a slot whose work committed: %v", e.Kind, e.Err)
+				}
+			}
+			if succeeded != 1 {
+				t.Errorf("%d RunSucceeded events for the slot, want 1", succeeded)
+			}
+		})
+	}
+}
