@@ -43,9 +43,11 @@
 //
 //   - A resource that does not check the token is not protected.
 //   - A guarded transaction holds the lease row's KEY SHARE lock until it
-//     ends: while it is open, a takeover waits. Bound guarded transactions
-//     (statement_timeout, idle_in_transaction_session_timeout) so a paused
-//     holder cannot stall the next one for long.
+//     ends: while it is open, a takeover waits. The check bounds how long
+//     it may sit idle between statements (Guard.IdleTimeout: the server
+//     ends a transaction idle for longer, so a holder frozen inside one is
+//     replaced about TTL + PollInterval after it froze); a single long
+//     statement is bounded only by statement_timeout.
 //   - With asynchronous replication, a standby promoted after a failover may
 //     lack the newest acquisitions and guarded writes. Data in the same
 //     database rolls back with them; effects outside the database do not.
@@ -55,13 +57,18 @@
 //   - Retryable tells which errors of a guarded transaction mean it did not
 //     commit and may be run again (a failover's failed connects and
 //     read-only errors among them).
-//   - When the connection fails during COMMIT, RunTx asks the server on
-//     another connection whether the transaction committed (its id is read
-//     in the first round trip): nil if it did; if it did not, it is run
+//   - RunTx's answer is the truth about the commit: nil only if it
+//     committed, ErrOutcomeUnknown only if the server cannot be asked, any
+//     other error only if nothing of it committed. A COMMIT that fails
+//     without the server's own ERROR or ROLLBACK (a connection reset right
+//     after COMMIT was written, which pgx reports as "conn closed" and
+//     calls safe to retry although the transaction committed; a terminated
+//     session; a reply held past the deadline) is resolved by asking the
+//     server on another connection (the transaction's id is read in the
+//     first round trip): nil if it committed; if it did not, it is run
 //     again like 40001, 40P01 and a connection lost before COMMIT was sent
-//     (ErrNotCommitted if that keeps happening). ErrOutcomeUnknown (the
-//     write may or may not have happened) is left for when the server
-//     cannot be asked.
+//     (ErrNotCommitted if that keeps happening). A transaction whose
+//     COMMIT you send yourself gets no such answer: use RunTx.
 //
 // # Errors
 //

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/internal/hint"
+	"github.com/pgfence/pgfence/internal/outcome"
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
@@ -62,7 +63,7 @@ var (
 	// ErrOutcomeUnknown is returned by RunTx when the connection failed
 	// during COMMIT: the transaction may or may not have committed. Read the
 	// data back before retrying anything with side effects.
-	ErrOutcomeUnknown = errors.New("fence: commit outcome unknown")
+	ErrOutcomeUnknown = outcome.ErrUnknown
 
 	// ErrNotCommitted is returned by RunTx, wrapping the cause, when the
 	// transaction certainly did not commit although nothing refused it:
@@ -71,7 +72,7 @@ var (
 	// was lost before COMMIT was sent. Nothing it did took effect, and it
 	// may be run again (Retryable). RunTx has already run it again, up to
 	// MaxAttempts times, unless its context ended.
-	ErrNotCommitted = errors.New("fence: the transaction did not commit")
+	ErrNotCommitted = outcome.ErrNotCommitted
 )
 
 // StaleTokenError says which token was presented and which one is current.
@@ -202,18 +203,8 @@ func Retryable(err error) bool {
 		return retry.Transient(err) // nothing was sent
 	}
 	var pg *pgconn.PgError
-	if errors.As(err, &pg) && !fatal(pg) {
+	if errors.As(err, &pg) && !outcome.Fatal(pg) {
 		return retry.Transient(err)
 	}
 	return false
-}
-
-// fatal reports an error that ended the session (FATAL, PANIC): it can
-// follow a COMMIT that went through.
-func fatal(pg *pgconn.PgError) bool {
-	sev := pg.SeverityUnlocalized
-	if sev == "" {
-		sev = pg.Severity
-	}
-	return sev == "FATAL" || sev == "PANIC"
 }

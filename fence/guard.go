@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -19,9 +20,10 @@ import (
 // The check takes a FOR KEY SHARE lock on the lease row. A takeover locks the
 // row FOR UPDATE before it raises the token, so it waits until the guarded
 // transaction ends, while renewals of the current holder (which only move the
-// expiry) are not blocked. A guarded transaction
-// that stays open therefore delays a takeover: keep guarded transactions short,
-// and bound them with statement_timeout / idle_in_transaction_session_timeout.
+// expiry) are not blocked. A guarded transaction that stays open therefore
+// delays a takeover: keep guarded transactions short. The check bounds how
+// long one may sit idle between statements (IdleTimeout); bound single long
+// statements with statement_timeout.
 //
 // A Guard is a value; the zero Schema means "pgfence", the default schema
 // everywhere in pgfence.
@@ -43,9 +45,12 @@ type Guard struct {
 	// shorter). Without a bound, a holder frozen inside a guarded
 	// transaction (a GC pause, SIGSTOP, a stalled VM) keeps every other
 	// holder out for as long as it is frozen, whatever the TTL. The check
-	// sets it in its own round trip. 0 means DefaultIdleTimeout;
+	// sets it in its own round trip. 0 means DefaultIdleTimeout (so a
+	// Guard built by hand is bounded at 15 s, not at its lease's TTL);
 	// Lease.Guard sets the lease client's GuardIdleTimeout (its TTL by
-	// default); a negative value leaves the session's setting alone.
+	// default); a negative value leaves the session's setting alone. A
+	// statement in progress (a long query, a COPY) is not idle: bound
+	// those with statement_timeout.
 	IdleTimeout time.Duration
 }
 
@@ -163,7 +168,10 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // the server knowing) has its backend ended first, so that the answer is
 // known. ErrOutcomeUnknown is left for when the server cannot be asked: db
 // is a single connection or a transaction, the server does not answer
-// within wait.CleanupTimeout (5s), or it has failed over since.
+// within wait.CleanupTimeout (5s), or it has failed over or restarted
+// since. (With db a transaction, RunTx runs a savepoint of it: nil then
+// means the savepoint was released, and the outcome is that
+// transaction's.)
 func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error {
 	if ctx == nil {
 		return fmt.Errorf("fence: Guard.RunTx: %w", ErrNilContext)
@@ -189,7 +197,8 @@ func (g Guard) txFence() *txFence {
 func (g Guard) idleMillis() int64 { return idleMillis(g.IdleTimeout) }
 
 // idleMillis turns an IdleTimeout field into the check's parameter: the
-// default for 0, none (0) for a negative value, at least 1 ms.
+// default for 0, none (0) for a negative value, at least 1 ms, and at most
+// what the server accepts (INT_MAX ms, about 24.8 days).
 func idleMillis(d time.Duration) int64 {
 	switch {
 	case d < 0:
@@ -197,7 +206,7 @@ func idleMillis(d time.Duration) int64 {
 	case d == 0:
 		d = DefaultIdleTimeout
 	}
-	return max(d.Milliseconds(), 1)
+	return min(max(d.Milliseconds(), 1), math.MaxInt32)
 }
 
 // Folded is a guard's check as an SQL expression, for a statement that

@@ -6,6 +6,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/internal/outcome"
 )
 
 // guardedTx is the transaction RunTx hands to its function. The fence check
@@ -24,10 +26,9 @@ type guardedTx struct {
 	checked bool
 	bound   context.Context
 
-	// The transaction's id (xid8, as text) and the server's timeline, read
-	// with the fence, for resolving a lost COMMIT reply.
-	xid      string
-	timeline int64
+	// The transaction's ID, read with the fence, to ask the server what
+	// became of it when COMMIT's answer is lost (outcome.Resolve).
+	id outcome.ID
 }
 
 // txFence is the statement that fences a transaction RunTx runs: a lease's
@@ -39,7 +40,7 @@ type txFence struct {
 	sql       string
 	args      []any
 	translate func(err error, tx pgx.Tx) error // the fence's refusal as a typed error
-	schema    string                           // where pgfence_timeline lives, for resolve
+	schema    string                           // where pgfence_timeline lives, for outcome.Resolve
 	metrics   *Metrics
 }
 
@@ -97,7 +98,7 @@ func (t *guardedTx) dest() []any {
 		cur  int64
 		idle *string
 	)
-	return []any{&cur, &t.xid, &t.timeline, &idle}
+	return append(append([]any{&cur}, t.id.Dest()...), &idle)
 }
 
 // ensure sends the fence on its own, unless it has been sent.

@@ -127,3 +127,49 @@ func TestCommitTxOutcomeIsTheLedgers(t *testing.T) {
 		})
 	}
 }
+
+// RunNow's answer is true when its COMMIT's reply is lost: the request
+// committed, so it returns the runs it asked for (a caller told "failed"
+// would ask again, and the job would run twice), and the ledger holds
+// exactly one request.
+func TestRunNowReplyLost(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	up, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	link, err := faultproxy.New(net.JoinHostPort(up.Host, strconv.Itoa(int(up.Port))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := pgtest.NewPool(t, pgtest.UniqueName("runnow"), func(cfg *pgxpool.Config) {
+		host, port, _ := net.SplitHostPort(link.Addr())
+		p, _ := strconv.Atoi(port)
+		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+	})
+	t.Cleanup(func() { _ = link.Close() })
+	// A job must be registered for RunNow to know it: an instance that
+	// registers it and never leads it long enough to matter.
+	mustExec(t, db, "INSERT INTO "+tbl(db, "pgfence_jobs")+" (job, schedule, shards, max_attempts, registered_at, registered_by) "+
+		"VALUES ('nightly', '@every 1h', 0, 1, now(), 'test')")
+	var armed atomic.Bool
+	armed.Store(true)
+	link.OnCommit(func() (faultproxy.CommitFault, time.Duration) {
+		if armed.Swap(false) {
+			return faultproxy.ResetAfterReply, 0
+		}
+		return faultproxy.CommitPass, 0
+	})
+	refs, err := runner.RunNow(ctx, pool, db.Schema, "nightly", runner.AllShards, "operator")
+	if err != nil || len(refs) != 1 {
+		t.Fatalf("RunNow with its COMMIT's reply lost: %v, %v; want the one run it asked for", refs, err)
+	}
+	if armed.Load() {
+		t.Fatal("the fault did not happen")
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE job = 'nightly' AND kind = 'manual'"); n != 1 {
+		t.Fatalf("%d manual runs in the ledger, want 1", n)
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/outcome"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -114,6 +115,13 @@ func RunNow(ctx context.Context, db fence.DB, schema, job string, shard int, by 
 		return nil, controlErr("run", schema, job, db, err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	// The transaction's id, to learn from the server whether it committed
+	// if COMMIT's answer is lost: a caller told "failed" would ask again,
+	// and the job would run twice.
+	var id outcome.ID
+	if err := tx.QueryRow(ctx, outcome.IDQuery(ident.Schema(schema))).Scan(id.Dest()...); err != nil {
+		return nil, controlErr("run", schema, job, db, err)
+	}
 	refs := make([]RunRef, 0, len(want))
 	for _, s := range want {
 		ref := RunRef{Job: job, Shard: s}
@@ -123,7 +131,7 @@ func RunNow(ctx context.Context, db fence.DB, schema, job string, shard int, by 
 		}
 		refs = append(refs, ref)
 	}
-	if err := tx.Commit(ctx); err != nil {
+	if err := outcome.Commit(ctx, tx, db, ident.Schema(schema), id); err != nil {
 		return nil, controlErr("run", schema, job, db, err)
 	}
 	return refs, nil

@@ -108,11 +108,26 @@ func (r *Run) key() []any {
 // finish records the attempt's outcome and reports whether to retry.
 func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (retry bool) {
 	l, slot, attempt := t.lease, run.ref(), run.Attempt
-	if runErr == nil && run.committed {
+	succeeded := func() bool {
+		if runErr != nil {
+			w.log().Warn("pgfence runner: the job returned an error after its CommitTx committed; the slot succeeded",
+				"slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(), "err", runErr)
+		}
 		w.event(RunSucceeded, slot, l, attempt, nil)
 		return false
 	}
+	if run.committed {
+		return succeeded()
+	}
 	if l.Err() != nil || errors.Is(runErr, fence.ErrFenced) {
+		// A CommitTx whose answer was lost as the lease ended may have
+		// committed: the ledger says.
+		rctx, cancel := wait.Detached(ctx)
+		status, err := w.recorded(rctx, run, nil)
+		cancel()
+		if err == nil && status == StatusSucceeded {
+			return succeeded()
+		}
 		w.fenced(l, run, firstErr(runErr, l.Err()))
 		return false
 	}
@@ -150,8 +165,7 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 	}
 	switch {
 	case err == nil && status == StatusSucceeded:
-		w.event(RunSucceeded, slot, l, attempt, nil)
-		return false
+		return succeeded()
 	case err == nil && (status == StatusFailed || status == StatusPanicked):
 		retry := attempt < w.j.Retry.MaxAttempts
 		w.log().Error("pgfence runner: run failed", "slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(),

@@ -1,4 +1,4 @@
-package fence
+package outcome
 
 import (
 	"errors"
@@ -33,8 +33,8 @@ func TestRefusedCommits(t *testing.T) {
 		// COMMIT reached the server: the transaction committed.
 		{"connection closed after COMMIT was written (pgx: safe to retry)", fmt.Errorf("commit: %w", pgconn.ErrConnClosed), false},
 	} {
-		if got := refused(tc.err); got != tc.want {
-			t.Errorf("%s: refused(%v) = %v, want %v", tc.name, tc.err, got, tc.want)
+		if got := Refused(tc.err); got != tc.want {
+			t.Errorf("%s: Refused(%v) = %v, want %v", tc.name, tc.err, got, tc.want)
 		}
 	}
 }
