@@ -1,11 +1,10 @@
 package chaos
 
 import (
-	"fmt"
 	"os"
 	"testing"
 
-	"go.uber.org/goleak"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // roleEnv makes the re-executed test binary a worker instead of running tests.
@@ -15,12 +14,5 @@ func TestMain(m *testing.M) {
 	if os.Getenv(roleEnv) == "worker" {
 		os.Exit(workerMain())
 	}
-	code := m.Run()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
+	pgtest.Main(m) // the test database (TestWireFaults), and goleak
 }
