@@ -634,7 +634,11 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
 	cfg := lock.Config{TTL: 300 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond}
-	first := newClient(t, db, cfg)
+	// The first holder's guarded transaction stays open past the TTL on
+	// purpose: without an idle bound, which would end it at the TTL.
+	fcfg := cfg
+	fcfg.GuardIdleTimeout = -1
+	first := newClient(t, db, fcfg)
 	c := newClient(t, db, cfg)
 	old, err := first.TryAcquire(ctx, "late")
 	if err != nil {

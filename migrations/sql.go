@@ -75,6 +75,8 @@ func operatorGrantSQL(schema, s, r string) []string {
 			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_epoch") + ", " + t(VersionTable) + " TO " + r,
 		"GRANT UPDATE ON " + t("pgfence_jobs") + " TO " + r,
 		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
-		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text) TO " + r,
+		// pgfence_timeline: RunNow reads its transaction's id and timeline,
+		// to learn whether it committed if COMMIT's answer is lost.
+		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text), " + t("pgfence_timeline") + "() TO " + r,
 	}, leaseUpdateSQL(schema, r)...)
 }
