@@ -133,13 +133,18 @@ func TestRenewReleaseReacquire(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	c := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond})
+	cfg := lock.Config{TTL: time.Second, RenewInterval: 200 * time.Millisecond, SafetyMargin: 100 * time.Millisecond}
+	c := newClient(t, db, cfg)
 	l, err := c.TryAcquire(ctx, "renew")
 	if err != nil {
 		t.Fatal(err)
 	}
-	first := l.ExpiresAt()
-	time.Sleep(1500 * time.Millisecond) // 2.5 TTLs: alive only if renewed
+	first, acquired := l.ExpiresAt(), time.Now()
+	// Alive after two TTLs only if renewed; judged after the renewals
+	// happened, however long a loaded machine takes for them.
+	pgtest.Eventually(t, 30*time.Second, "two TTLs of renewals", func() bool {
+		return c.Stats().Renewals >= 8 && time.Since(acquired) > 2*cfg.TTL
+	})
 	if err := l.Check(ctx); err != nil {
 		t.Fatalf("lease not kept alive by renewal: %v", err)
 	}
@@ -633,7 +638,9 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	cfg := lock.Config{TTL: 300 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond}
+	// A TTL of a second: long enough for renewals to land on a loaded
+	// machine, short enough for the test to wait out three of them.
+	cfg := lock.Config{TTL: time.Second, RenewInterval: 300 * time.Millisecond, SafetyMargin: 100 * time.Millisecond}
 	// The first holder's guarded transaction stays open past the TTL on
 	// purpose: without an idle bound, which would end it at the TTL.
 	fcfg := cfg
@@ -655,7 +662,7 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 		t.Fatal(err)
 	}
 	ended := make(chan struct{})
-	time.AfterFunc(900*time.Millisecond, func() { _ = guarded.Rollback(context.Background()); close(ended) })
+	time.AfterFunc(3*cfg.TTL, func() { _ = guarded.Rollback(context.Background()); close(ended) })
 	defer func() { <-ended }()
 	if err := old.Release(ctx); err != nil {
 		t.Fatal(err)
@@ -850,7 +857,14 @@ func TestWaitersPollOncePerInterval(t *testing.T) {
 			got <- l
 		}()
 	}
-	time.Sleep(500 * time.Millisecond) // every waiter has tried once and waits
+	// Every waiter has tried once and waits: the statements settle to the
+	// poller's (a loaded machine may take seconds to get there). The count
+	// below is an upper bound, which load can only make easier to meet.
+	pgtest.Eventually(t, 30*time.Second, "the waiters' first attempts to be over", func() bool {
+		counter.reset()
+		time.Sleep(300 * time.Millisecond)
+		return counter.total() <= 6
+	})
 	counter.reset()
 	time.Sleep(time.Second)
 	stmts := counter.total()

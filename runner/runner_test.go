@@ -148,7 +148,7 @@ func TestLeaderRevokedMidRun(t *testing.T) {
 	// frozen past its TTL), and the leader's renewals are refused.
 	revoked := time.Now()
 	mustExec(t, db, "UPDATE "+tbl(db, "pgfence_leases")+" SET expires_at = now() WHERE name = $1", "pgfence/job/nightly")
-	waitFor(t, 10*time.Second, "the slot to succeed under a new leader", func() bool {
+	waitFor(t, 30*time.Second, "the slot to succeed under a new leader", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE slot = $1 AND status = 'succeeded'", zr.Slot) == 1
 	})
 	var took time.Duration
