@@ -112,7 +112,11 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			// Ours at the database, but not trustworthy: free it now
 			// (synchronously, since a later attempt may use this secret).
 			rctx, cancel := wait.Detached(ctx)
-			_, _ = c.pool.Exec(rctx, c.q.releaseSecret, name, secret)
+			if _, rerr := c.pool.Exec(rctx, c.q.releaseSecret, name, secret); rerr != nil {
+				// It then expires by the database clock, within the TTL.
+				c.cfg.Logger.Warn("pgfence: could not free a late acquisition; it expires within its TTL",
+					"lease", name, "token", g.token, "err", rerr)
+			}
 			cancel()
 			return nil, fmt.Errorf("lock: acquire %q: renew the late acquisition: %w", name, err)
 		}

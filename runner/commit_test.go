@@ -173,3 +173,48 @@ func TestRunNowReplyLost(t *testing.T) {
 		t.Fatalf("%d manual runs in the ledger, want 1", n)
 	}
 }
+
+// Run does not pretend to have stopped cleanly while a job still runs: a
+// job that ignores its context past ShutdownTimeout is named in a
+// *StopError (its lease released), and nil comes only after a clean stop.
+func TestRunNamesJobsThatDidNotStop(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	started, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	job := runner.Job{Name: "stubborn", Schedule: "@every 100ms", Run: func(context.Context, *runner.Run) error {
+		once.Do(func() { close(started) })
+		<-release // ignores its context
+		return nil
+	}}
+	r, err := runner.New(lockClient(t, db.Pool, lock.Config{Schema: db.Schema}), runner.Config{ShutdownTimeout: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Register(job); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	select {
+	case <-started:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job did not start")
+	}
+	cancel()
+	var err2 error
+	select {
+	case err2 = <-done:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run did not return")
+	}
+	close(release) // lets the job's goroutine end, for the leak check
+	var se *runner.StopError
+	if !errors.As(err2, &se) || !errors.Is(err2, runner.ErrNotStopped) || len(se.Jobs) != 1 || se.Jobs[0] != "stubborn" {
+		t.Fatalf("Run with a job that ignores its context: %v; want a StopError naming it", err2)
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_leases")+" WHERE holder IS NOT NULL"); n != 0 {
+		t.Fatalf("%d leases still held after Run returned", n)
+	}
+}

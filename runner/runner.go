@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -165,12 +167,38 @@ func (r *Runner) register(j Job, shards int) error {
 
 var errShutdown = errors.New("runner: shutting down")
 
+// ErrNotStopped is matched by a *StopError: Run returned although jobs
+// still run.
+var ErrNotStopped = errors.New("runner: jobs did not stop")
+
+// StopError is Run's error when jobs did not return within
+// ShutdownTimeout of its context's end. Their leases were released (so
+// their later guarded writes are refused and another replica takes over),
+// but their goroutines still run: a function that ignores its context
+// cannot be stopped from outside. It matches ErrNotStopped.
+type StopError struct {
+	// Jobs names the jobs (job/shard for a shard) still running.
+	Jobs []string
+	// Timeout is the ShutdownTimeout they did not return within.
+	Timeout time.Duration
+}
+
+// Error names the jobs.
+func (e *StopError) Error() string {
+	return fmt.Sprintf("runner: jobs did not stop within ShutdownTimeout (%v): %s; their leases were released",
+		e.Timeout, strings.Join(e.Jobs, ", "))
+}
+
+// Is makes errors.Is(err, ErrNotStopped) true.
+func (e *StopError) Is(target error) bool { return target == ErrNotStopped }
+
 // Run runs the registered jobs until ctx ends. Then it stops gracefully:
 // running jobs have their contexts cancelled and get ShutdownTimeout to
 // return, and every lease is released so another replica takes over at once.
 // A run that does not return in time is abandoned: its lease is released
-// anyway, so its later guarded writes are refused. Run returns nil after a
-// clean stop.
+// anyway, so its later guarded writes are refused, and Run returns a
+// *StopError naming it (its goroutine is still running then). Run returns
+// nil after a clean stop, only.
 //
 // Run first checks that the schema is migrated (a
 // *migrations.NotMigratedError if not); if ctx ends before that check
@@ -245,10 +273,14 @@ func (r *Runner) Run(ctx context.Context) error {
 	select {
 	case <-done:
 	case <-time.After(r.cfg.ShutdownTimeout):
-		r.log.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway")
-		err = r.releaseHeld(cctx)
+		stuck := &StopError{Jobs: r.heldJobs(), Timeout: r.cfg.ShutdownTimeout}
+		r.log.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway", "jobs", stuck.Jobs)
+		err = errors.Join(stuck, r.releaseHeld(cctx))
 	}
-	_, _ = r.pool.Exec(cctx, r.q.leave, r.lcfg.Holder, membersName)
+	if _, lerr := r.pool.Exec(cctx, r.q.leave, r.lcfg.Holder, membersName); lerr != nil {
+		// The others see this instance gone when its heartbeat row expires.
+		r.log.Warn("pgfence runner: could not record leaving; the other instances will see it gone when its row expires", "err", lerr)
+	}
 	if fatalErr != nil {
 		return fatalErr
 	}
@@ -266,6 +298,18 @@ func (r *Runner) hold(l *lock.Lease) func() {
 		delete(r.held, l)
 		r.heldMu.Unlock()
 	}
+}
+
+// heldJobs names the jobs (job/shard) whose terms still run, sorted.
+func (r *Runner) heldJobs() []string {
+	r.heldMu.Lock()
+	defer r.heldMu.Unlock()
+	names := make([]string, 0, len(r.held))
+	for l := range r.held {
+		names = append(names, strings.TrimPrefix(l.Name(), jobLeasePrefix))
+	}
+	slices.Sort(names)
+	return names
 }
 
 // releaseHeld releases the leases of the terms still running after

@@ -210,7 +210,10 @@ func (w *worker) fenced(l *lock.Lease, run *Run, cause error) {
 	if cause != nil {
 		msg = cause.Error()
 	}
-	_, _ = w.r.pool.Exec(ctx, w.r.q.markFenced, append(run.key(), msg)...)
+	if _, err := w.r.pool.Exec(ctx, w.r.q.markFenced, append(run.key(), msg)...); err != nil {
+		// The next leader's claim marks it fenced anyway.
+		w.log().Debug("pgfence runner: could not mark the attempt fenced; the next claim will", "slot", run.Slot, "err", err)
+	}
 	w.log().Warn("pgfence runner: run fenced: a newer holder took over; its writes are refused",
 		"slot", run.Slot, "manual", run.Manual, "attempt", run.Attempt, "token", l.Token(), "err", cause)
 	w.event(RunFenced, run.ref(), l, run.Attempt, cause)
