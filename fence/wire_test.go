@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -43,18 +41,12 @@ func wireDeadline(f faultproxy.CommitFault) time.Duration {
 // proxied opens a pool to the test server through a fault proxy.
 func proxied(t *testing.T, db *pgtest.DB) (*faultproxy.Proxy, *pgxpool.Pool) {
 	t.Helper()
-	up, err := pgx.ParseConfig(db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	link, err := faultproxy.New(net.JoinHostPort(up.Host, strconv.Itoa(int(up.Port))))
+	link, err := faultproxy.To(db.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
 	pool := pgtest.NewPool(t, pgtest.UniqueName("wire"), func(cfg *pgxpool.Config) {
-		host, port, _ := net.SplitHostPort(link.Addr())
-		p, _ := strconv.Atoi(port)
-		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+		link.Route(&cfg.ConnConfig.Config)
 		// A connection whose reply is held keeps its pool slot while pgx
 		// closes it (up to 15 s): room for all of them.
 		cfg.MaxConns = 32

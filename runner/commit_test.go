@@ -3,8 +3,6 @@ package runner_test
 import (
 	"context"
 	"errors"
-	"net"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -34,19 +32,11 @@ func TestCommitTxOutcomeIsTheLedgers(t *testing.T) {
 			pool := db.Pool
 			var arm func()
 			if tc == "reply lost" {
-				up, err := pgx.ParseConfig(db.URL)
+				link, err := faultproxy.To(db.URL)
 				if err != nil {
 					t.Fatal(err)
 				}
-				link, err := faultproxy.New(net.JoinHostPort(up.Host, strconv.Itoa(int(up.Port))))
-				if err != nil {
-					t.Fatal(err)
-				}
-				pool = pgtest.NewPool(t, pgtest.UniqueName("commit"), func(cfg *pgxpool.Config) {
-					host, port, _ := net.SplitHostPort(link.Addr())
-					p, _ := strconv.Atoi(port)
-					cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
-				})
+				pool = pgtest.NewPool(t, pgtest.UniqueName("commit"), func(cfg *pgxpool.Config) { link.Route(&cfg.ConnConfig.Config) })
 				t.Cleanup(func() { _ = link.Close() })
 				var armed atomic.Bool
 				link.OnCommit(func() (faultproxy.CommitFault, time.Duration) {
@@ -136,19 +126,11 @@ func TestRunNowReplyLost(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := pgtest.Context(t, time.Minute)
-	up, err := pgx.ParseConfig(db.URL)
+	link, err := faultproxy.To(db.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	link, err := faultproxy.New(net.JoinHostPort(up.Host, strconv.Itoa(int(up.Port))))
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := pgtest.NewPool(t, pgtest.UniqueName("runnow"), func(cfg *pgxpool.Config) {
-		host, port, _ := net.SplitHostPort(link.Addr())
-		p, _ := strconv.Atoi(port)
-		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
-	})
+	pool := pgtest.NewPool(t, pgtest.UniqueName("runnow"), func(cfg *pgxpool.Config) { link.Route(&cfg.ConnConfig.Config) })
 	t.Cleanup(func() { _ = link.Close() })
 	// A job must be registered for RunNow to know it: an instance that
 	// registers it and never leads it long enough to matter.

@@ -3,8 +3,6 @@ package runner_test
 import (
 	"context"
 	"fmt"
-	"net"
-	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -22,20 +20,13 @@ import (
 // test can cut one instance off the database as a crash or partition would.
 func proxiedPool(t *testing.T, app string) (*pgxpool.Pool, *faultproxy.Proxy) {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	target := net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port)))
-	p, err := faultproxy.New(target)
+	p, err := faultproxy.To(pgtest.URL(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = p.Close() })
-	host, port, _ := net.SplitHostPort(p.Addr())
-	pn, _ := strconv.Atoi(port)
 	pool := pgtest.NewPool(t, app, func(c *pgxpool.Config) {
-		c.ConnConfig.Host, c.ConnConfig.Port = host, uint16(pn)
+		p.Route(&c.ConnConfig.Config)
 		c.ConnConfig.ConnectTimeout = 2 * time.Second
 	})
 	return pool, p

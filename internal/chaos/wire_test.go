@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -68,19 +67,13 @@ func runWire(t *testing.T, db *pgtest.DB, run wireRun) wireTally {
 		t.Logf("%d workers x %d transactions in %v", run.workers, run.each, time.Since(start))
 	}(time.Now())
 	ctx := pgtest.Context(t, 5*time.Minute)
-	up, err := pgx.ParseConfig(db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	link, err := faultproxy.New(net.JoinHostPort(up.Host, strconv.Itoa(int(up.Port))))
+	link, err := faultproxy.To(db.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
 	app := pgtest.UniqueName("wire")
 	pool := pgtest.NewPool(t, app, func(cfg *pgxpool.Config) {
-		host, port, _ := net.SplitHostPort(link.Addr())
-		p, _ := strconv.Atoi(port)
-		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+		link.Route(&cfg.ConnConfig.Config)
 		// Connections whose reply is held keep their slot while pgx
 		// closes them (up to 15 s): room for them.
 		cfg.MaxConns = 64

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -61,15 +59,13 @@ func (f *fixture) connect(t *testing.T, fault CommitFault, delay time.Duration) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := New(net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
+	p, err := To(pgtest.URL(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	p.OnCommit(func() (CommitFault, time.Duration) { return fault, delay })
-	host, port, _ := net.SplitHostPort(p.Addr())
-	n, _ := strconv.Atoi(port)
-	cfg.Host, cfg.Port = host, uint16(n)
-	cfg.Fallbacks, cfg.TLSConfig = nil, nil // the proxy reads only unencrypted connections
+	p.Route(&cfg.Config)
+	cfg.TLSConfig = nil // the proxy reads only unencrypted connections
 	cfg.RuntimeParams["application_name"] = f.app
 	conn, err := pgx.ConnectConfig(pgtest.Context(t, settle), cfg)
 	if err != nil {

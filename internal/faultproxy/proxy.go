@@ -2,8 +2,11 @@ package faultproxy
 
 import (
 	"net"
+	"strconv"
 	"sync"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Mode is what the proxy does with traffic.
@@ -190,4 +193,22 @@ func (g gated) Read(b []byte) (int, error) {
 		}
 	}
 	return n, err
+}
+
+// To starts a proxy in front of the server a PostgreSQL URL names (its
+// first host), for Route.
+func To(url string) (*Proxy, error) {
+	cfg, err := pgconn.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	return New(net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))))
+}
+
+// Route points a connection config (a pool's ConnConfig.Config) at the
+// proxy, and at it only.
+func (p *Proxy) Route(cfg *pgconn.Config) {
+	host, port, _ := net.SplitHostPort(p.Addr())
+	n, _ := strconv.Atoi(port)
+	cfg.Host, cfg.Port, cfg.Fallbacks = host, uint16(n), nil
 }
