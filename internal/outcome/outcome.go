@@ -154,8 +154,10 @@ const grace = time.Second
 // finishes the commit it has begun, or aborts, and either answer is the
 // truth. Unknown comes with why: the id was not read, db is a closed
 // connection or a transaction, the server did not answer within
-// wait.CleanupTimeout, or it is not the server the transaction ran on any
-// more (ID).
+// wait.CleanupTimeout, cannot be reached at all once ctx has ended (a
+// caller whose deadline or lease ended is not held for the whole cleanup
+// time by a network that is down), or it is not the server the transaction
+// ran on any more (ID).
 //
 // Committed means committed on that server. A COMMIT waiting for a
 // synchronous standby is reported committed once it is committed locally
@@ -173,6 +175,7 @@ func Resolve(ctx context.Context, db DB, schema string, id ID) (Status, string) 
 	if _, isTx := db.(pgx.Tx); isTx {
 		return Unknown, "a savepoint of a transaction whose connection broke: the outcome is that transaction's"
 	}
+	caller := ctx
 	ctx, cancel := wait.Detached(ctx)
 	defer cancel()
 	ask := db
@@ -191,7 +194,13 @@ func Resolve(ctx context.Context, db DB, schema string, id ID) (Status, string) 
 			now    ID
 		)
 		err := ask.QueryRow(ctx, statusSQL, id.Xid).Scan(&status, &now.Timeline, &now.Started)
+		var unreachable *pgconn.ConnectError
 		switch {
+		case err != nil && errors.As(err, &unreachable) && caller.Err() != nil:
+			// The caller has given up (its deadline, its lease's end) and
+			// the server cannot even be reached: not worth holding the
+			// caller for the rest of the cleanup time.
+			return Unknown, "the server cannot be reached: " + err.Error()
 		case err != nil && retry.Transient(err) && wait.Sleep(ctx, again.Wait(n)):
 			continue // the server restarting, a failover: ask again
 		case err != nil && ask != db:
