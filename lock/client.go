@@ -18,8 +18,8 @@ import (
 )
 
 // Client acquires and renews leases. It is safe for concurrent use. Its
-// background goroutines, each started when needed and stopped on its own
-// when idle:
+// background goroutines belong to one group; the first three run while
+// there is work for them (each a bg.Demand):
 //   - the renewer, while it holds leases (it stops after one RenewInterval
 //     without any), on a connection of its own;
 //   - the release listener, while an Acquire waits or a Watch or Observe is
@@ -38,13 +38,13 @@ type Client struct {
 	lis  *listener
 	poll *poller
 
-	mu       sync.Mutex
-	held     map[*Lease]struct{}
-	renewMu  sync.Mutex // held while a renewal statement runs (releaseAll waits for it)
-	renewing bool
-	closed   bool
-	bg       *bg.Group   // every background goroutine
-	clock    clock.Clock // trust windows; tests move it
+	mu      sync.Mutex
+	held    map[*Lease]struct{}
+	renewMu sync.Mutex // held while a renewal statement runs (releaseAll waits for it)
+	closed  bool
+	bg      *bg.Group   // every background goroutine
+	renewer *bg.Demand  // runs renewLoop while leases are held
+	clock   clock.Clock // trust windows; tests move it
 
 	closeOnce sync.Once
 	closeErr  error
@@ -79,6 +79,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		clock:   clock.Real(),
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 	}
+	c.renewer = c.bg.Demand(c.renewLoop, cfg.RenewInterval, clock.Real())
 	c.lis = newListener(c)
 	c.poll = newPoller(c)
 	m, err := newMetrics(c)
@@ -136,7 +137,6 @@ func (c *Client) close(ctx context.Context) error {
 	}
 	c.mu.Unlock()
 	first := c.releaseAll(ctx, leases)
-	c.lis.stop()
 	c.poll.close()
 	c.bg.Stop() // cancel, then wait for every goroutine
 	_ = c.m.observed.Unregister()
@@ -186,15 +186,16 @@ func (c *Client) track(l *Lease) bool {
 		return false
 	}
 	c.held[l] = struct{}{}
-	if !c.renewing {
-		c.renewing = c.bg.Go(c.renewLoop)
-	}
+	c.renewer.Want()
 	return true
 }
 
 func (c *Client) untrack(l *Lease) {
 	c.mu.Lock()
 	delete(c.held, l)
+	if len(c.held) == 0 {
+		c.renewer.Idle()
+	}
 	c.mu.Unlock()
 }
 

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/bg"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 )
@@ -17,16 +19,16 @@ const listenerLinger = 30 * time.Second
 
 // listener holds one LISTEN connection per client while any Acquire waits
 // (and for listenerLinger after), and wakes the waiters of a lease when it is
-// released.
+// released. Its goroutine is a Demand of the client's group, wanted while
+// anything subscribes; the linger paces a connection, so it is on the real
+// clock.
 type listener struct {
-	c *Client
+	c   *Client
+	run *bg.Demand
 
-	mu      sync.Mutex
-	subs    map[string]map[*subscription]struct{}
-	cancel  context.CancelFunc // stops the running goroutine; nil when idle
-	ready   chan struct{}      // closed once LISTEN is in place
-	idle    *time.Timer        // stops the goroutine once it has lingered unused
-	stopped bool
+	mu    sync.Mutex
+	subs  map[string]map[*subscription]struct{}
+	ready chan struct{} // closed once LISTEN is in place; nil when no goroutine is meant to run
 }
 
 type subscription struct {
@@ -38,34 +40,25 @@ type subscription struct {
 }
 
 func newListener(c *Client) *listener {
-	return &listener{c: c, subs: make(map[string]map[*subscription]struct{})}
+	li := &listener{c: c, subs: make(map[string]map[*subscription]struct{})}
+	li.run = c.bg.Demand(li.loop, listenerLinger, clock.Real())
+	return li
 }
 
 func (li *listener) subscribe(name string) *subscription {
 	li.mu.Lock()
 	defer li.mu.Unlock()
 	s := &subscription{C: make(chan struct{}, 1), name: name, l: li}
-	if li.idle != nil {
-		li.idle.Stop()
-		li.idle = nil
-	}
 	if li.subs[name] == nil {
 		li.subs[name] = make(map[*subscription]struct{})
 	}
 	li.subs[name][s] = struct{}{}
-	if li.cancel == nil && !li.stopped {
-		// Its own cancel stops it when idle; the client's group stops it
-		// at Close.
-		ctx, cancel := context.WithCancel(li.c.bg.Context())
-		ready := make(chan struct{})
-		if li.c.bg.Go(func(context.Context) { li.run(ctx, ready) }) {
-			li.cancel, li.ready = cancel, ready
-		} else {
-			cancel()
-		}
+	if li.ready == nil {
+		li.ready = make(chan struct{}) // the next goroutine closes it
 	}
 	s.ready = li.ready
-	if s.ready == nil { // client closed: never ready, the waiter polls
+	if !li.run.Want() {
+		// Client closed: never ready, the waiter polls.
 		s.ready = make(chan struct{})
 	}
 	return s
@@ -79,34 +72,9 @@ func (s *subscription) cancel() {
 	if len(li.subs[s.name]) == 0 {
 		delete(li.subs, s.name)
 	}
-	if len(li.subs) == 0 && li.cancel != nil && li.idle == nil {
-		li.idle = time.AfterFunc(listenerLinger, li.stopIfIdle)
+	if len(li.subs) == 0 {
+		li.run.Idle()
 	}
-}
-
-// stopIfIdle stops the goroutine if nothing has subscribed since it lingered.
-func (li *listener) stopIfIdle() {
-	li.mu.Lock()
-	defer li.mu.Unlock()
-	li.idle = nil
-	if len(li.subs) == 0 && li.cancel != nil {
-		li.cancel()
-		li.cancel = nil
-	}
-}
-
-func (li *listener) stop() {
-	li.mu.Lock()
-	li.stopped = true
-	if li.idle != nil {
-		li.idle.Stop()
-		li.idle = nil
-	}
-	if li.cancel != nil {
-		li.cancel()
-		li.cancel = nil
-	}
-	li.mu.Unlock()
 }
 
 // wake notifies the waiters of name, or of every lease when name is "".
@@ -126,14 +94,27 @@ func (li *listener) wake(name string) {
 	}
 }
 
-// run keeps a LISTEN connection open until ctx ends, reconnecting with
+// loop keeps a LISTEN connection open until ctx ends, reconnecting with
 // capped exponential backoff. It warns once when the connection fails and
 // notes once when LISTEN is back, however many reconnects fail in between
 // (a failover takes many). The connection is hijacked from the pool so it
 // never goes back with LISTEN still active.
-func (li *listener) run(ctx context.Context, ready chan struct{}) {
+func (li *listener) loop(ctx context.Context) {
+	li.mu.Lock()
+	if li.ready == nil {
+		li.ready = make(chan struct{})
+	}
+	ready := li.ready
+	li.mu.Unlock()
 	readyOnce := sync.OnceFunc(func() { close(ready) })
-	defer readyOnce() // waiters never hang on ready, even if LISTEN failed
+	defer func() {
+		readyOnce() // waiters never hang on ready, even if LISTEN failed
+		li.mu.Lock()
+		if li.ready == ready {
+			li.ready = nil // the next goroutine has a ready of its own
+		}
+		li.mu.Unlock()
+	}()
 	backoff := retry.Backoff{Base: 50 * time.Millisecond, Max: li.c.cfg.PollInterval}
 	var failing retry.Failing
 	log := li.c.cfg.Logger

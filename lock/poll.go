@@ -5,6 +5,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/bg"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
@@ -17,14 +19,15 @@ import (
 // interval, so 100 jobs waited on by a replica cost 200 statements per
 // interval.
 //
-// It runs while anyone waits, owned by the client (started by the first
-// waiter, ended when the last leaves or by Close, which waits for it).
+// Its goroutine runs while anyone waits (a Demand of the client's group:
+// wanted by the first waiter, idle when the last leaves, ended by Close,
+// which waits for it).
 type poller struct {
-	c *Client
+	c   *Client
+	run *bg.Demand
 
 	mu      sync.Mutex
 	waiters map[string]map[*waiter]struct{}
-	running bool
 	stopped bool
 	kick    chan struct{} // cap 1: a waiter arrived, poll now
 }
@@ -39,7 +42,9 @@ type waiter struct {
 }
 
 func newPoller(c *Client) *poller {
-	return &poller{c: c, waiters: make(map[string]map[*waiter]struct{}), kick: make(chan struct{}, 1)}
+	p := &poller{c: c, waiters: make(map[string]map[*waiter]struct{}), kick: make(chan struct{}, 1)}
+	p.run = c.bg.Demand(p.loop, 0, clock.Real())
+	return p
 }
 
 // add registers a waiter for name and makes the poller cover it at once.
@@ -59,9 +64,7 @@ func (p *poller) add(name string) *waiter {
 	case p.kick <- struct{}{}:
 	default:
 	}
-	if !p.running {
-		p.running = p.c.bg.Go(p.run)
-	}
+	p.run.Want()
 	return w
 }
 
@@ -72,6 +75,9 @@ func (p *poller) remove(w *waiter) {
 	delete(p.waiters[w.name], w)
 	if len(p.waiters[w.name]) == 0 {
 		delete(p.waiters, w.name)
+	}
+	if len(p.waiters) == 0 {
+		p.run.Idle()
 	}
 }
 
@@ -99,18 +105,15 @@ func wake(w *waiter) {
 	}
 }
 
-func (p *poller) run(ctx context.Context) {
+// loop polls once per interval (sooner when kicked) until ctx ends. Its
+// pacing is on the real clock: it paces statements, it decides nothing.
+func (p *poller) loop(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	var failing retry.Failing
 	log := p.c.cfg.Logger
-	for {
+	for ctx.Err() == nil {
 		p.mu.Lock()
-		if len(p.waiters) == 0 || p.stopped || ctx.Err() != nil {
-			p.running = false
-			p.mu.Unlock()
-			return
-		}
 		names := make([]string, 0, len(p.waiters))
 		var fresh []*waiter
 		for name, ws := range p.waiters {
@@ -124,10 +127,17 @@ func (p *poller) run(ctx context.Context) {
 		}
 		p.mu.Unlock()
 
-		next, free, err := p.poll(ctx, names)
+		var (
+			next = time.Hour // nobody waits: until a waiter kicks
+			free []string
+			err  error
+		)
+		if len(names) > 0 {
+			next, free, err = p.poll(ctx, names)
+		}
 		if err != nil {
 			if ctx.Err() != nil {
-				continue // stopped: the loop ends above
+				return
 			}
 			failing.Fail(log, "pgfence: polling for released leases failing; waiters still wake on release", err)
 			next = p.c.backoff.Wait(failing.Count() - 1)

@@ -12,11 +12,13 @@ import (
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
-// renewLoop renews every held lease once per RenewInterval, in one statement,
-// until the client is closed or has held none for a whole interval (so that a
-// client acquiring and releasing in a loop does not start a goroutine each time). A failed renewal is retried after
-// a quarter interval; leases whose trust window runs out meanwhile end on
-// their own timers.
+// renewLoop renews every held lease once per RenewInterval, in one
+// statement, until ctx ends. It is the client's renewer Demand: wanted while
+// a lease is held, ended once none has been held for a whole interval (so
+// that a client acquiring and releasing in a loop does not start a
+// goroutine each time). A failed renewal is retried after a quarter
+// interval; leases whose trust window runs out meanwhile end on their own
+// timers. Its pacing is on the real clock, as the database's expiry is.
 //
 // The renewer has a connection of its own (opened with the pool's settings,
 // outside it), so that renewals never wait behind the pool's other users: a
@@ -25,47 +27,41 @@ import (
 func (c *Client) renewLoop(ctx context.Context) {
 	own := ownconn.New(c.pool)
 	defer own.Close()
-	wait := c.cfg.RenewInterval
 	// A failed renewal is retried sooner: after a quarter interval, at most.
 	again := retry.Backoff{Base: c.cfg.RenewInterval / 4, Max: c.cfg.RenewInterval / 4}
 	var failing retry.Failing // logs once per failure period
-	t := time.NewTimer(wait)
+	t := time.NewTimer(c.cfg.RenewInterval)
 	defer t.Stop()
 	for {
 		select {
 		case <-t.C:
 		case <-ctx.Done():
-		}
-		c.mu.Lock()
-		if len(c.held) == 0 || ctx.Err() != nil {
-			c.renewing = false
-			c.mu.Unlock()
 			return
 		}
-		if !t.Stop() {
-			select { // drain a fired timer before checking it again
-			case <-t.C:
-			default:
-			}
-		}
+		c.mu.Lock()
 		batch := make([]*Lease, 0, len(c.held))
 		for l := range c.held {
 			batch = append(batch, l)
 		}
 		c.mu.Unlock()
-		c.renewMu.Lock()
-		err := c.renew(ctx, own, batch)
-		c.renewMu.Unlock()
-		if err != nil {
-			c.stats.failures.Add(1)
-			failing.Fail(c.cfg.Logger, "pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
-				err, "leases", len(batch))
-			c.failing.Store(true)
-			wait = again.Wait(failing.Count() - 1)
-		} else {
-			failing.Recover(c.cfg.Logger, "pgfence: renewals healthy again", "leases", len(batch))
-			c.failing.Store(false)
-			wait = c.cfg.RenewInterval
+		wait := c.cfg.RenewInterval
+		if len(batch) > 0 {
+			c.renewMu.Lock()
+			err := c.renew(ctx, own, batch)
+			c.renewMu.Unlock()
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil {
+				c.stats.failures.Add(1)
+				failing.Fail(c.cfg.Logger, "pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
+					err, "leases", len(batch))
+				c.failing.Store(true)
+				wait = again.Wait(failing.Count() - 1)
+			} else {
+				failing.Recover(c.cfg.Logger, "pgfence: renewals healthy again", "leases", len(batch))
+				c.failing.Store(false)
+			}
 		}
 		t.Reset(wait)
 	}

@@ -16,10 +16,6 @@ type shardKey struct {
 	shard int
 }
 
-type shardWorker struct {
-	cancel context.CancelFunc // stops it (the balancer's group waits for it)
-}
-
 // membersName is the pseudo-lease whose "release" announces a change of
 // members: runners rebalance at once instead of at their next heartbeat.
 const membersName = "pgfence/instances"
@@ -61,7 +57,7 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 	defer stopWatch()
 	own := ownconn.New(r.pool)
 	defer own.Close()
-	workers := make(map[shardKey]*shardWorker)
+	workers := make(map[shardKey]context.CancelFunc)
 	g := bg.New(ctx) // the shard workers and the singleton jobs' workers
 	defer g.Stop()
 	var names, singleNames []string
@@ -187,7 +183,7 @@ func onlyLeft(before, view members) bool {
 }
 
 // apply starts and stops shard workers to match the assignment in view.
-func (r *Runner) apply(g *bg.Group, jobs []*job, view members, workers map[shardKey]*shardWorker) {
+func (r *Runner) apply(g *bg.Group, jobs []*job, view members, workers map[shardKey]context.CancelFunc) {
 	for _, j := range jobs {
 		ids := view[j.Name]
 		me := slices.Index(ids, r.lcfg.Holder)
@@ -202,18 +198,15 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, workers map[shard
 		for s := range j.shards {
 			k := shardKey{j, s}
 			mine := me >= 0 && owner[s] == me
-			w, have := workers[k]
+			stop, have := workers[k]
 			switch {
 			case mine && !have:
-				wctx, cancel := context.WithCancel(g.Context())
 				sw := &worker{r: r, j: j, shard: s}
-				if g.Go(func(context.Context) { sw.loop(wctx) }) {
-					workers[k] = &shardWorker{cancel: cancel}
-				} else {
-					cancel()
+				if cancel, ok := g.Start(sw.loop); ok {
+					workers[k] = cancel
 				}
 			case !mine && have:
-				w.cancel()
+				stop() // the group still waits for it
 				delete(workers, k)
 			}
 		}

@@ -93,7 +93,7 @@ func scheduled(at time.Time) slotRef { return slotRef{KindScheduled, at} }
 // and the missed ones by policy; then each slot of the schedule, and the
 // manual runs asked for, when woken.
 func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
-	began := time.Now()
+	began := time.Now() // the term's age paces hand-overs: real clock (see handOver)
 	t, err := w.newTerm(l)
 	if err != nil {
 		return err
@@ -202,7 +202,9 @@ var errHandOver = errors.New("runner: handing the job over to its preferred repl
 // handOver reports whether this term (begun at began) should end so that
 // the job's preferred replica takes it: a singleton job this instance is
 // not preferred for, led for at least RebalanceInterval (so that a
-// preferred replica that does not take it cannot make it bounce).
+// preferred replica that does not take it cannot make it bounce). The age
+// is read on the real clock, as the heartbeats that elect the preferred
+// replica are paced; the schedule's clock has no say in it.
 func (w *worker) handOver(began time.Time) bool {
 	if w.j.shards > 0 {
 		return false

@@ -1,14 +1,19 @@
 // Package bg is the one lifecycle of pgfence's background goroutines. A
-// Group owns them: each is started with Go (on demand, by its owner) and
-// gets the group's context; Stop cancels that context and waits until every
-// one has returned. A goroutine may also end on its own when it has nothing
-// left to do; its owner decides that under its own lock, as it decides to
-// start one.
+// Group owns them: each is started with Go or Start and gets the group's
+// context (Start's may also be cancelled alone); Stop cancels that context
+// and waits until every one has returned. A goroutine that runs only while
+// there is work (the lease renewer while leases are held, the poller and
+// the listener while anyone waits) is a Demand: its owner says Want or
+// Idle, and the Demand starts and ends it. The goroutines themselves are
+// plain loops that return when their context ends.
 package bg
 
 import (
 	"context"
 	"sync"
+	"time"
+
+	"github.com/pgfence/pgfence/internal/clock"
 )
 
 // Group owns a set of background goroutines. The zero value is not usable:
@@ -65,4 +70,100 @@ func (g *Group) Stop() {
 		g.cancel(context.Cause(g.parent))
 		g.wg.Wait()
 	})
+}
+
+// Start runs fn(ctx) like Go, with a context of its own: calling the
+// returned cancel ends that goroutine alone (Stop still waits for it). ok is
+// false, and fn does not run, once Stop has begun.
+func (g *Group) Start(fn func(ctx context.Context)) (cancel context.CancelFunc, ok bool) {
+	ctx, cancel := context.WithCancel(g.ctx)
+	if !g.Go(func(context.Context) { fn(ctx) }) {
+		cancel()
+		return nil, false
+	}
+	return cancel, true
+}
+
+// Demand is a goroutine of a Group that runs while it is wanted: Want starts
+// it if it is not running, Idle ends it once it has been unwanted for the
+// linger, and a Want meanwhile keeps it. Its function is a plain loop that
+// returns when its context ends; when to run is decided here, once, under
+// Demand's own lock, so that an owner only says whether it has work. At
+// most one goroutine of a Demand runs at a time: a Want that arrives while
+// the goroutine is ending starts it again once it has returned.
+type Demand struct {
+	g      *Group
+	run    func(ctx context.Context)
+	linger time.Duration
+	clock  clock.Clock
+
+	mu      sync.Mutex
+	wanted  bool
+	running bool               // a goroutine runs (it may be ending)
+	cancel  context.CancelFunc // ends the running goroutine
+	idle    clock.Timer        // pending end after the linger
+}
+
+// Demand returns an idle Demand whose goroutine runs fn. The linger, read
+// on clk, is how long it keeps running after Idle (0: it is ended at once).
+func (g *Group) Demand(fn func(ctx context.Context), linger time.Duration, clk clock.Clock) *Demand {
+	return &Demand{g: g, run: fn, linger: linger, clock: clk}
+}
+
+// Want starts the goroutine unless it runs, and cancels a pending end. It
+// reports whether the goroutine runs or will run again: false once the
+// group has stopped.
+func (d *Demand) Want() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.wanted = true
+	if d.idle != nil {
+		d.idle.Stop()
+		d.idle = nil
+	}
+	if !d.running {
+		d.startLocked()
+	}
+	return d.running
+}
+
+// Idle ends the goroutine after the linger, unless Want is called first.
+func (d *Demand) Idle() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.wanted = false
+	if !d.running || d.idle != nil {
+		return
+	}
+	if d.linger <= 0 {
+		d.cancel()
+		return
+	}
+	var t clock.Timer
+	t = d.clock.AfterFunc(d.linger, func() {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		if d.idle != t {
+			return // stopped by a Want, or a later Idle's timer
+		}
+		d.idle = nil
+		if !d.wanted && d.running {
+			d.cancel()
+		}
+	})
+	d.idle = t
+}
+
+// startLocked starts the goroutine; d.mu is held.
+func (d *Demand) startLocked() {
+	cancel, ok := d.g.Start(func(ctx context.Context) {
+		d.run(ctx)
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		d.running, d.cancel = false, nil
+		if d.wanted && d.g.ctx.Err() == nil {
+			d.startLocked() // wanted again while it was ending
+		}
+	})
+	d.running, d.cancel = ok, cancel
 }

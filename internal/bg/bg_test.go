@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/pgfence/pgfence/internal/clock"
 )
 
 // Stop cancels every goroutine's context and returns only when all have
@@ -88,5 +90,95 @@ func TestStopKeepsTheParentsCause(t *testing.T) {
 	}
 	if lost > 0 {
 		t.Fatalf("%d of 20000 groups lost their parent's cause", lost)
+	}
+}
+
+// A Demand runs one goroutine while wanted, ends it only after the linger
+// has passed unwanted, keeps it when wanted again within the linger, and
+// starts it again after it ended; Stop ends it and later Wants start
+// nothing.
+func TestDemandRunsWhileWanted(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	clk := clock.NewFake(time.Unix(0, 0))
+	g := New(context.Background())
+	var starts, running atomic.Int32
+	ended := make(chan struct{}, 10)
+	d := g.Demand(func(ctx context.Context) {
+		starts.Add(1)
+		if running.Add(1) != 1 {
+			t.Error("two goroutines of one Demand ran at once")
+		}
+		<-ctx.Done()
+		running.Add(-1)
+		ended <- struct{}{}
+	}, time.Minute, clk)
+
+	if !d.Want() || !d.Want() {
+		t.Fatal("Want before Stop reported not running")
+	}
+	waitFor(t, func() bool { return starts.Load() == 1 })
+	d.Idle()
+	clk.Advance(59 * time.Second)
+	d.Want() // within the linger: kept
+	clk.Advance(time.Hour)
+	select {
+	case <-ended:
+		t.Fatal("the goroutine ended although wanted again within the linger")
+	default:
+	}
+	d.Idle()
+	clk.Advance(time.Minute)
+	<-ended // ends once the linger has passed unwanted
+	d.Want()
+	waitFor(t, func() bool { return starts.Load() == 2 })
+	g.Stop()
+	<-ended
+	if d.Want() {
+		t.Fatal("Want after Stop reported running")
+	}
+	if n := starts.Load(); n != 2 {
+		t.Fatalf("%d starts, want 2", n)
+	}
+}
+
+// A Want that arrives while the goroutine is ending (its context already
+// cancelled) starts it again once it has returned, never a second one
+// beside it.
+func TestDemandWantedWhileEnding(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	g := New(context.Background())
+	defer g.Stop()
+	var starts, running atomic.Int32
+	release := make(chan struct{})
+	d := g.Demand(func(ctx context.Context) {
+		n := starts.Add(1)
+		if running.Add(1) != 1 {
+			t.Error("two goroutines of one Demand ran at once")
+		}
+		<-ctx.Done()
+		if n == 1 {
+			<-release // the first one is slow to end
+		}
+		running.Add(-1)
+	}, 0, clock.Real())
+	d.Want()
+	waitFor(t, func() bool { return starts.Load() == 1 })
+	d.Idle() // linger 0: cancelled at once
+	d.Want()
+	if starts.Load() != 1 {
+		t.Fatal("a second goroutine started while the first was ending")
+	}
+	close(release)
+	waitFor(t, func() bool { return starts.Load() == 2 })
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not reached within 10 s")
+		}
+		time.Sleep(time.Millisecond)
 	}
 }

@@ -1,9 +1,18 @@
 // Package clock is the seam between pgfence's time arithmetic and the
-// machine's clock: the lease client reads "now" and arms its trust-window
-// timers through a Clock, and the runner computes and waits for its
-// schedule's slots through one, so that tests can move time with a Fake
-// instead of sleeping. Durations that pace database work (renewal
-// intervals, backoff sleeps, statement timeouts) stay on the real clock.
+// machine's clock, so that tests can move time with a Fake instead of
+// sleeping. Each decision reads one clock, named where it is made:
+//
+//   - Expiry of a lease, and who holds it: the database's clock, never
+//     this machine's (the statements compare with now()).
+//   - A lease's local trust window (lock): the client's Clock.
+//   - A schedule's slots, catch-up and overrun (runner): the runner's Clock.
+//   - Pacing of database work (renewal and poll intervals, heartbeats and
+//     the settling of a view, a listener's linger, a singleton term's
+//     coming of age, backoff sleeps, statement timeouts, waiting out a
+//     freed lease's deferral): the real clock, through time's timers, since
+//     the database's expiry that they keep pace with runs in real time.
+//   - Measurements (metrics' latencies, a renewal's round trip): the real
+//     monotonic clock.
 package clock
 
 import (
