@@ -34,7 +34,7 @@ import (
 type Client struct {
 	pool *pgxpool.Pool
 	cfg  Config
-	q    queries
+	q    *queries
 	lis  *listener
 	poll *poller
 
@@ -73,7 +73,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 	c := &Client{
 		pool:    pool,
 		cfg:     cfg,
-		q:       newQueries(cfg.Schema),
+		q:       sqlFor(cfg.Schema),
 		held:    make(map[*Lease]struct{}),
 		bg:      bg.New(context.Background()),
 		clock:   clock.Real(),

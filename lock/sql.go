@@ -2,6 +2,7 @@ package lock
 
 import (
 	"fmt"
+	"sync"
 
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -18,9 +19,41 @@ import (
 // Check uses clock_timestamp() because it may run inside a longer transaction,
 // where now() could be seconds old and would wrongly call an expired lease held.
 
-// queries holds the package's SQL, built once per client for its schema.
+// queries is the package's SQL for one schema, by concern: a holder's
+// acquisitions, renewals, checks and releases; waiting for and watching a
+// lease; and the operators' reads and force-release. It is built once per
+// schema (sqlFor).
 type queries struct {
-	acquire, heldBy, freeFor, acquireNew, syncEpoch, pollWaited, observe, renew, release, releaseDurable, releaseMany, releaseManyDurable, releaseSecret, backendAlive, check, inspectAll, inspectOne, forceRelease, blockers string
+	leaseSQL
+	waitSQL
+	operatorSQL
+}
+
+type leaseSQL struct {
+	acquire, heldBy, freeFor, acquireNew, syncEpoch, renew, check                         string
+	release, releaseDurable, releaseMany, releaseManyDurable, releaseSecret, backendAlive string
+}
+
+type waitSQL struct {
+	pollWaited, observe string
+}
+
+type operatorSQL struct {
+	inspectAll, inspectOne, forceRelease, blockers string
+}
+
+// built holds each schema's statements, built on first use: the
+// operators' functions (Leases, Inspect, ForceRelease) take a schema each
+// time.
+var built sync.Map // validated schema → *queries
+
+// sqlFor returns schema's statements; schema must be validated.
+func sqlFor(schema string) *queries {
+	if q, ok := built.Load(schema); ok {
+		return q.(*queries)
+	}
+	q, _ := built.LoadOrStore(schema, &queries{newLeaseSQL(schema), newWaitSQL(schema), newOperatorSQL(schema)})
+	return q.(*queries)
 }
 
 // wakeWaiters is a RETURNING expression for statements that free a lease
@@ -32,7 +65,16 @@ func wakeWaiters(fn string) string {
 	return `CASE WHEN l.waiters_until > now() THEN ` + fn + `(l.name) ELSE false END`
 }
 
-func newQueries(schema string) queries {
+// inspectSQL is the operators' view of lease rows (Leases, Inspect,
+// Observe), without its WHERE.
+func inspectSQL(t string) string {
+	return fmt.Sprintf(`SELECT name, token, coalesce(holder, ''), holder IS NOT NULL AND expires_at > clock_timestamp(),
+       acquired_at, renewed_at, expires_at, clock_timestamp()
+  FROM %[1]s`, t)
+}
+
+// newLeaseSQL: a holder's statements.
+func newLeaseSQL(schema string) leaseSQL {
 	t := ident.Table(schema, "pgfence_leases")
 	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
 	// The epoch check (00001_leases.sql): both timeline functions are
@@ -41,11 +83,7 @@ func newQueries(schema string) queries {
 	// of the epoch row, more as a PL/pgSQL call (BENCHMARKS.md).
 	ready := fmt.Sprintf(`(%s() = %s() OR %s())`, ident.Table(schema, "pgfence_timeline"),
 		ident.Table(schema, "pgfence_epoch_timeline"), ident.Table(schema, "pgfence_sync_epoch"))
-	// The operators' view of lease rows (Leases, Inspect).
-	inspect := fmt.Sprintf(`SELECT name, token, coalesce(holder, ''), holder IS NOT NULL AND expires_at > clock_timestamp(),
-       acquired_at, renewed_at, expires_at, clock_timestamp()
-  FROM %[1]s`, t)
-	return queries{
+	return leaseSQL{
 		// The compare-and-set: lock the row FOR UPDATE if it is free,
 		// released or expired, and give it a new token from the column's
 		// sequence (token is GENERATED ALWAYS AS IDENTITY: DEFAULT is its
@@ -109,41 +147,6 @@ RETURNING token, expires_at`, t, ready),
 		// Not on a standby (false): acquisitions fail there anyway.
 		syncEpoch: fmt.Sprintf(`SELECT NOT pg_is_in_recovery() AND %s()`, ident.Table(schema, "pgfence_sync_epoch")),
 
-		// The poller's one statement per interval for every lease the
-		// client's blocked Acquires wait for ($1): it asks the held ones'
-		// releases to send a NOTIFY for the next $2 (rewriting a row only
-		// when less than $3 is left, so about every other interval), and
-		// returns each lease's state. waiters_until is not a key column, so
-		// this neither waits for nor blocks a guarded transaction. Rows
-		// locked by an acquisition, renewal or release in progress are
-		// skipped (SKIP LOCKED): this statement locks several rows, and
-		// waiting for them in its own order could deadlock with a batch
-		// renewal; the next poll marks them.
-		pollWaited: fmt.Sprintf(`WITH marked AS (
-  UPDATE %[1]s l SET waiters_until = greatest(l.waiters_until, now() + $2 * interval '1 microsecond')
-    FROM (SELECT f.name FROM %[1]s f
-           WHERE f.name = ANY($1) AND f.holder IS NOT NULL AND f.expires_at > now()
-             AND (f.waiters_until IS NULL OR f.waiters_until < now() + $3 * interval '1 microsecond')
-           FOR NO KEY UPDATE SKIP LOCKED) m
-   WHERE l.name = m.name)
-SELECT l.name, l.holder IS NULL OR l.expires_at <= now(), (extract(epoch FROM l.expires_at - now()) * 1e6)::bigint
-  FROM %[1]s l WHERE l.name = ANY($1)`, t),
-
-		// An observer's one statement per interval for lease $1: it asks
-		// the lease's next acquisitions and releases to send a NOTIFY for
-		// the next $2
-		// (rewriting the row only when less than $3 is left), skipping a
-		// row locked by a statement in progress as pollWaited does, and
-		// returns the lease's state as inspectOne does.
-		observe: fmt.Sprintf(`WITH marked AS (
-  UPDATE %[1]s l SET observers_until = now() + $2 * interval '1 microsecond',
-                     waiters_until = greatest(l.waiters_until, now() + $2 * interval '1 microsecond')
-    FROM (SELECT f.name FROM %[1]s f
-           WHERE f.name = $1 AND (f.observers_until IS NULL OR f.observers_until < now() + $3 * interval '1 microsecond')
-           FOR NO KEY UPDATE SKIP LOCKED) m
-   WHERE l.name = m.name)
-%[2]s WHERE name = $1`, t, inspect),
-
 		// All of a client's leases in one statement.
 		renew: fmt.Sprintf(`UPDATE %[1]s l
    SET renewed_at = now(), expires_at = now() + $4 * interval '1 microsecond'
@@ -189,14 +192,64 @@ RETURNING %[2]s`, t, wake),
 		// Whether backend $1 still exists.
 		backendAlive: `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`,
 
+		check: fmt.Sprintf(`SELECT token, secret = $2 AND holder IS NOT NULL, expires_at > clock_timestamp(), expires_at
+  FROM %[1]s WHERE name = $1`, t),
+	}
+}
+
+// newWaitSQL: a blocked acquirer's and an observer's statements.
+func newWaitSQL(schema string) waitSQL {
+	t := ident.Table(schema, "pgfence_leases")
+	inspect := inspectSQL(t)
+	return waitSQL{
+		// The poller's one statement per interval for every lease the
+		// client's blocked Acquires wait for ($1): it asks the held ones'
+		// releases to send a NOTIFY for the next $2 (rewriting a row only
+		// when less than $3 is left, so about every other interval), and
+		// returns each lease's state. waiters_until is not a key column, so
+		// this neither waits for nor blocks a guarded transaction. Rows
+		// locked by an acquisition, renewal or release in progress are
+		// skipped (SKIP LOCKED): this statement locks several rows, and
+		// waiting for them in its own order could deadlock with a batch
+		// renewal; the next poll marks them.
+		pollWaited: fmt.Sprintf(`WITH marked AS (
+  UPDATE %[1]s l SET waiters_until = greatest(l.waiters_until, now() + $2 * interval '1 microsecond')
+    FROM (SELECT f.name FROM %[1]s f
+           WHERE f.name = ANY($1) AND f.holder IS NOT NULL AND f.expires_at > now()
+             AND (f.waiters_until IS NULL OR f.waiters_until < now() + $3 * interval '1 microsecond')
+           FOR NO KEY UPDATE SKIP LOCKED) m
+   WHERE l.name = m.name)
+SELECT l.name, l.holder IS NULL OR l.expires_at <= now(), (extract(epoch FROM l.expires_at - now()) * 1e6)::bigint
+  FROM %[1]s l WHERE l.name = ANY($1)`, t),
+
+		// An observer's one statement per interval for lease $1: it asks
+		// the lease's next acquisitions and releases to send a NOTIFY for
+		// the next $2
+		// (rewriting the row only when less than $3 is left), skipping a
+		// row locked by a statement in progress as pollWaited does, and
+		// returns the lease's state as inspectOne does.
+		observe: fmt.Sprintf(`WITH marked AS (
+  UPDATE %[1]s l SET observers_until = now() + $2 * interval '1 microsecond',
+                     waiters_until = greatest(l.waiters_until, now() + $2 * interval '1 microsecond')
+    FROM (SELECT f.name FROM %[1]s f
+           WHERE f.name = $1 AND (f.observers_until IS NULL OR f.observers_until < now() + $3 * interval '1 microsecond')
+           FOR NO KEY UPDATE SKIP LOCKED) m
+   WHERE l.name = m.name)
+%[2]s WHERE name = $1`, t, inspect),
+	}
+}
+
+// newOperatorSQL: the operators' reads and force-release.
+func newOperatorSQL(schema string) operatorSQL {
+	t := ident.Table(schema, "pgfence_leases")
+	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
+	inspect := inspectSQL(t)
+	return operatorSQL{
 		// The sessions that block backend $1, for an operator whose
 		// ForceRelease waits behind them.
 		blockers: `SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
        a.xact_start, left(coalesce(a.query, ''), 200)
   FROM pg_stat_activity a WHERE a.pid = ANY (pg_blocking_pids($1)) ORDER BY a.pid`,
-
-		check: fmt.Sprintf(`SELECT token, secret = $2 AND holder IS NOT NULL, expires_at > clock_timestamp(), expires_at
-  FROM %[1]s WHERE name = $1`, t),
 
 		inspectAll: inspect + ` ORDER BY name`,
 		inspectOne: inspect + ` WHERE name = $1`,

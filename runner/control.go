@@ -214,7 +214,7 @@ func Jobs(ctx context.Context, db fence.DB, schema, job string) ([]JobInfo, erro
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
-	rows, err := db.Query(ctx, newQueries(schema).jobs, job, jobLeasePrefix)
+	rows, err := db.Query(ctx, sqlFor(schema).jobs, job, jobLeasePrefix)
 	if err != nil {
 		return nil, controlErr("read the jobs of", schema, job, db, err)
 	}
@@ -271,14 +271,14 @@ func Jobs(ctx context.Context, db fence.DB, schema, job string) ([]JobInfo, erro
 
 // control validates a control call's schema and job and returns the
 // schema's statements.
-func control(schema, job string) (queries, error) {
+func control(schema, job string) (*queries, error) {
 	if err := ident.ValidateSchema(schema); err != nil {
-		return queries{}, fmt.Errorf("runner: %w", err)
+		return nil, fmt.Errorf("runner: %w", err)
 	}
 	if err := fence.ValidateName(job); err != nil {
-		return queries{}, fmt.Errorf("runner: job: %w", err)
+		return nil, fmt.Errorf("runner: job: %w", err)
 	}
-	return newQueries(schema), nil
+	return sqlFor(schema), nil
 }
 
 // controlErr turns "no row" into ErrUnknownJob and explains the rest.

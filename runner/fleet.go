@@ -50,7 +50,7 @@ func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo,
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
-	rows, err := db.Query(ctx, newQueries(schema).instances, jobLeasePrefix)
+	rows, err := db.Query(ctx, sqlFor(schema).instances, jobLeasePrefix)
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the instances: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
@@ -111,7 +111,7 @@ func Terms(ctx context.Context, db fence.DB, schema string, limit int) ([]Term, 
 	if limit < 0 {
 		return nil, fmt.Errorf("runner: Terms limit %d is negative", limit)
 	}
-	rows, err := db.Query(ctx, newQueries(schema).terms, limit)
+	rows, err := db.Query(ctx, sqlFor(schema).terms, limit)
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the terms: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}

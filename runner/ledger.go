@@ -88,7 +88,7 @@ func Runs(ctx context.Context, db fence.DB, schema string, f RunFilter) ([]RunIn
 	if f.Limit < 0 {
 		return nil, fmt.Errorf("runner: RunFilter.Limit %d is negative", f.Limit)
 	}
-	rows, err := db.Query(ctx, newQueries(schema).runs, f.Job, string(f.Status), f.Limit)
+	rows, err := db.Query(ctx, sqlFor(schema).runs, f.Job, string(f.Status), f.Limit)
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
@@ -123,7 +123,7 @@ func Prune(ctx context.Context, db fence.DB, schema string, before time.Time) (i
 	if err := ident.ValidateSchema(schema); err != nil {
 		return 0, fmt.Errorf("runner: %w", err)
 	}
-	tag, err := db.Exec(ctx, newQueries(schema).prune, before)
+	tag, err := db.Exec(ctx, sqlFor(schema).prune, before)
 	if err != nil {
 		return 0, fmt.Errorf("runner: prune the ledger: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}

@@ -31,7 +31,7 @@ type Runner struct {
 	pool *pgxpool.Pool
 	cfg  Config
 	lcfg lock.Config // the client's, defaults filled in
-	q    queries
+	q    *queries
 	lc   *lock.Client
 	log  *slog.Logger
 	m    *metrics
@@ -90,7 +90,7 @@ func New(client *lock.Client, cfg Config) (*Runner, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: newQueries(lcfg.Schema), lc: client, log: lcfg.Logger, m: m, clock: clock.Real(), pref: newPreference(),
+	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: sqlFor(lcfg.Schema), lc: client, log: lcfg.Logger, m: m, clock: clock.Real(), pref: newPreference(),
 		names: make(map[string]bool), held: make(map[*lock.Lease]struct{})}, nil
 }
 

@@ -2,6 +2,7 @@ package runner
 
 import (
 	"fmt"
+	"sync"
 
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -14,28 +15,69 @@ const (
 	runWakePrefix  = "pgfence/run/"
 )
 
-// queries holds the runner's SQL for one schema. The fenced ledger
-// statements are functions of the fence expression (fence.Guard.Fold), built
-// once per leadership term; each numbers its own parameters first, and the
-// fold's two come after them.
+// queries is the runner's SQL for one schema, by concern: a leader's
+// ledger of attempts, the fleet's membership, and the operators' steering
+// and reading. It is built once per schema (sqlFor). The fenced ledger
+// statements are functions of the fence expression (fence.Guard.Fold),
+// built once per leadership term; each numbers its own parameters first,
+// and the fold's two come after them.
 type queries struct {
-	claimFirst, claim, succeedFenced, fail func(fence string) string
-
-	succeed, markFenced, outcome, lastSlot, requested, register, heartbeat, announce, leave, prune, runs string
-	pause, resume, jobShards, request, waitRun, jobs, instances, terms                                   string
+	ledgerSQL
+	fleetSQL
+	controlSQL
 }
 
-func newQueries(schema string) queries {
-	runs := ident.Table(schema, "pgfence_runs")
-	jobs := ident.Table(schema, "pgfence_jobs")
-	inst := ident.Table(schema, "pgfence_instances")
-	leases := ident.Table(schema, "pgfence_leases")
-	wake := ident.Table(schema, "pgfence_wake_waiters")
+type ledgerSQL struct {
+	claimFirst, claim, succeedFenced, fail func(fence string) string
+
+	succeed, markFenced, outcome, lastSlot, requested string
+}
+
+type fleetSQL struct {
+	register, heartbeat, announce, leave, instances, terms string
+}
+
+type controlSQL struct {
+	prune, runs, pause, resume, jobShards, request, waitRun, jobs string
+}
+
+// built holds each schema's statements, built on first use: operators'
+// calls (Jobs, Runs, Pause, ...) take a schema each time.
+var built sync.Map // validated schema → *queries
+
+// sqlFor returns schema's statements; schema must be validated.
+func sqlFor(schema string) *queries {
+	if q, ok := built.Load(schema); ok {
+		return q.(*queries)
+	}
+	q, _ := built.LoadOrStore(schema, &queries{newLedgerSQL(schema), newFleetSQL(schema), newControlSQL(schema)})
+	return q.(*queries)
+}
+
+// tables are schema's tables and functions, quoted.
+type tables struct {
+	runs, jobs, inst, leases, wake string
+}
+
+func tablesOf(schema string) tables {
+	return tables{
+		runs:   ident.Table(schema, "pgfence_runs"),
+		jobs:   ident.Table(schema, "pgfence_jobs"),
+		inst:   ident.Table(schema, "pgfence_instances"),
+		leases: ident.Table(schema, "pgfence_leases"),
+		wake:   ident.Table(schema, "pgfence_wake_waiters"),
+	}
+}
+
+// newLedgerSQL: a leader's claims and outcomes of attempts.
+func newLedgerSQL(schema string) ledgerSQL {
+	t := tablesOf(schema)
+	runs, jobs := t.runs, t.jobs
 	// The attempt a statement is about: $1 job, $2 shard, $3 kind, $4 slot,
 	// $5 attempt, $6 token.
 	const attempt = `job = $1::text AND shard = $2::int AND kind = $3::text AND slot = $4::timestamptz
    AND attempt = $5::int AND token = $6::bigint AND status = 'running'`
-	return queries{
+	return ledgerSQL{
 		// The common case of a claim, in one plain statement: the first
 		// attempt at a scheduled slot of a job that is not paused ($1 job,
 		// $2 shard, $3 slot, $4 token, $5 holder; its fence after them).
@@ -130,7 +172,15 @@ SELECT attempt, status FROM took UNION ALL SELECT attempt, status FROM ins`
  WHERE status IN ('pending', 'fenced') OR (status = 'running' AND token < $3)
     OR (status IN ('failed', 'panicked') AND attempt < $4)
  ORDER BY slot`,
+	}
+}
 
+// newFleetSQL: the instances' heartbeats and membership, and the
+// operators' view of them.
+func newFleetSQL(schema string) fleetSQL {
+	t := tablesOf(schema)
+	runs, jobs, inst, leases, wake := t.runs, t.jobs, t.inst, t.leases, t.wake
+	return fleetSQL{
 		// Registers this instance's jobs ($1 names, $2 schedules, $3 shard
 		// counts, $4 max attempts, by $5), keeping a pause.
 		register: `INSERT INTO ` + jobs + ` (job, schedule, shards, max_attempts, registered_at, registered_by)
@@ -160,6 +210,40 @@ SELECT id, jobs, (SELECT array_agg(job) FROM pending), (SELECT array_agg(shard) 
 		leave: fmt.Sprintf(`WITH gone AS (UPDATE %[1]s SET expires_at = now() WHERE id = $1 RETURNING id)
 SELECT %[2]s($2) FROM gone`, inst, wake),
 
+		// Every instance row ($1 the job lease prefix) with the job
+		// leases it holds, unexpired: parallel arrays of job, shard and
+		// token.
+		instances: `SELECT i.id, i.started_at, i.heartbeat_at, i.expires_at, i.expires_at > now(), i.jobs,
+       coalesce(array_agg(h.job ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
+       coalesce(array_agg(h.shard ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
+       coalesce(array_agg(h.token ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
+       now()
+  FROM ` + inst + ` i
+  LEFT JOIN LATERAL (
+         SELECT j.job, g.shard, l.token
+           FROM ` + jobs + ` j, generate_series(0, greatest(j.shards, 1) - 1) AS g(shard), ` + leases + ` l
+          WHERE l.name = $1 || j.job || CASE WHEN j.shards = 0 THEN '' ELSE '/' || g.shard END
+            AND l.holder = i.id AND l.expires_at > now()) AS h ON true
+ GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.jobs
+ ORDER BY i.id`,
+
+		// The latest $1 leadership terms in the ledger: attempts grouped
+		// by job, shard and token, newest first.
+		terms: `SELECT job, shard, token, min(holder), min(started_at), max(started_at), count(*)
+  FROM ` + runs + `
+ WHERE token IS NOT NULL
+ GROUP BY job, shard, token
+ ORDER BY min(started_at) DESC, job, shard
+ LIMIT $1`,
+	}
+}
+
+// newControlSQL: the operators' steering (pause, resume, run now) and
+// reading of the ledger.
+func newControlSQL(schema string) controlSQL {
+	t := tablesOf(schema)
+	runs, jobs, leases, wake := t.runs, t.jobs, t.leases, t.wake
+	return controlSQL{
 		// Finished attempts that started before $1, except those of the
 		// latest scheduled slot of each job and shard (a new leader
 		// resumes from it).
@@ -221,31 +305,5 @@ SELECT s.job, s.shard, s.shards, s.schedule, s.paused_at, coalesce(s.paused_by, 
            FROM ` + runs + ` r WHERE r.job = s.job AND r.shard = s.shard AND r.kind = 'scheduled'
           ORDER BY slot DESC, attempt DESC LIMIT 1) AS last ON true
  ORDER BY s.job, s.shard`,
-
-		// Every instance row ($1 the job lease prefix) with the job
-		// leases it holds, unexpired: parallel arrays of job, shard and
-		// token.
-		instances: `SELECT i.id, i.started_at, i.heartbeat_at, i.expires_at, i.expires_at > now(), i.jobs,
-       coalesce(array_agg(h.job ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
-       coalesce(array_agg(h.shard ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
-       coalesce(array_agg(h.token ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
-       now()
-  FROM ` + inst + ` i
-  LEFT JOIN LATERAL (
-         SELECT j.job, g.shard, l.token
-           FROM ` + jobs + ` j, generate_series(0, greatest(j.shards, 1) - 1) AS g(shard), ` + leases + ` l
-          WHERE l.name = $1 || j.job || CASE WHEN j.shards = 0 THEN '' ELSE '/' || g.shard END
-            AND l.holder = i.id AND l.expires_at > now()) AS h ON true
- GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.jobs
- ORDER BY i.id`,
-
-		// The latest $1 leadership terms in the ledger: attempts grouped
-		// by job, shard and token, newest first.
-		terms: `SELECT job, shard, token, min(holder), min(started_at), max(started_at), count(*)
-  FROM ` + runs + `
- WHERE token IS NOT NULL
- GROUP BY job, shard, token
- ORDER BY min(started_at) DESC, job, shard
- LIMIT $1`,
 	}
 }
