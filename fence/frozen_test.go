@@ -175,13 +175,13 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 					// An operator frees the lease once the holder's TTL has
 					// passed, as one would who sees it overdue.
 					for {
-						info, err := c.Inspect(actx, "frozen")
+						info, err := lock.Inspect(actx, c.Pool(), c.Config().Schema, "frozen")
 						if err != nil || info.ExpiresIn <= 0 {
 							break
 						}
 						time.Sleep(frozenPoll)
 					}
-					if _, _, err := c.ForceRelease(actx, "frozen"); err != nil {
+					if _, _, err := lock.ForceRelease(actx, c.Pool(), c.Config().Schema, "frozen"); err != nil {
 						got <- res{0, err}
 						return
 					}

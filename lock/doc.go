@@ -44,7 +44,7 @@
 // # Waiting
 //
 // Acquire blocks until the lease is free. Releases (Lease.Release,
-// Client.ForceRelease) are announced with NOTIFY on the channel
+// ForceRelease) are announced with NOTIFY on the channel
 // pgfence_released when someone waits, so a waiter wakes within
 // milliseconds; leases that expire without release, or that an operator
 // frees with a hand-written UPDATE, are noticed by polling: one statement
@@ -101,7 +101,9 @@
 // Client.Observe tells a process that does not campaign who holds a lease,
 // and each change within milliseconds (a notification on acquisition while
 // someone observes, a read every PollInterval as the fallback);
-// Client.Inspect reads it once.
+// Inspect reads it once. The operators' functions (Leases, Inspect,
+// ForceRelease) take a pool or any executor and a schema, and need no
+// Client, as runner's do.
 //
 // Config.MeterProvider receives OpenTelemetry metrics (leases held,
 // acquisitions by result, losses by cause, renewal latency, time left at

@@ -226,7 +226,7 @@ func TestForceReleaseBoundedAndNamesBlocker(t *testing.T) {
 	}
 	fctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
-	_, _, err = c.ForceRelease(fctx, "busy")
+	_, _, err = lock.ForceRelease(fctx, c.Pool(), c.Config().Schema, "busy")
 	var be *lock.BlockedError
 	if !errors.As(err, &be) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("ForceRelease behind an open guarded transaction: %v, want a BlockedError", err)
@@ -239,7 +239,7 @@ func TestForceReleaseBoundedAndNamesBlocker(t *testing.T) {
 		t.Fatalf("a ForceRelease that gave up ended the lease: %v", err)
 	}
 	_ = tx.Rollback(ctx)
-	if holder, _, err := c.ForceRelease(ctx, "busy"); err != nil || holder != l.Holder() {
+	if holder, _, err := lock.ForceRelease(ctx, c.Pool(), c.Config().Schema, "busy"); err != nil || holder != l.Holder() {
 		t.Fatalf("ForceRelease after the transaction ended: %q, %v", holder, err)
 	}
 }

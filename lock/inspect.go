@@ -8,9 +8,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
+	"github.com/pgfence/pgfence/internal/hint"
+	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -57,45 +60,69 @@ func (i Info) MarshalJSON() ([]byte, error) {
 	}{i.Name, i.Holder, i.Token, i.Held, i.AcquiredAt, i.RenewedAt, i.ExpiresAt, i.ExpiresIn.Seconds(), i.HeldFor.Seconds()})
 }
 
-// Leases lists every lease row, by name.
-func (c *Client) Leases(ctx context.Context) ([]Info, error) {
+// Leases lists every lease row in schema ("" means "pgfence"), by name. It
+// reads through any executor (a pool, a connection, a transaction) and needs
+// no Client: the CLI and the status page call it with a pool.
+func Leases(ctx context.Context, db fence.DB, schema string) ([]Info, error) {
 	if err := ctxcheck.NotNil(ctx, "lock: Leases"); err != nil {
 		return nil, err
 	}
-	rows, err := c.pool.Query(ctx, c.q.inspectAll)
+	q, err := operatorFor(schema)
 	if err != nil {
-		return nil, fmt.Errorf("lock: list leases: %w", c.explain(err))
+		return nil, err
+	}
+	rows, err := db.Query(ctx, q.inspectAll)
+	if err != nil {
+		return nil, fmt.Errorf("lock: list leases: %w", explainFor(db, schema, err))
 	}
 	infos, err := pgx.CollectRows(rows, scanInfo)
 	if err != nil {
-		return nil, fmt.Errorf("lock: list leases: %w", c.explain(err))
+		return nil, fmt.Errorf("lock: list leases: %w", explainFor(db, schema, err))
 	}
 	return infos, nil
 }
 
-// Inspect answers who holds the lease name now, with which token, since
-// when and until when (database clock), in one round trip; Info.Held is
-// false when it is free or expired. It returns ErrNoLease for a name never
-// acquired.
-func (c *Client) Inspect(ctx context.Context, name string) (Info, error) {
+// Inspect answers who holds the lease name in schema ("" means "pgfence")
+// now, with which token, since when and until when (database clock), in one
+// round trip; Info.Held is false when it is free or expired. It returns
+// ErrNoLease for a name never acquired.
+func Inspect(ctx context.Context, db fence.DB, schema, name string) (Info, error) {
 	if err := ctxcheck.NotNil(ctx, "lock: Inspect"); err != nil {
+		return Info{}, err
+	}
+	q, err := operatorFor(schema)
+	if err != nil {
 		return Info{}, err
 	}
 	if err := fence.ValidateName(name); err != nil {
 		return Info{}, err
 	}
-	rows, err := c.pool.Query(ctx, c.q.inspectOne, name)
+	rows, err := db.Query(ctx, q.inspectOne, name)
 	if err != nil {
-		return Info{}, fmt.Errorf("lock: inspect %q: %w", name, c.explain(err))
+		return Info{}, fmt.Errorf("lock: inspect %q: %w", name, explainFor(db, schema, err))
 	}
 	i, err := pgx.CollectExactlyOneRow(rows, scanInfo)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return Info{}, fmt.Errorf("%w: %q", ErrNoLease, name)
 	case err != nil:
-		return Info{}, fmt.Errorf("lock: inspect %q: %w", name, c.explain(err))
+		return Info{}, fmt.Errorf("lock: inspect %q: %w", name, explainFor(db, schema, err))
 	}
 	return i, nil
+}
+
+// operatorFor validates schema and returns its statements.
+func operatorFor(schema string) (*queries, error) {
+	if err := ident.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("lock: %w", err)
+	}
+	return sqlFor(ident.Schema(schema)), nil
+}
+
+// explainFor adds what to do to a database error caused by the
+// deployment (see Client.explain), for the operators' functions.
+func explainFor(db any, schema string, err error) error {
+	return hint.Wrap(err, ident.Schema(schema), hint.Role(db))
 }
 
 // scanInfo reads one row of the inspect statements.
@@ -114,7 +141,8 @@ func scanInfo(r pgx.CollectableRow) (Info, error) {
 	return i, err
 }
 
-// ForceRelease frees the lease name whoever holds it, for operators: the
+// ForceRelease frees the lease name in schema ("" means "pgfence"),
+// whoever holds it, for operators: the
 // holder's next renewal fails (its context is cancelled), and the next
 // acquisition gets a greater token, so the old holder's guarded writes are
 // refused from then on. It returns the previous holder ("" if it was free)
@@ -123,16 +151,25 @@ func scanInfo(r pgx.CollectableRow) (Info, error) {
 // Like a takeover, it waits for open guarded transactions that checked the
 // current token. Bound the wait with ctx: if ctx ends first, ForceRelease
 // gives up and returns a *BlockedError naming the sessions it waited for.
-func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, token fence.Token, err error) {
+// It takes a pool, not any executor: the statement runs on a connection of
+// its own, whose waiting it can cancel at the server.
+func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) (holder string, token fence.Token, err error) {
 	if err := ctxcheck.NotNil(ctx, "lock: ForceRelease"); err != nil {
+		return "", 0, err
+	}
+	if pool == nil {
+		return "", 0, ErrNilPool
+	}
+	q, err := operatorFor(schema)
+	if err != nil {
 		return "", 0, err
 	}
 	if err := fence.ValidateName(name); err != nil {
 		return "", 0, err
 	}
-	conn, err := c.pool.Acquire(ctx)
+	conn, err := pool.Acquire(ctx)
 	if err != nil {
-		return "", 0, fmt.Errorf("lock: force release %q: %w", name, c.explain(err))
+		return "", 0, fmt.Errorf("lock: force release %q: %w", name, explainFor(pool, schema, err))
 	}
 	defer conn.Release()
 	pid := conn.Conn().PgConn().PID()
@@ -151,7 +188,7 @@ func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, 
 			r    result
 			woke bool
 		)
-		r.err = conn.QueryRow(qctx, c.q.forceRelease, name).Scan(&r.token, &r.holder, &woke)
+		r.err = conn.QueryRow(qctx, q.forceRelease, name).Scan(&r.token, &r.holder, &woke)
 		done <- r
 	}()
 	var r result
@@ -159,7 +196,7 @@ func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, 
 	case r = <-done:
 	case <-ctx.Done():
 		bctx, bcancel := wait.Detached(ctx)
-		backends, berr := c.blockers(bctx, pid)
+		backends, berr := blockers(bctx, pool, q, pid)
 		// Cancel the statement at the server: closing the connection
 		// (what cancelling its context does) would leave the backend
 		// waiting, and freeing the lease later, unasked.
@@ -179,14 +216,14 @@ func (c *Client) ForceRelease(ctx context.Context, name string) (holder string, 
 		return "", 0, fmt.Errorf("%w: %q", ErrNoLease, name)
 	}
 	if r.err != nil {
-		return "", 0, fmt.Errorf("lock: force release %q: %w", name, c.explain(r.err))
+		return "", 0, fmt.Errorf("lock: force release %q: %w", name, explainFor(pool, schema, r.err))
 	}
 	return r.holder, fence.Token(r.token), nil
 }
 
 // blockers lists the sessions that block backend pid.
-func (c *Client) blockers(ctx context.Context, pid uint32) ([]Backend, error) {
-	rows, err := c.pool.Query(ctx, c.q.blockers, int64(pid))
+func blockers(ctx context.Context, db fence.DB, q *queries, pid uint32) ([]Backend, error) {
+	rows, err := db.Query(ctx, q.blockers, int64(pid))
 	if err != nil {
 		return nil, err
 	}

@@ -608,17 +608,17 @@ func TestLeasesAndForceRelease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	infos, err := c.Leases(ctx)
+	infos, err := lock.Leases(ctx, c.Pool(), c.Config().Schema)
 	if err != nil || len(infos) != 1 {
 		t.Fatalf("Leases = %v, %v", infos, err)
 	}
 	if i := infos[0]; i.Name != "ops" || i.Holder != "worker-1" || !i.Held || i.Token != l.Token() || i.ExpiresIn <= 0 || i.ExpiresIn > time.Second {
 		t.Fatalf("Info = %+v", i)
 	}
-	if _, _, err := c.ForceRelease(ctx, "nope"); !errors.Is(err, lock.ErrNoLease) {
+	if _, _, err := lock.ForceRelease(ctx, c.Pool(), c.Config().Schema, "nope"); !errors.Is(err, lock.ErrNoLease) {
 		t.Fatalf("ForceRelease(nope) = %v", err)
 	}
-	holder, tok, err := c.ForceRelease(ctx, "ops")
+	holder, tok, err := lock.ForceRelease(ctx, c.Pool(), c.Config().Schema, "ops")
 	if err != nil || holder != "worker-1" || tok != l.Token() {
 		t.Fatalf("ForceRelease = %q, %d, %v", holder, tok, err)
 	}
@@ -756,7 +756,7 @@ func TestForceReleaseWakesWaiters(t *testing.T) {
 		err := db.Pool.QueryRow(ctx, "SELECT waiters_until > now() FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'forced'").Scan(&asked)
 		return err == nil && asked
 	})
-	if _, _, err := waiter.ForceRelease(ctx, "forced"); err != nil {
+	if _, _, err := lock.ForceRelease(ctx, waiter.Pool(), waiter.Config().Schema, "forced"); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -969,31 +969,31 @@ func TestInspectSaysWhoHolds(t *testing.T) {
 	ctx := ctxT(t, time.Minute)
 	a := newClient(t, db, lock.Config{Holder: "replica-a"})
 	b := newClient(t, db, lock.Config{Holder: "replica-b"})
-	if _, err := a.Inspect(ctx, "nightly"); !errors.Is(err, lock.ErrNoLease) {
+	if _, err := lock.Inspect(ctx, a.Pool(), a.Config().Schema, "nightly"); !errors.Is(err, lock.ErrNoLease) {
 		t.Fatalf("Inspect of a name never acquired: %v, want ErrNoLease", err)
 	}
 	l, err := a.TryAcquire(ctx, "nightly")
 	if err != nil {
 		t.Fatal(err)
 	}
-	i, err := b.Inspect(ctx, "nightly")
+	i, err := lock.Inspect(ctx, b.Pool(), b.Config().Schema, "nightly")
 	if err != nil || i.Holder != "replica-a" || !i.Held || i.Token != l.Token() || i.AcquiredAt.IsZero() || i.ExpiresIn <= 0 {
 		t.Fatalf("Inspect of a held lease: %+v, %v; want replica-a with token %s", i, err, l.Token())
 	}
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if i, err := b.Inspect(ctx, "nightly"); err != nil || i.Held || i.Holder != "" || i.Token != l.Token() {
+	if i, err := lock.Inspect(ctx, b.Pool(), b.Config().Schema, "nightly"); err != nil || i.Held || i.Holder != "" || i.Token != l.Token() {
 		t.Fatalf("Inspect of a released lease: %+v, %v; want free, last token %s", i, err, l.Token())
 	}
 	l2, err := b.TryAcquire(ctx, "nightly")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if i, err := a.Inspect(ctx, "nightly"); err != nil || i.Holder != "replica-b" || i.Token != l2.Token() || i.Token <= l.Token() {
+	if i, err := lock.Inspect(ctx, a.Pool(), a.Config().Schema, "nightly"); err != nil || i.Holder != "replica-b" || i.Token != l2.Token() || i.Token <= l.Token() {
 		t.Fatalf("Inspect after a takeover: %+v, %v", i, err)
 	}
-	if _, err := a.Inspect(ctx, ""); !errors.Is(err, lock.ErrInvalidName) {
+	if _, err := lock.Inspect(ctx, a.Pool(), a.Config().Schema, ""); !errors.Is(err, lock.ErrInvalidName) {
 		t.Fatalf("Inspect of an invalid name: %v", err)
 	}
 }

@@ -35,9 +35,9 @@ func TestNilContext(t *testing.T) {
 	}{
 		{"TryAcquire", func() error { _, err := c.TryAcquire(nilCtx, "free"); return err }},
 		{"Acquire", func() error { _, err := c.Acquire(nilCtx, "free"); return err }},
-		{"Leases", func() error { _, err := c.Leases(nilCtx); return err }},
-		{"Inspect", func() error { _, err := c.Inspect(nilCtx, "held"); return err }},
-		{"ForceRelease", func() error { _, _, err := c.ForceRelease(nilCtx, "held"); return err }},
+		{"Leases", func() error { _, err := lock.Leases(nilCtx, c.Pool(), c.Config().Schema); return err }},
+		{"Inspect", func() error { _, err := lock.Inspect(nilCtx, c.Pool(), c.Config().Schema, "held"); return err }},
+		{"ForceRelease", func() error { _, _, err := lock.ForceRelease(nilCtx, c.Pool(), c.Config().Schema, "held"); return err }},
 		{"Observe", func() error { _, err := c.Observe(nilCtx, "held"); return err }},
 		{"Election.Run", func() error { return e.Run(nilCtx) }},
 		{"Lease.Check", func() error { return l.Check(nilCtx) }},
@@ -65,7 +65,7 @@ func TestNilContext(t *testing.T) {
 	if err := c.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if info, err := c.Inspect(ctx, "held"); err != nil || info.Held {
+	if info, err := lock.Inspect(ctx, c.Pool(), c.Config().Schema, "held"); err != nil || info.Held {
 		t.Fatalf("after Close: %+v, %v; want the lease freed", info, err)
 	}
 }

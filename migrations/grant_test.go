@@ -64,7 +64,7 @@ func TestMissingGrantsNameTheGrant(t *testing.T) {
 	defer lc.Close(ctx)
 	_, err = lc.TryAcquire(ctx, "billing")
 	check("lock.TryAcquire", err)
-	_, err = lc.Leases(ctx)
+	_, err = lock.Leases(ctx, lc.Pool(), lc.Config().Schema)
 	check("lock.Leases", err)
 	_, err = runner.Runs(ctx, pool, schema, runner.RunFilter{})
 	check("runner.Runs", err)

@@ -217,15 +217,7 @@ type Report struct {
 // restore into another cluster starts another, whose first token is the
 // promoted server's clock (milliseconds since 2026-01-01 UTC) << 22, above
 // every token of the histories before it (fence.Token).
-type Epoch struct {
-	// Timeline is the server timeline the history started on.
-	Timeline int64 `json:"timeline"`
-	// Started is the server's clock when it started.
-	Started time.Time `json:"started"`
-	// FirstToken is its first token: every token it issues is at least
-	// this. In JSON a decimal string, like every token.
-	FirstToken int64 `json:"first_token,string"`
-}
+type Epoch = schemaver.Epoch
 
 // Status reports, for each embedded migration, whether it is applied in
 // schema ("" means DefaultSchema). It only reads: a mistyped schema is
@@ -251,11 +243,9 @@ func Status(ctx context.Context, pool *pgxpool.Pool, schema string) (*Report, er
 		rep.Migrations = append(rep.Migrations, m)
 	}
 	if st.Current >= 1 {
-		e := &Epoch{}
-		if err := pool.QueryRow(ctx, epochSQL(schema)).Scan(&e.Timeline, &e.Started, &e.FirstToken); err != nil {
-			return nil, fmt.Errorf("migrations: read the token epoch of schema %q: %w", schema, hint.Wrap(err, schema, hint.Role(pool)))
+		if rep.Epoch, err = schemaver.ReadEpoch(ctx, pool, schema); err != nil {
+			return nil, fmt.Errorf("migrations: %w", err)
 		}
-		rep.Epoch = e
 	}
 	return rep, nil
 }

@@ -83,7 +83,7 @@ func TestLeastPrivilege(t *testing.T) {
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := lc.ForceRelease(ctx, "billing"); err != nil {
+	if _, _, err := lock.ForceRelease(ctx, lc.Pool(), lc.Config().Schema, "billing"); err != nil {
 		t.Fatalf("ForceRelease: %v", err)
 	}
 	rc, err := lock.New(app, lock.Config{Schema: schema, Logger: pgtest.Quiet})
@@ -179,10 +179,10 @@ func TestLeastPrivilege(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer oc.Close(ctx)
-	if infos, err := oc.Leases(ctx); err != nil || len(infos) == 0 {
+	if infos, err := lock.Leases(ctx, oc.Pool(), oc.Config().Schema); err != nil || len(infos) == 0 {
 		t.Fatalf("Leases as the operator: %d, %v", len(infos), err)
 	}
-	if _, _, err := oc.ForceRelease(ctx, "billing"); err != nil {
+	if _, _, err := lock.ForceRelease(ctx, oc.Pool(), oc.Config().Schema, "billing"); err != nil {
 		t.Fatalf("ForceRelease as the operator: %v", err)
 	}
 	if _, err := runner.Runs(ctx, op, schema, runner.RunFilter{}); err != nil {

@@ -28,11 +28,6 @@ func syncEpochSQL(schema string) string {
 	return `SELECT NOT pg_is_in_recovery() AND ` + ident.Table(schema, "pgfence_sync_epoch") + `()`
 }
 
-// epochSQL reads the current token history.
-func epochSQL(schema string) string {
-	return `SELECT timeline, started_at, first_token FROM ` + ident.Table(schema, "pgfence_epoch")
-}
-
 // leaseUpdateSQL grants UPDATE on every column of pgfence_leases but its key:
 // renaming a row would end its holder's lease (the renewals miss it). A
 // table-wide UPDATE, as earlier grants gave, is revoked first, with the

@@ -138,7 +138,7 @@ func (h *Handler) inspect(ctx context.Context, name string) (lock.Info, error) {
 	if err := fence.ValidateName(name); err != nil {
 		return lock.Info{}, err
 	}
-	return h.client.Inspect(ctx, name)
+	return lock.Inspect(ctx, h.pool, h.schema, name)
 }
 
 // release force-releases the lease the confirmation page showed: only if
@@ -159,7 +159,7 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	var holder string
 	if err == nil {
 		ctx, cancel := context.WithTimeout(r.Context(), releaseTimeout)
-		holder, _, err = h.client.ForceRelease(ctx, name)
+		holder, _, err = lock.ForceRelease(ctx, h.pool, h.schema, name)
 		cancel()
 	}
 	_, identity := h.who(r)

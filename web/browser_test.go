@@ -338,7 +338,7 @@ func TestStatusPageInBrowser(t *testing.T) {
 	}
 
 	// Actions disabled: no buttons, and the browser's POST gets 403.
-	h, err := web.New(rg.db.Client(t, lock.Config{Holder: "read-only-page"}), web.Config{Refresh: refresh})
+	h, err := web.New(rg.db.Pool, web.Config{Schema: rg.db.Schema, Refresh: refresh})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -21,8 +21,8 @@ import (
 
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/printable"
+	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/lock"
-	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -31,8 +31,8 @@ var assets embed.FS
 
 // Errors New returns.
 var (
-	// ErrNilClient is returned by New for a nil client.
-	ErrNilClient = errors.New("web: nil lock client")
+	// ErrNilPool is returned by New for a nil pool.
+	ErrNilPool = errors.New("web: nil pool")
 	// ErrInvalidConfig is wrapped by New's errors for a bad Config field.
 	ErrInvalidConfig = errors.New("web: invalid config")
 )
@@ -43,6 +43,8 @@ const MinRefresh = 200 * time.Millisecond
 // Config configures the status page. The zero value serves read-only pages
 // that update every second.
 type Config struct {
+	// Schema is the schema of the leases and jobs shown, "" for "pgfence".
+	Schema string
 	// AllowActions shows and accepts the actions: force release, run now,
 	// pause and resume. Off by default: the buttons are absent and every
 	// POST is refused with 403.
@@ -63,9 +65,8 @@ type Config struct {
 
 // Handler serves the status page and its JSON endpoints; see the package
 // documentation. It holds no goroutine of its own: each request reads the
-// database through the client's pool.
+// database through the pool.
 type Handler struct {
-	client *lock.Client
 	pool   *pgxpool.Pool
 	schema string
 	cfg    Config
@@ -74,14 +75,15 @@ type Handler struct {
 	root   http.Handler
 }
 
-// New returns the status page of the leases and jobs in client's schema,
-// read (and, with AllowActions, steered) through client's pool. Mount it
-// under a path of its own; it links relative to that path:
+// New returns the status page of the leases and jobs in cfg.Schema, read
+// (and, with AllowActions, steered) through pool. It needs no lease client:
+// a process that holds no lease can serve it. Mount it under a path of its
+// own; it links relative to that path:
 //
 //	mux.Handle("/pgfence/", http.StripPrefix("/pgfence", h))
-func New(client *lock.Client, cfg Config) (*Handler, error) {
-	if client == nil {
-		return nil, ErrNilClient
+func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
+	if pool == nil {
+		return nil, ErrNilPool
 	}
 	if cfg.Refresh == 0 {
 		cfg.Refresh = time.Second
@@ -95,7 +97,10 @@ func New(client *lock.Client, cfg Config) (*Handler, error) {
 	case cfg.Attempts < 1 || cfg.Attempts > 1000:
 		return nil, fmt.Errorf("%w: Attempts %d is not within 1..1000", ErrInvalidConfig, cfg.Attempts)
 	}
-	h := &Handler{client: client, pool: client.Pool(), schema: ident.Schema(client.Config().Schema), cfg: cfg, log: cfg.Logger}
+	if err := ident.ValidateSchema(cfg.Schema); err != nil {
+		return nil, fmt.Errorf("%w: Schema: %w", ErrInvalidConfig, err)
+	}
+	h := &Handler{pool: pool, schema: ident.Schema(cfg.Schema), cfg: cfg, log: cfg.Logger}
 	if h.log == nil {
 		h.log = slog.Default()
 	}
@@ -117,7 +122,7 @@ func New(client *lock.Client, cfg Config) (*Handler, error) {
 	mux.HandleFunc("POST /pause", h.action(h.pause))
 	mux.HandleFunc("POST /resume", h.action(h.pause))
 	mux.HandleFunc("GET /api/leases", h.api(func(ctx context.Context, r *http.Request) (any, error) {
-		return orEmpty(h.client.Leases(ctx))
+		return orEmpty(lock.Leases(ctx, h.pool, h.schema))
 	}))
 	mux.HandleFunc("GET /api/jobs", h.api(func(ctx context.Context, r *http.Request) (any, error) {
 		return orEmpty(runner.Jobs(ctx, h.pool, h.schema, r.FormValue("job")))
@@ -259,15 +264,15 @@ func orEmpty[T any](list []T, err error) ([]T, error) {
 }
 
 // epoch reads the database history the schema issues tokens in.
-func (h *Handler) epoch(ctx context.Context) (*migrations.Epoch, error) {
-	st, err := migrations.Status(ctx, h.pool, h.schema)
+func (h *Handler) epoch(ctx context.Context) (*schemaver.Epoch, error) {
+	st, err := schemaver.Inspect(ctx, h.pool, h.schema)
 	if err != nil {
 		return nil, err
 	}
-	if st.Epoch == nil {
+	if st.Current < 1 {
 		return nil, fmt.Errorf("web: schema %s is not migrated (pgfence migrate up)", h.schema)
 	}
-	return st.Epoch, nil
+	return schemaver.ReadEpoch(ctx, h.pool, h.schema)
 }
 
 // fleetJSON is api/fleet's shape.

@@ -321,7 +321,7 @@ func TestOperatorRoleIsEnough(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = oc.Close(context.Background()) })
-	h, err := web.New(oc, web.Config{AllowActions: true, Logger: pgtest.Quiet})
+	h, err := web.New(oc.Pool(), web.Config{Schema: oc.Config().Schema, AllowActions: true, Logger: pgtest.Quiet})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -345,13 +345,12 @@ func TestOperatorRoleIsEnough(t *testing.T) {
 
 // New refuses bad configurations with a typed error.
 func TestNewRefusesBadConfig(t *testing.T) {
-	if _, err := web.New(nil, web.Config{}); !errors.Is(err, web.ErrNilClient) {
+	if _, err := web.New(nil, web.Config{}); !errors.Is(err, web.ErrNilPool) {
 		t.Fatalf("New(nil): %v", err)
 	}
 	db := pgtest.New(t)
-	c := db.Client(t, lock.Config{})
-	for _, cfg := range []web.Config{{Refresh: time.Millisecond}, {Attempts: -1}, {Attempts: 5000}} {
-		if _, err := web.New(c, cfg); !errors.Is(err, web.ErrInvalidConfig) {
+	for _, cfg := range []web.Config{{Refresh: time.Millisecond}, {Attempts: -1}, {Attempts: 5000}, {Schema: "bad\x00schema"}} {
+		if _, err := web.New(db.Pool, cfg); !errors.Is(err, web.ErrInvalidConfig) {
 			t.Fatalf("New(%+v): %v, want ErrInvalidConfig", cfg, err)
 		}
 	}
@@ -362,7 +361,7 @@ func TestNewRefusesBadConfig(t *testing.T) {
 func TestMountedUnderAPrefix(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	h, err := web.New(db.Client(t, lock.Config{}), web.Config{AllowActions: true, Logger: pgtest.Quiet})
+	h, err := web.New(db.Pool, web.Config{Schema: db.Schema, AllowActions: true, Logger: pgtest.Quiet})
 	if err != nil {
 		t.Fatal(err)
 	}

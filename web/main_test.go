@@ -66,7 +66,8 @@ func newRig(t *testing.T, cfg web.Config) *rig {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(rg.logs)
 	}
-	h, err := web.New(db.Client(t, lock.Config{Holder: "status-page"}), cfg)
+	cfg.Schema = db.Schema
+	h, err := web.New(db.Pool, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,8 +5,8 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/lock"
-	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -18,7 +18,7 @@ type leaseRow struct {
 }
 
 type leasesBody struct {
-	Epoch  *migrations.Epoch
+	Epoch  *schemaver.Epoch
 	Leases []leaseRow
 }
 
@@ -27,7 +27,7 @@ func (h *Handler) leases(ctx context.Context, _ *http.Request) (any, time.Time, 
 	if err != nil {
 		return nil, time.Time{}, err
 	}
-	infos, err := h.client.Leases(ctx)
+	infos, err := lock.Leases(ctx, h.pool, h.schema)
 	if err != nil {
 		return nil, time.Time{}, err
 	}

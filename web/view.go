@@ -7,8 +7,8 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/printable"
+	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/lock"
-	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -56,7 +56,7 @@ func (s leaseState) Text() string {
 
 // epochText names the history a token was issued in: the current one
 // (tokens from its first token on) or an earlier one.
-func epochText(tok fence.Token, e *migrations.Epoch) string {
+func epochText(tok fence.Token, e *schemaver.Epoch) string {
 	switch {
 	case e == nil || tok == 0:
 		return ""

@@ -20,7 +20,7 @@ import (
 )
 
 func cmdMigrate(ctx context.Context, e *env, args []string) error {
-	fs, err := parse(e, "migrate", "up|status", args, nil)
+	fs, err := parse(e, "migrate", args, nil)
 	if err != nil {
 		return err
 	}
@@ -75,33 +75,6 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 	return nil
 }
 
-func (e *env) client(ctx context.Context) (*lock.Client, func(), error) {
-	pool, err := e.connect(ctx)
-	if err != nil {
-		return nil, nil, err
-	}
-	c, err := lock.New(pool, lock.Config{Schema: e.schema})
-	if err != nil {
-		pool.Close()
-		return nil, nil, err
-	}
-	return c, pool.Close, nil
-}
-
-// leases connects and lists the leases.
-func (e *env) leases(ctx context.Context) (*lock.Client, []lock.Info, func(), error) {
-	c, closeFn, err := e.client(ctx)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	infos, err := c.Leases(ctx)
-	if err != nil {
-		closeFn()
-		return nil, nil, nil, err
-	}
-	return c, infos, closeFn, nil
-}
-
 // writeJSON prints v as indented JSON.
 func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
@@ -111,16 +84,20 @@ func writeJSON(w io.Writer, v any) error {
 
 func cmdLeases(ctx context.Context, e *env, args []string) error {
 	var asJSON bool
-	if _, err := parse(e, "leases", "[--json]", args, func(fs *flag.FlagSet) {
+	if _, err := parse(e, "leases", args, func(fs *flag.FlagSet) {
 		fs.BoolVar(&asJSON, "json", false, "print JSON")
 	}); err != nil {
 		return err
 	}
-	_, infos, closeFn, err := e.leases(ctx)
+	pool, err := e.connect(ctx)
 	if err != nil {
 		return err
 	}
-	defer closeFn()
+	defer pool.Close()
+	infos, err := lock.Leases(ctx, pool, e.schema)
+	if err != nil {
+		return err
+	}
 	if asJSON {
 		if infos == nil {
 			infos = []lock.Info{}
@@ -156,7 +133,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 		yes     bool
 		timeout time.Duration
 	)
-	fs, err := parse(e, "release", "NAME [--yes] [--timeout 10s]", args, func(fs *flag.FlagSet) {
+	fs, err := parse(e, "release", args, func(fs *flag.FlagSet) {
 		fs.BoolVar(&yes, "yes", false, "do not ask for confirmation")
 		fs.DurationVar(&timeout, "timeout", 10*time.Second, "how long to wait for open guarded transactions on the lease")
 	})
@@ -171,12 +148,12 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 		return fail(exitUsage, "--timeout must be positive")
 	}
 	name := fs.Arg(0)
-	c, closeFn, err := e.client(ctx)
+	pool, err := e.connect(ctx)
 	if err != nil {
 		return err
 	}
-	defer closeFn()
-	info, err := c.Inspect(ctx, name)
+	defer pool.Close()
+	info, err := lock.Inspect(ctx, pool, e.schema, name)
 	if errors.Is(err, lock.ErrNoLease) {
 		return fail(exitNoLease, "no lease named %q", name)
 	}
@@ -204,7 +181,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	}
 	rctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	holder, tok, err := c.ForceRelease(rctx, name)
+	holder, tok, err := lock.ForceRelease(rctx, pool, e.schema, name)
 	if errors.Is(err, lock.ErrNoLease) {
 		return fail(exitNoLease, "no lease named %q", name)
 	}
@@ -224,18 +201,12 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 }
 
 func cmdJobs(ctx context.Context, e *env, args []string) error {
-	if len(args) > 0 && args[0] == "prune" {
-		return cmdJobsPrune(ctx, e, args[1:])
-	}
-	if handled, err := jobsSteer(ctx, e, args); handled {
-		return err
-	}
 	var (
 		f      runner.RunFilter
 		status string
 		asJSON bool
 	)
-	fs, err := parse(e, "jobs", "[--limit N] [--job NAME] [--status S] [--json] | status | run | pause | resume | prune", args, func(fs *flag.FlagSet) {
+	fs, err := parse(e, "jobs", args, func(fs *flag.FlagSet) {
 		fs.IntVar(&f.Limit, "limit", 20, "how many recent attempts")
 		fs.StringVar(&f.Job, "job", "", "only this job's attempts")
 		fs.StringVar(&status, "status", "", "only attempts in this state: "+statusList)
@@ -246,7 +217,7 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 	}
 	if fs.NArg() > 0 {
 		fs.Usage()
-		return fail(exitUsage, "unknown jobs subcommand %q (status, run, pause, resume, prune)", fs.Arg(0))
+		return fail(exitUsage, "unknown jobs subcommand %q (%s)", fs.Arg(0), subcommands("jobs"))
 	}
 	if f.Limit < 1 {
 		return fail(exitUsage, "--limit must be at least 1")
@@ -285,7 +256,7 @@ const statusList = "pending, running, succeeded, failed, panicked, fenced, skipp
 
 func cmdJobsPrune(ctx context.Context, e *env, args []string) error {
 	var olderThan time.Duration
-	if _, err := parse(e, "jobs prune", "--older-than D", args, func(fs *flag.FlagSet) {
+	if _, err := parse(e, "jobs prune", args, func(fs *flag.FlagSet) {
 		fs.DurationVar(&olderThan, "older-than", 0, "delete finished runs that started longer ago than this (e.g. 720h)")
 	}); err != nil {
 		return err

@@ -17,7 +17,7 @@ import (
 // the schema: migrations.AppGrants or OperatorGrants, in one transaction.
 func cmdGrant(ctx context.Context, e *env, args []string) error {
 	var printOnly bool
-	fs, err := parse(e, "grant", "app|operator ROLE [--print]", args, func(fs *flag.FlagSet) {
+	fs, err := parse(e, "grant", args, func(fs *flag.FlagSet) {
 		fs.BoolVar(&printOnly, "print", false, "print the GRANT statements instead of running them")
 	})
 	if err != nil {

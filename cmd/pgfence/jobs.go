@@ -18,26 +18,9 @@ import (
 
 // The jobs subcommands that steer the runner: status, run, pause, resume.
 
-// jobsSteer dispatches the jobs subcommands that take a job, or reports
-// that args is none of them.
-func jobsSteer(ctx context.Context, e *env, args []string) (handled bool, err error) {
-	if len(args) == 0 {
-		return false, nil
-	}
-	switch args[0] {
-	case "status":
-		return true, cmdJobsStatus(ctx, e, args[1:])
-	case "run":
-		return true, cmdJobsRun(ctx, e, args[1:])
-	case "pause", "resume":
-		return true, cmdJobsPause(ctx, e, args[0], args[1:])
-	}
-	return false, nil
-}
-
 func cmdJobsStatus(ctx context.Context, e *env, args []string) error {
 	var asJSON bool
-	fs, err := parse(e, "jobs status", "[JOB] [--json]", args, func(fs *flag.FlagSet) {
+	fs, err := parse(e, "jobs status", args, func(fs *flag.FlagSet) {
 		fs.BoolVar(&asJSON, "json", false, "print JSON")
 	})
 	if err != nil {
@@ -103,7 +86,7 @@ func cmdJobsRun(ctx context.Context, e *env, args []string) error {
 		waitFor bool
 		timeout time.Duration
 	)
-	fs, err := parse(e, "jobs run", "JOB [--shard N] [--wait] [--timeout D]", args, func(fs *flag.FlagSet) {
+	fs, err := parse(e, "jobs run", args, func(fs *flag.FlagSet) {
 		fs.IntVar(&shard, "shard", runner.AllShards, "only this shard (default: every shard; 0 for an unsharded job)")
 		fs.BoolVar(&waitFor, "wait", false, "wait for the outcome and exit with it (0 succeeded, 5 failed)")
 		fs.DurationVar(&timeout, "timeout", 0, "with --wait, give up after this long (default: no limit)")
@@ -165,8 +148,16 @@ func cmdJobsRun(ctx context.Context, e *env, args []string) error {
 	return nil
 }
 
-func cmdJobsPause(ctx context.Context, e *env, verb string, args []string) error {
-	fs, err := parse(e, "jobs "+verb, "JOB", args, nil)
+func cmdJobsPause(ctx context.Context, e *env, args []string) error {
+	return jobsPause(ctx, e, "pause", args)
+}
+
+func cmdJobsResume(ctx context.Context, e *env, args []string) error {
+	return jobsPause(ctx, e, "resume", args)
+}
+
+func jobsPause(ctx context.Context, e *env, verb string, args []string) error {
+	fs, err := parse(e, "jobs "+verb, args, nil)
 	if err != nil {
 		return err
 	}

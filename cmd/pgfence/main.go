@@ -9,16 +9,18 @@
 //
 //	migrate up|status     apply or show pgfence's schema migrations
 //	leases [--json]       list leases: name, holder, token, expires in, held for
-//	release NAME [--yes]  force-free a lease; its holder is fenced
-//	run --lease NAME [--ttl D] [--wait] [--grace D] -- COMMAND [ARGS...]
+//	release NAME [--yes] [--timeout 10s]
+//	                      force-free a lease; its holder is fenced
+//	run --lease NAME [--ttl 15s] [--wait] [--grace 10s] -- COMMAND [ARGS...]
 //	                      run COMMAND while holding the lease, like flock(1) across hosts
-//	jobs [--limit N] [--job NAME] [--status S] [--json]
+//	jobs [--limit 20] [--job NAME] [--status S] [--json]
 //	                      recent attempts from the runner's ledger
 //	jobs status [JOB] [--json]
 //	                      each job and shard: leader, token, last slot, next slot, missed, paused
 //	jobs run JOB [--shard N] [--wait] [--timeout D]
 //	                      run JOB once now on the replica that leads it (--wait: exit with its outcome)
-//	jobs pause|resume JOB stop (or restart) every replica starting JOB's scheduled slots
+//	jobs pause JOB        stop every replica starting JOB's scheduled slots
+//	jobs resume JOB       let the replicas start JOB's scheduled slots again
 //	jobs prune --older-than D
 //	                      delete finished runs older than D (the latest slot of each job is kept)
 //	grant app|operator ROLE [--print]
@@ -26,6 +28,7 @@
 //	ui [--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]
 //	                      serve the status page (leases, jobs, fleet) in a browser
 //	version               print the module version and the commit it was built from
+//	help                  print this list
 //
 // Global flags (also accepted after the command name):
 //
@@ -174,39 +177,11 @@ func distinctLines(s string) string {
 	return strings.Join(out, "\n")
 }
 
-const usage = `usage: pgfence [--database-url URL] [--schema NAME] COMMAND [flags] [args]
-
-commands:
-  migrate up|status     apply or show pgfence's schema migrations
-  leases [--json]       list leases
-  release NAME [--yes]  force-free a lease (its holder is fenced)
-  run --lease NAME [--ttl 15s] [--wait] [--grace 10s] -- COMMAND [ARGS...]
-                        run COMMAND on exactly one machine at a time
-  jobs [--limit 20] [--job NAME] [--status S] [--json]
-                        recent attempts from the runner's ledger
-  jobs status [JOB] [--json]
-                        who leads each job, its last and next slot, missed, paused
-  jobs run JOB [--shard N] [--wait] [--timeout D]
-                        run JOB once now, on whichever replica leads it
-  jobs pause|resume JOB stop (or restart) JOB's scheduled slots on every replica
-  jobs prune --older-than D
-                        delete finished runs older than D
-  grant app|operator ROLE [--print]
-                        give ROLE what an application (or this CLI) needs in the schema
-  ui [--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]
-                        serve the status page: leases, jobs, fleet (read-only by default)
-  version               the module version and commit this binary was built from
-
-exit codes: 0 ok, 1 error, 2 usage, 3 no such lease, 4 no such job or shard,
-5 the job's run failed (jobs run --wait), 75 lease held elsewhere,
-76 lease lost while the command ran; run passes its command's code through.
-`
-
 func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	e := &env{stdin: stdin, stdout: stdout, stderr: stderr, schema: os.Getenv("PGFENCE_SCHEMA")}
 	global := flag.NewFlagSet("pgfence", flag.ContinueOnError)
 	global.SetOutput(stderr)
-	global.Usage = func() { fmt.Fprint(stderr, usage) }
+	global.Usage = func() { fmt.Fprint(stderr, usageText()) }
 	e.flags(global)
 	if err := global.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -215,38 +190,17 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 	if global.NArg() == 0 {
-		fmt.Fprint(stderr, usage)
+		fmt.Fprint(stderr, usageText())
 		return exitUsage
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	cmd, rest := global.Arg(0), global.Args()[1:]
-	var err error
-	switch cmd {
-	case "migrate":
-		err = cmdMigrate(ctx, e, rest)
-	case "leases":
-		err = cmdLeases(ctx, e, rest)
-	case "release":
-		err = cmdRelease(ctx, e, rest)
-	case "run":
-		err = cmdRun(ctx, e, rest)
-	case "jobs":
-		err = cmdJobs(ctx, e, rest)
-	case "grant":
-		err = cmdGrant(ctx, e, rest)
-	case "ui":
-		err = cmdUI(ctx, e, rest)
-	case "version":
-		fmt.Fprintln(stdout, version())
-		return exitOK
-	case "help":
-		fmt.Fprint(stdout, usage)
-		return exitOK
-	default:
-		fmt.Fprintf(stderr, "pgfence: unknown command %q\n\n%s", cmd, usage)
+	c, rest, ok := lookup(global.Args())
+	if !ok {
+		fmt.Fprintf(stderr, "pgfence: unknown command %q\n\n%s", global.Arg(0), usageText())
 		return exitUsage
 	}
+	err := c.run(ctx, e, rest)
 	if err == nil {
 		return exitOK
 	}
@@ -272,8 +226,12 @@ func fromDatabase(err error) bool {
 	return errors.As(err, &pg) || errors.Is(err, migrations.ErrNotMigrated)
 }
 
-// parse parses a command's flags, with the global ones accepted too.
-func parse(e *env, name, synopsis string, args []string, setup func(fs *flag.FlagSet)) (*flag.FlagSet, error) {
+// parse parses command name's flags, with the global ones accepted too.
+func parse(e *env, name string, args []string, setup func(fs *flag.FlagSet)) (*flag.FlagSet, error) {
+	synopsis := synopsisOf(name)
+	if subs := subcommands(name); subs != "" {
+		synopsis += " | " + strings.ReplaceAll(subs, ", ", " | ")
+	}
 	fs := flag.NewFlagSet("pgfence "+name, flag.ContinueOnError)
 	fs.SetOutput(e.stderr)
 	fs.Usage = func() {

@@ -24,7 +24,7 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 		grace time.Duration
 		wait  bool
 	)
-	fs, err := parse(e, "run", "--lease NAME [--ttl 15s] [--wait] [--grace 10s] -- COMMAND [ARGS...]", args, func(fs *flag.FlagSet) {
+	fs, err := parse(e, "run", args, func(fs *flag.FlagSet) {
 		fs.StringVar(&name, "lease", "", "lease name (required)")
 		fs.DurationVar(&ttl, "ttl", 15*time.Second, "lease TTL; renewed every TTL/3 while COMMAND runs")
 		fs.DurationVar(&grace, "grace", 10*time.Second, "time between SIGTERM and SIGKILL when the lease is lost")

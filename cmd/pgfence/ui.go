@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/web"
 )
 
@@ -21,7 +20,7 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 		allow   bool
 		refresh time.Duration
 	)
-	fs, err := parse(e, "ui", "[--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]", args, func(fs *flag.FlagSet) {
+	fs, err := parse(e, "ui", args, func(fs *flag.FlagSet) {
 		fs.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the page on (localhost by default)")
 		fs.BoolVar(&allow, "allow-actions", false, "offer force release, run now, pause and resume on the page")
 		fs.DurationVar(&refresh, "refresh", time.Second, "how often an open page updates")
@@ -38,12 +37,7 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	c, err := lock.New(pool, lock.Config{Schema: e.schema})
-	if err != nil {
-		return err
-	}
-	defer c.Close(context.WithoutCancel(ctx))
-	h, err := web.New(c, web.Config{AllowActions: allow, Refresh: refresh, Logger: slog.New(slog.NewTextHandler(e.stderr, nil))})
+	h, err := web.New(pool, web.Config{Schema: e.schema, AllowActions: allow, Refresh: refresh, Logger: slog.New(slog.NewTextHandler(e.stderr, nil))})
 	if errors.Is(err, web.ErrInvalidConfig) {
 		return fail(exitUsage, "%v", err)
 	}

@@ -133,3 +133,28 @@ func Verify(ctx context.Context, q fence.DB, schema string) error {
 	}
 	return nil
 }
+
+// Epoch is a history of the database the token sequence issues in. The
+// migration starts the first; each promotion, point-in-time recovery or
+// restore into another cluster starts another, whose first token is the
+// promoted server's clock (milliseconds since 2026-01-01 UTC) << 22, above
+// every token of the histories before it (fence.Token).
+type Epoch struct {
+	// Timeline is the server timeline the history started on.
+	Timeline int64 `json:"timeline"`
+	// Started is the server's clock when it started.
+	Started time.Time `json:"started"`
+	// FirstToken is its first token: every token it issues is at least
+	// this. In JSON a decimal string, like every token.
+	FirstToken int64 `json:"first_token,string"`
+}
+
+// ReadEpoch reads the history schema issues tokens in. schema must be
+// validated and not empty, and migrated (version 1 or newer).
+func ReadEpoch(ctx context.Context, q fence.DB, schema string) (*Epoch, error) {
+	e := &Epoch{}
+	if err := q.QueryRow(ctx, epochSQL(schema)).Scan(&e.Timeline, &e.Started, &e.FirstToken); err != nil {
+		return nil, fmt.Errorf("read the token epoch of schema %q: %w", schema, hint.Wrap(err, schema, hint.Role(q)))
+	}
+	return e, nil
+}

@@ -15,3 +15,8 @@ func versionsSQL(schema string) string {
 	return `SELECT version_id, max(tstamp) FROM ` + ident.Table(schema, VersionTable) +
 		` WHERE is_applied AND version_id > 0 GROUP BY version_id`
 }
+
+// epochSQL reads schema's token epoch.
+func epochSQL(schema string) string {
+	return `SELECT timeline, started_at, first_token FROM ` + ident.Table(schema, "pgfence_epoch")
+}
