@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/outcome"
 	"github.com/pgfence/pgfence/internal/retry"
@@ -54,7 +55,7 @@ var (
 	// ErrNilContext is returned, wrapped with the name of the call, by every
 	// pgfence function that talks to the database when it is given a nil
 	// context (use context.Background() or context.TODO()).
-	ErrNilContext = errors.New("pgfence: nil context")
+	ErrNilContext = ctxcheck.ErrNilContext
 
 	// ErrTxClosed is returned when a guard is given a transaction that has
 	// already committed or rolled back. It is pgx.ErrTxClosed.

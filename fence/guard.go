@@ -10,7 +10,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/pgexec"
 )
 
 // Guard fences writes with a lease's token. Used inside a transaction, it
@@ -60,13 +62,10 @@ const DefaultIdleTimeout = 15 * time.Second
 
 // DB is the database handle pgfence's functions take: *pgxpool.Pool,
 // *pgx.Conn and pgx.Tx (a savepoint for Begin) all satisfy it. It is the one
-// executor interface of pgfence's packages (fence, runner, migrations).
-type DB interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+// executor interface of pgfence's packages (fence, lock, runner,
+// migrations), with the methods Begin, Exec, Query and QueryRow as pgx
+// declares them.
+type DB = pgexec.DB
 
 // MaxAttempts is how many times RunTx runs a transaction that provably did
 // not commit for a reason that can pass: a serialization failure (40001), a
@@ -91,8 +90,8 @@ func (g Guard) validate() error {
 // ErrTokenNotIssued) and tx is aborted: nothing it did or does can commit.
 // It costs one round trip; see Exec to save it.
 func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
-	if ctx == nil {
-		return fmt.Errorf("fence: Guard.Check: %w", ErrNilContext)
+	if err := ctxcheck.NotNil(ctx, "fence: Guard.Check"); err != nil {
+		return err
 	}
 	if tx == nil {
 		return ErrNilTx
@@ -119,8 +118,8 @@ func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
 // trip for both. If the check fails, sql does not run and tx is aborted. Use it
 // for a guarded transaction's first statement on hot paths.
 func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pgconn.CommandTag, error) {
-	if ctx == nil {
-		return pgconn.CommandTag{}, fmt.Errorf("fence: Guard.Exec: %w", ErrNilContext)
+	if err := ctxcheck.NotNil(ctx, "fence: Guard.Exec"); err != nil {
+		return pgconn.CommandTag{}, err
 	}
 	if tx == nil {
 		return pgconn.CommandTag{}, ErrNilTx
@@ -173,8 +172,8 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // means the savepoint was released, and the outcome is that
 // transaction's.)
 func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error {
-	if ctx == nil {
-		return fmt.Errorf("fence: Guard.RunTx: %w", ErrNilContext)
+	if err := ctxcheck.NotNil(ctx, "fence: Guard.RunTx"); err != nil {
+		return err
 	}
 	if err := g.validate(); err != nil {
 		return err

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -53,8 +54,8 @@ func (r Resource) validate(t Token) error {
 // *StaleTokenError (Resource set) if a greater token has been admitted, in
 // which case tx is aborted and nothing it did can commit.
 func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
-	if ctx == nil {
-		return fmt.Errorf("fence: Resource.Admit: %w", ErrNilContext)
+	if err := ctxcheck.NotNil(ctx, "fence: Resource.Admit"); err != nil {
+		return err
 	}
 	if tx == nil {
 		return ErrNilTx
@@ -81,8 +82,8 @@ func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
 // does not run and tx is aborted. Use it for a fenced transaction's first
 // statement on hot paths.
 func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args ...any) (pgconn.CommandTag, error) {
-	if ctx == nil {
-		return pgconn.CommandTag{}, fmt.Errorf("fence: Resource.Exec: %w", ErrNilContext)
+	if err := ctxcheck.NotNil(ctx, "fence: Resource.Exec"); err != nil {
+		return pgconn.CommandTag{}, err
 	}
 	if tx == nil {
 		return pgconn.CommandTag{}, ErrNilTx
@@ -107,8 +108,8 @@ func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args
 // provably did not commit for a passing reason run again (fn included), up
 // to MaxAttempts times.
 func (r Resource) RunTx(ctx context.Context, db DB, t Token, fn func(tx pgx.Tx) error) error {
-	if ctx == nil {
-		return fmt.Errorf("fence: Resource.RunTx: %w", ErrNilContext)
+	if err := ctxcheck.NotNil(ctx, "fence: Resource.RunTx"); err != nil {
+		return err
 	}
 	if err := r.validate(t); err != nil {
 		return err
@@ -146,8 +147,8 @@ func (r Resource) translate(err error, t Token, tx pgx.Tx) error {
 // Current returns the highest token the resource has admitted, or 0 if it has
 // admitted none.
 func (r Resource) Current(ctx context.Context, db DB) (Token, error) {
-	if ctx == nil {
-		return 0, fmt.Errorf("fence: Resource.Current: %w", ErrNilContext)
+	if err := ctxcheck.NotNil(ctx, "fence: Resource.Current"); err != nil {
+		return 0, err
 	}
 	if err := r.validate(1); err != nil {
 		return 0, err

@@ -13,9 +13,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/pgexec"
 )
 
 // VersionTable is the name of pgfence's goose version table.
@@ -40,7 +40,7 @@ type State struct {
 // must be validated and not empty. A schema the role may not use is
 // reported as the server reports a missing privilege (42501), with the
 // grant to run, never as "not migrated".
-func Inspect(ctx context.Context, q fence.DB, schema string) (State, error) {
+func Inspect(ctx context.Context, q pgexec.DB, schema string) (State, error) {
 	st := State{Applied: map[int64]time.Time{}}
 	var table *string
 	var (
@@ -119,7 +119,7 @@ func (e *NotMigratedError) Is(target error) bool { return target == ErrNotMigrat
 // default schema) holds pgfence's objects at version Latest or newer. It returns a
 // *NotMigratedError when it does not, and the database error when it cannot
 // tell (for instance, the role may not read the schema).
-func Verify(ctx context.Context, q fence.DB, schema string) error {
+func Verify(ctx context.Context, q pgexec.DB, schema string) error {
 	if err := ident.ValidateSchema(schema); err != nil {
 		return fmt.Errorf("migrations: %w", err)
 	}
@@ -151,7 +151,7 @@ type Epoch struct {
 
 // ReadEpoch reads the history schema issues tokens in. schema must be
 // validated and not empty, and migrated (version 1 or newer).
-func ReadEpoch(ctx context.Context, q fence.DB, schema string) (*Epoch, error) {
+func ReadEpoch(ctx context.Context, q pgexec.DB, schema string) (*Epoch, error) {
 	e := &Epoch{}
 	if err := q.QueryRow(ctx, epochSQL(schema)).Scan(&e.Timeline, &e.Started, &e.FirstToken); err != nil {
 		return nil, fmt.Errorf("read the token epoch of schema %q: %w", schema, hint.Wrap(err, schema, hint.Role(q)))
