@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/ownconn"
+	"github.com/pgfence/pgfence/internal/retry"
 )
 
 type shardKey struct {
@@ -70,6 +71,7 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 	singlesStarted := false
 	st := settler{settle: min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second), patience: r.cfg.RebalanceInterval}
 	announced := false
+	var failing retry.Failing // one warning per failure period
 	for {
 		next := r.cfg.RebalanceInterval
 		view, err := r.heartbeat(ctx, own, names)
@@ -81,8 +83,9 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 				r.fatal(fmt.Errorf("runner: heartbeat: %w", err))
 				return
 			}
-			r.log.Warn("pgfence runner: heartbeat failed; keeping current shards", "err", err)
+			failing.Fail(r.log, "pgfence runner: heartbeats failing; keeping current shards", err)
 		} else {
+			failing.Recover(r.log, "pgfence runner: heartbeats recovered")
 			// Heartbeats pace database work, so they stay on the real clock.
 			apply, settling := st.observe(view, time.Now())
 			if apply {

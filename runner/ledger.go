@@ -11,6 +11,7 @@ import (
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -139,14 +140,18 @@ func (r *Runner) prune(ctx context.Context) {
 	if r.cfg.Retention < 0 {
 		return
 	}
+	var failing retry.Failing
 	for {
 		if n, err := Prune(ctx, r.pool, r.lcfg.Schema, r.clock.Now().Add(-r.cfg.Retention)); err != nil {
 			if ctx.Err() != nil {
 				return
 			}
-			r.log.Warn("pgfence runner: pruning the ledger failed", "err", err)
-		} else if n > 0 {
-			r.log.Info("pgfence runner: pruned the ledger", "runs", n, "retention", r.cfg.Retention)
+			failing.Fail(r.log, "pgfence runner: pruning the ledger failing", err)
+		} else {
+			failing.Recover(r.log, "pgfence runner: pruning the ledger recovered")
+			if n > 0 {
+				r.log.Info("pgfence runner: pruned the ledger", "runs", n, "retention", r.cfg.Retention)
+			}
 		}
 		if !wait.Sleep(ctx, pruneEvery) {
 			return

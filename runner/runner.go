@@ -344,7 +344,8 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 		shards, attempts = append(shards, j.shards), append(attempts, j.Retry.MaxAttempts)
 	}
 	b := retry.Backoff{Base: r.lcfg.PollInterval, Max: 10 * r.lcfg.PollInterval}
-	for n := 0; ; n++ {
+	var failing retry.Failing
+	for {
 		err := schemaver.Verify(ctx, r.pool, r.lcfg.Schema)
 		if err == nil {
 			if _, err = r.pool.Exec(ctx, r.q.register, names, schedules, shards, attempts, r.lcfg.Holder); err != nil {
@@ -355,12 +356,11 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 			if err != nil {
 				return fmt.Errorf("runner: %w", err)
 			}
+			failing.Recover(r.log, "pgfence runner: schema checked")
 			return nil
 		}
-		if n == 0 {
-			r.log.Warn("pgfence runner: cannot check the schema yet; retrying", "err", err)
-		}
-		if !wait.Sleep(ctx, b.Wait(n)) {
+		failing.Fail(r.log, "pgfence runner: cannot check the schema yet; retrying", err)
+		if !wait.Sleep(ctx, b.Wait(failing.Count()-1)) {
 			return ctx.Err()
 		}
 	}

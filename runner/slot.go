@@ -53,7 +53,8 @@ func (t *term) args(own ...any) []any { return append(own, t.fold.Args...) }
 func (w *worker) runSlot(ctx context.Context, t *term, slot slotRef) {
 	l := t.lease
 	again := retry.Backoff{Base: w.r.lcfg.PollInterval, Max: 10 * w.r.lcfg.PollInterval}
-	for failures := 0; ctx.Err() == nil; {
+	var failing retry.Failing
+	for ctx.Err() == nil {
 		attempt, status, err := w.claim(ctx, t, slot)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, fence.ErrFenced) {
@@ -63,11 +64,11 @@ func (w *worker) runSlot(ctx context.Context, t *term, slot slotRef) {
 				w.r.fatal(fmt.Errorf("runner: job %q: claim %s slot %s: %w", w.j.Name, slot.kind, slot.at.Format(time.RFC3339Nano), err))
 				return
 			}
-			w.log().Warn("pgfence runner: claim failed; retrying", "slot", slot.at, "kind", slot.kind, "err", err)
-			wait.Sleep(ctx, again.Wait(failures))
-			failures++
+			failing.Fail(w.log(), "pgfence runner: claims failing; retrying", err, "slot", slot.at, "kind", slot.kind)
+			wait.Sleep(ctx, again.Wait(failing.Count()-1))
 			continue
 		}
+		failing.Recover(w.log(), "pgfence runner: claims recovered", "slot", slot.at, "kind", slot.kind)
 		switch status {
 		case "":
 			w.r.m.skipped(w.j.Name)

@@ -218,13 +218,15 @@ func (w *worker) handOver(began time.Time) bool {
 // lasts.
 func (w *worker) runRequested(ctx context.Context, t *term) {
 	again := retry.Backoff{Base: w.r.lcfg.PollInterval, Max: 10 * w.r.lcfg.PollInterval}
-	for failures := 0; ctx.Err() == nil; failures++ {
+	var failing retry.Failing
+	for ctx.Err() == nil {
 		rows, err := w.r.pool.Query(ctx, w.r.q.requested, w.j.Name, w.shard, int64(t.lease.Token()), w.j.Retry.MaxAttempts)
 		var slots []time.Time
 		if err == nil {
 			slots, err = pgx.CollectRows(rows, pgx.RowTo[time.Time])
 		}
 		if err == nil {
+			failing.Recover(w.log(), "pgfence runner: reading the manual runs recovered")
 			for _, at := range slots {
 				w.runSlot(ctx, t, slotRef{KindManual, at})
 			}
@@ -233,8 +235,8 @@ func (w *worker) runRequested(ctx context.Context, t *term) {
 		if ctx.Err() != nil {
 			return
 		}
-		w.log().Warn("pgfence runner: reading the manual runs asked for failed; retrying", "err", err)
-		wait.Sleep(ctx, again.Wait(failures))
+		failing.Fail(w.log(), "pgfence runner: reading the manual runs asked for failing; retrying", err)
+		wait.Sleep(ctx, again.Wait(failing.Count()-1))
 	}
 }
 
