@@ -133,7 +133,10 @@ func (p *poller) loop(ctx context.Context) {
 			err  error
 		)
 		if len(names) > 0 {
-			next, free, err = p.poll(ctx, names)
+			// On the group's context: an idle end (ctx) waits for the
+			// statement, which cancelling would cut along with its pooled
+			// connection; Close still cancels it.
+			next, free, err = p.poll(p.c.bg.Context(), names)
 		}
 		if err != nil {
 			if ctx.Err() != nil {

@@ -47,7 +47,9 @@ func (c *Client) renewLoop(ctx context.Context) {
 		wait := c.cfg.RenewInterval
 		if len(batch) > 0 {
 			c.renewMu.Lock()
-			err := c.renew(ctx, own, batch)
+			// On the group's context: an idle end (ctx) does not cut a
+			// renewal in flight; Close still cancels it.
+			err := c.renew(c.bg.Context(), own, batch)
 			c.renewMu.Unlock()
 			if ctx.Err() != nil {
 				return

@@ -87,7 +87,10 @@ func (g *Group) Start(fn func(ctx context.Context)) (cancel context.CancelFunc, 
 // Demand is a goroutine of a Group that runs while it is wanted: Want starts
 // it if it is not running, Idle ends it once it has been unwanted for the
 // linger, and a Want meanwhile keeps it. Its function is a plain loop that
-// returns when its context ends; when to run is decided here, once, under
+// returns when its context ends (a statement that must not be cut when the
+// goroutine is idled, since cancelling it closes its connection, runs on
+// the group's context instead: Stop still cancels it); when to run is
+// decided here, once, under
 // Demand's own lock, so that an owner only says whether it has work. At
 // most one goroutine of a Demand runs at a time: a Want that arrives while
 // the goroutine is ending starts it again once it has returned.
