@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/internal/outcome"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
@@ -20,8 +21,8 @@ import (
 // runTx runs fn in transactions fenced by f until one commits, fails for
 // good, or MaxAttempts attempts provably did not commit.
 func runTx(ctx context.Context, db DB, f *txFence, fn func(tx pgx.Tx) error) error {
-	if db == nil {
-		return errors.New("fence: nil database handle")
+	if err := pgexec.NotNil(db, "fence: RunTx"); err != nil {
+		return err
 	}
 	if fn == nil {
 		return errors.New("fence: nil function")

@@ -11,6 +11,7 @@ import (
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/outcome"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
@@ -56,6 +57,10 @@ var (
 	// pgfence function that talks to the database when it is given a nil
 	// context (use context.Background() or context.TODO()).
 	ErrNilContext = ctxcheck.ErrNilContext
+
+	// ErrNilDB is returned, wrapped with the name of the call, by every
+	// pgfence function given a nil database handle (a nil DB interface).
+	ErrNilDB = pgexec.ErrNilDB
 
 	// ErrTxClosed is returned when a guard is given a transaction that has
 	// already committed or rolled back. It is pgx.ErrTxClosed.

@@ -4,12 +4,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 )
 
 // Acquire with Defer leaves a freed lease to a campaigner that does not
-// defer, and takes it itself when no one else does.
+// defer, and takes it itself when no one else does. The deferral (5 s) is
+// the margin the campaigner that does not defer has to take the lease, so
+// that a loaded machine does not decide the order.
 func TestDeferLeavesAFreedLeaseToOthers(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -21,7 +25,7 @@ func TestDeferLeavesAFreedLeaseToOthers(t *testing.T) {
 	}
 	got := make(chan *lock.Lease, 2)
 	go func() {
-		l, err := q.Acquire(ctx, "preferred", lock.Defer(func() time.Duration { return time.Second }))
+		l, err := q.Acquire(ctx, "preferred", lock.Defer(func() time.Duration { return 5 * time.Second }))
 		if err == nil {
 			got <- l
 		}
@@ -32,7 +36,12 @@ func TestDeferLeavesAFreedLeaseToOthers(t *testing.T) {
 			got <- l
 		}
 	}()
-	time.Sleep(300 * time.Millisecond) // both wait
+	// A waiter has registered (the poller marks the held lease waited for).
+	waited := "SELECT waiters_until IS NOT NULL FROM " + pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize() + " WHERE name = 'preferred'"
+	pgtest.Eventually(t, 30*time.Second, "a waiter", func() bool {
+		var ok bool
+		return db.Pool.QueryRow(ctx, waited).Scan(&ok) == nil && ok
+	})
 	if err := held.Release(ctx); err != nil {
 		t.Fatal(err)
 	}

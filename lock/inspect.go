@@ -14,6 +14,7 @@ import (
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -67,6 +68,9 @@ func Leases(ctx context.Context, db fence.DB, schema string) ([]Info, error) {
 	if err := ctxcheck.NotNil(ctx, "lock: Leases"); err != nil {
 		return nil, err
 	}
+	if err := pgexec.NotNil(db, "lock: Leases"); err != nil {
+		return nil, err
+	}
 	q, err := operatorFor(schema)
 	if err != nil {
 		return nil, err
@@ -88,6 +92,9 @@ func Leases(ctx context.Context, db fence.DB, schema string) ([]Info, error) {
 // ErrNoLease for a name never acquired.
 func Inspect(ctx context.Context, db fence.DB, schema, name string) (Info, error) {
 	if err := ctxcheck.NotNil(ctx, "lock: Inspect"); err != nil {
+		return Info{}, err
+	}
+	if err := pgexec.NotNil(db, "lock: Inspect"); err != nil {
 		return Info{}, err
 	}
 	q, err := operatorFor(schema)

@@ -49,6 +49,7 @@ var built sync.Map // validated schema → *queries
 
 // sqlFor returns schema's statements; schema must be validated.
 func sqlFor(schema string) *queries {
+	schema = ident.Schema(schema) // "" and "pgfence" are one schema
 	if q, ok := built.Load(schema); ok {
 		return q.(*queries)
 	}

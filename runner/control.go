@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/outcome"
@@ -52,6 +53,9 @@ func Pause(ctx context.Context, db fence.DB, schema, job, by string) error {
 	if err := ctxcheck.NotNil(ctx, "runner: Pause"); err != nil {
 		return err
 	}
+	if err := pgexec.NotNil(db, "runner: Pause"); err != nil {
+		return err
+	}
 	q, err := control(schema, job)
 	if err != nil {
 		return err
@@ -66,6 +70,9 @@ func Pause(ctx context.Context, db fence.DB, schema, job, by string) error {
 // ErrUnknownJob for a job no runner registered.
 func Resume(ctx context.Context, db fence.DB, schema, job string) error {
 	if err := ctxcheck.NotNil(ctx, "runner: Resume"); err != nil {
+		return err
+	}
+	if err := pgexec.NotNil(db, "runner: Resume"); err != nil {
 		return err
 	}
 	q, err := control(schema, job)
@@ -89,6 +96,9 @@ func Resume(ctx context.Context, db fence.DB, schema, job string) error {
 // waits for their outcome.
 func RunNow(ctx context.Context, db fence.DB, schema, job string, shard int, by string) ([]RunRef, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: RunNow"); err != nil {
+		return nil, err
+	}
+	if err := pgexec.NotNil(db, "runner: RunNow"); err != nil {
 		return nil, err
 	}
 	q, err := control(schema, job)
@@ -146,6 +156,9 @@ const waitPoll = 100 * time.Millisecond
 // again. It returns ctx's error if ctx ends first.
 func WaitRun(ctx context.Context, db fence.DB, schema string, ref RunRef) (RunInfo, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: WaitRun"); err != nil {
+		return RunInfo{}, err
+	}
+	if err := pgexec.NotNil(db, "runner: WaitRun"); err != nil {
 		return RunInfo{}, err
 	}
 	q, err := control(schema, ref.Job)
@@ -209,6 +222,9 @@ type JobInfo struct {
 // runs, the pause. One statement, reading only.
 func Jobs(ctx context.Context, db fence.DB, schema, job string) ([]JobInfo, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: Jobs"); err != nil {
+		return nil, err
+	}
+	if err := pgexec.NotNil(db, "runner: Jobs"); err != nil {
 		return nil, err
 	}
 	if err := ident.ValidateSchema(schema); err != nil {

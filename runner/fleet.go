@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 )
@@ -45,6 +46,9 @@ type Lead struct {
 // One statement, reading only.
 func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: Instances"); err != nil {
+		return nil, err
+	}
+	if err := pgexec.NotNil(db, "runner: Instances"); err != nil {
 		return nil, err
 	}
 	if err := ident.ValidateSchema(schema); err != nil {
@@ -100,6 +104,9 @@ type Term struct {
 // is in Jobs.
 func Terms(ctx context.Context, db fence.DB, schema string, limit int) ([]Term, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: Terms"); err != nil {
+		return nil, err
+	}
+	if err := pgexec.NotNil(db, "runner: Terms"); err != nil {
 		return nil, err
 	}
 	if err := ident.ValidateSchema(schema); err != nil {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/retry"
@@ -80,6 +81,9 @@ func Runs(ctx context.Context, db fence.DB, schema string, f RunFilter) ([]RunIn
 	if err := ctxcheck.NotNil(ctx, "runner: Runs"); err != nil {
 		return nil, err
 	}
+	if err := pgexec.NotNil(db, "runner: Runs"); err != nil {
+		return nil, err
+	}
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
@@ -119,6 +123,9 @@ func scanRun(r pgx.Row, more ...any) (RunInfo, error) {
 // with Config.Retention; `pgfence jobs prune` calls it on demand.
 func Prune(ctx context.Context, db fence.DB, schema string, before time.Time) (int64, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: Prune"); err != nil {
+		return 0, err
+	}
+	if err := pgexec.NotNil(db, "runner: Prune"); err != nil {
 		return 0, err
 	}
 	if err := ident.ValidateSchema(schema); err != nil {

@@ -70,3 +70,30 @@ func TestNilContext(t *testing.T) {
 		t.Fatalf("Run after Run(nil): %v", err)
 	}
 }
+
+// The operators' functions refuse a nil executor with fence.ErrNilDB,
+// naming the call, instead of panicking.
+func TestNilDB(t *testing.T) {
+	ctx := context.Background()
+	calls := []struct {
+		name string
+		call func() error
+	}{
+		{"Pause", func() error { return runner.Pause(ctx, nil, "", "j", "op") }},
+		{"Resume", func() error { return runner.Resume(ctx, nil, "", "j") }},
+		{"RunNow", func() error { _, err := runner.RunNow(ctx, nil, "", "j", 0, "op"); return err }},
+		{"Jobs", func() error { _, err := runner.Jobs(ctx, nil, "", ""); return err }},
+		{"Runs", func() error { _, err := runner.Runs(ctx, nil, "", runner.RunFilter{}); return err }},
+		{"Instances", func() error { _, err := runner.Instances(ctx, nil, ""); return err }},
+		{"Terms", func() error { _, err := runner.Terms(ctx, nil, "", 1); return err }},
+		{"Prune", func() error { _, err := runner.Prune(ctx, nil, "", time.Now()); return err }},
+		{"Leases", func() error { _, err := lock.Leases(ctx, nil, ""); return err }},
+		{"Inspect", func() error { _, err := lock.Inspect(ctx, nil, "", "x"); return err }},
+	}
+	for _, c := range calls {
+		err := c.call()
+		if !errors.Is(err, fence.ErrNilDB) || !strings.Contains(err.Error(), c.name) {
+			t.Errorf("%s(nil db): %v, want fence.ErrNilDB naming the call", c.name, err)
+		}
+	}
+}

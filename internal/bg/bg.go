@@ -77,7 +77,10 @@ func (g *Group) Stop() {
 // false, and fn does not run, once Stop has begun.
 func (g *Group) Start(fn func(ctx context.Context)) (cancel context.CancelFunc, ok bool) {
 	ctx, cancel := context.WithCancel(g.ctx)
-	if !g.Go(func(context.Context) { fn(ctx) }) {
+	if !g.Go(func(context.Context) {
+		defer cancel()
+		fn(ctx)
+	}) {
 		cancel()
 		return nil, false
 	}
@@ -127,7 +130,7 @@ func (d *Demand) Want() bool {
 	if !d.running {
 		d.startLocked()
 	}
-	return d.running
+	return d.running && d.g.ctx.Err() == nil
 }
 
 // Idle ends the goroutine after the linger, unless Want is called first.
@@ -164,8 +167,11 @@ func (d *Demand) startLocked() {
 		d.mu.Lock()
 		defer d.mu.Unlock()
 		d.running, d.cancel = false, nil
-		if d.wanted && d.g.ctx.Err() == nil {
-			d.startLocked() // wanted again while it was ending
+		// Wanted again while it was ending (it was idled: its context
+		// ended, not the group's). A function that returned on its own is
+		// not run again in a loop.
+		if d.wanted && ctx.Err() != nil && d.g.ctx.Err() == nil {
+			d.startLocked()
 		}
 	})
 	d.running, d.cancel = ok, cancel

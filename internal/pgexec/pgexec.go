@@ -6,6 +6,8 @@ package pgexec
 
 import (
 	"context"
+	"errors"
+	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -18,4 +20,16 @@ type DB interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// ErrNilDB is fence.ErrNilDB: see there.
+var ErrNilDB = errors.New("pgfence: nil database handle")
+
+// NotNil returns nil for a non-nil db, and otherwise ErrNilDB wrapped with
+// op, the call's area and name ("lock: Leases").
+func NotNil(db DB, op string) error {
+	if db == nil {
+		return fmt.Errorf("%s: %w", op, ErrNilDB)
+	}
+	return nil
 }
