@@ -331,8 +331,7 @@ func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
 	ctx := ctxT(t, time.Minute)
 	// The guarded transaction below stays open for longer than the TTL on
 	// purpose: no idle bound, which would end it (TestFrozenHolderInGuardedTx).
-	holder := newClient(t, db, lock.Config{TTL: 600 * time.Millisecond, RenewInterval: 100 * time.Millisecond,
-		SafetyMargin: 50 * time.Millisecond, GuardIdleTimeout: -1})
+	holder := newClient(t, db, lock.Config{TTL: 3 * time.Second, GuardIdleTimeout: -1})
 	taker, _, app := newTaker(t, db)
 
 	l, err := holder.TryAcquire(ctx, "wait")
@@ -347,9 +346,12 @@ func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
 	if err := l.Guard().Check(ctx, tx); err != nil {
 		t.Fatal(err)
 	}
-	// Renewals go through while the guarded transaction is open: after 3
-	// TTLs the lease is still live.
-	time.Sleep(1800 * time.Millisecond)
+	// Renewals go through while the guarded transaction is open: after four
+	// of them (more than a TTL) the lease is still live.
+	before := holder.Stats().Renewals
+	pgtest.Eventually(t, 40*time.Second, "four renewals with the guarded transaction open", func() bool {
+		return holder.Stats().Renewals-before >= 4 || l.Err() != nil
+	})
 	if err := l.Check(ctx); err != nil {
 		t.Fatalf("renewal blocked by the guarded transaction: %v", err)
 	}
