@@ -54,6 +54,10 @@ func appGrantSQL(schema, s, r string) []string {
 		"GRANT UPDATE (token, updated_at) ON " + t("pgfence_fences") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_jobs") + " TO " + r,
+		// Not the key of a position: the trigger refuses that anyway.
+		"GRANT SELECT, INSERT ON " + t("pgfence_positions") + " TO " + r,
+		"REVOKE UPDATE ON " + t("pgfence_positions") + " FROM " + r,
+		"GRANT UPDATE (position, token, holder, advanced_at, commits) ON " + t("pgfence_positions") + " TO " + r,
 		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
 			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
@@ -67,7 +71,8 @@ func operatorGrantSQL(schema, s, r string) []string {
 	return append([]string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
-			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_epoch") + ", " + t(VersionTable) + " TO " + r,
+			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_positions") + ", " + t("pgfence_epoch") + ", " +
+			t(VersionTable) + " TO " + r,
 		"GRANT UPDATE ON " + t("pgfence_jobs") + " TO " + r,
 		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
 		// pgfence_timeline: RunNow reads its transaction's id and timeline,

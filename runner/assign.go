@@ -8,50 +8,120 @@ import (
 
 // assign returns, for each shard of job, the index in members of the
 // instance that owns it. members are the live instances that registered the
-// job; every instance computes the same answer from the same set, in any
-// order.
+// job; held[s] is the instance holding shard s's lease now ("" if none, or
+// held nil when unknown). Every instance computes the same answer from the
+// same members and holders, in any order.
 //
-// It is rendezvous (highest-random-weight) hashing with bounded loads: each
-// shard ranks the members by a hash of (job, shard, member) and goes to the
-// highest-ranked member that has fewer than ceil(shards/len(members)) shards
-// already, shards taken in a fixed order. Plain rendezvous hashing moves only
-// the shards of a member that joins or leaves (about 1/n) but leaves loads
-// uneven (1,024 shards over 8 members: about 105 to 150); the bound caps
-// every member at ceil(shards/n), and the members below the cap share what
-// is left (1,024 over 7: six of 147 and one of 142), at the cost of a few
-// more moves per change (BENCHMARKS.md). Hashing the job name in means that
-// shard 0 of every job does not land on the same instance.
-func assign(job string, shards int, members []string) []int {
-	if len(members) == 0 {
+// Loads are balanced: with shards = q*n + r over n members, r members own
+// q+1 shards and the others q (the r are those holding the most now, then
+// by a hash of the job and the member). Each member keeps as many of the
+// shards it holds as its load allows (its highest-ranked first), and the
+// rest go, shard by shard, to the highest-ranked member still below its
+// load: rendezvous (highest-random-weight) hashing over a hash of (job,
+// shard, member), restricted to the members with room. Hashing the job name
+// in means that shard 0 of every job does not land on the same instance.
+//
+// Keeping what is held is what bounds the moves: when one member joins a
+// fleet of n, the others give up only what brings them down to their new
+// load, which is exactly what the new member takes (at most
+// ceil(shards/(n+1))); when one leaves, only its shards move. A stateless
+// assignment cannot do this: capping every member at ceil(shards/n) and
+// filling in a fixed order moved up to 50 of 256 shards when a 64th member
+// joined, as the lower cap cascaded through the order.
+func assign(job string, shards int, members []string, held []string) []int {
+	n := len(members)
+	if n == 0 {
 		return nil
 	}
-	capacity := (shards + len(members) - 1) / len(members)
-	load := make([]int, len(members))
-	owner := make([]int, shards)
-	rank := make([]int, len(members))
-	weight := make([]uint64, len(members))
+	index := make(map[string]int, n)
+	for i, m := range members {
+		index[m] = i
+	}
+	current := make([]int, n)
+	holder := make([]int, shards) // the member holding each shard, or -1
 	for s := range shards {
-		for m := range members {
-			rank[m], weight[m] = m, score(job, s, members[m])
-		}
-		slices.SortFunc(rank, func(a, b int) int {
-			switch {
-			case weight[a] > weight[b]:
-				return -1
-			case weight[a] < weight[b]:
-				return 1
-			}
-			return compareStrings(members[a], members[b])
-		})
-		for _, m := range rank {
-			if load[m] < capacity {
-				owner[s] = m
-				load[m]++
-				break
+		holder[s] = -1
+		if held != nil {
+			if i, ok := index[held[s]]; ok {
+				holder[s] = i
+				current[i]++
 			}
 		}
 	}
+	// Loads: the r members holding the most get q+1.
+	q, r := shards/n, shards%n
+	order := make([]int, n)
+	tie := make([]uint64, n)
+	for i := range order {
+		order[i], tie[i] = i, score(job, -1, members[i])
+	}
+	slices.SortFunc(order, func(a, b int) int {
+		switch {
+		case current[a] != current[b]:
+			return current[b] - current[a]
+		case tie[a] != tie[b]:
+			if tie[a] > tie[b] {
+				return -1
+			}
+			return 1
+		}
+		return compareStrings(members[a], members[b])
+	})
+	load := make([]int, n)
+	for k, i := range order {
+		load[i] = q
+		if k < r {
+			load[i]++
+		}
+	}
+	owner := make([]int, shards)
+	for s := range owner {
+		owner[s] = -1
+	}
+	// Each member keeps its highest-ranked held shards, up to its load.
+	kept := make([]int, n)
+	byMember := make([][]int, n)
+	for s, i := range holder {
+		if i >= 0 {
+			byMember[i] = append(byMember[i], s)
+		}
+	}
+	for i, ss := range byMember {
+		slices.SortFunc(ss, func(a, b int) int { return compareScores(score(job, a, members[i]), score(job, b, members[i]), a, b) })
+		for _, s := range ss[:min(len(ss), load[i])] {
+			owner[s] = i
+			kept[i]++
+		}
+	}
+	// The rest go to the highest-ranked member with room.
+	for s := range shards {
+		if owner[s] >= 0 {
+			continue
+		}
+		best, bestScore := -1, uint64(0)
+		for i := range members {
+			if kept[i] >= load[i] {
+				continue
+			}
+			if sc := score(job, s, members[i]); best < 0 || sc > bestScore || (sc == bestScore && members[i] < members[best]) {
+				best, bestScore = i, sc
+			}
+		}
+		owner[s] = best
+		kept[best]++
+	}
 	return owner
+}
+
+// compareScores orders shards by descending score, then by number.
+func compareScores(sa, sb uint64, a, b int) int {
+	switch {
+	case sa > sb:
+		return -1
+	case sa < sb:
+		return 1
+	}
+	return a - b
 }
 
 func compareStrings(a, b string) int {

@@ -89,7 +89,13 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 			// Heartbeats pace database work, so they stay on the real clock.
 			apply, settling := st.observe(view, time.Now())
 			if apply {
-				r.apply(g, jobs, view, workers)
+				held, err := r.holders(ctx, own, jobs)
+				if err != nil && ctx.Err() == nil {
+					// Without the holders the assignment is the plain
+					// hashing: more moves, still one owner per shard.
+					r.log.Warn("pgfence runner: reading the shards' holders failed; assigning without them", "err", err)
+				}
+				r.apply(g, jobs, view, held, workers)
 				r.prefer(singleNames, view)
 				if !singlesStarted {
 					// Singleton workers campaign once the view is known, so
@@ -186,11 +192,11 @@ func onlyLeft(before, view members) bool {
 }
 
 // apply starts and stops shard workers to match the assignment in view.
-func (r *Runner) apply(g *bg.Group, jobs []*job, view members, workers map[shardKey]context.CancelFunc) {
+func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][]string, workers map[shardKey]context.CancelFunc) {
 	for _, j := range jobs {
 		ids := view[j.Name]
 		me := slices.Index(ids, r.lcfg.Holder)
-		owner := assign(j.Name, j.shards, ids)
+		owner := assign(j.Name, j.shards, ids, held[j.Name])
 		owned := 0
 		for _, o := range owner {
 			if me >= 0 && o == me {
@@ -205,7 +211,11 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, workers map[shard
 			switch {
 			case mine && !have:
 				sw := &worker{r: r, j: j, shard: s}
-				if cancel, ok := g.Start(sw.loop); ok {
+				run := sw.loop
+				if j.role != nil {
+					run = sw.roleLoop
+				}
+				if cancel, ok := g.Start(run); ok {
 					workers[k] = cancel
 				}
 			case !mine && have:
@@ -250,4 +260,44 @@ func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string
 		slices.Sort(ids)
 	}
 	return view, rows.Err()
+}
+
+// holders reads who holds each shard (and partition) of jobs now: job name
+// -> holder id per shard, "" where none holds it. Read when a new view is
+// applied, so that the assignment keeps what is held (assign).
+func (r *Runner) holders(ctx context.Context, own *ownconn.Conn, jobs []*job) (map[string][]string, error) {
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
+	defer cancel()
+	var names []string
+	at := make(map[string]shardKey)
+	held := make(map[string][]string, len(jobs))
+	for _, j := range jobs {
+		held[j.Name] = make([]string, j.shards)
+		for s := range j.shards {
+			name := (&worker{j: j, shard: s}).leaseName()
+			names = append(names, name)
+			at[name] = shardKey{j, s}
+		}
+	}
+	if len(names) == 0 {
+		return held, nil
+	}
+	rows, err := own.Query(ctx, r.q.holders, names)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var name, holder string
+		if err := rows.Scan(&name, &holder); err != nil {
+			return nil, err
+		}
+		if k, ok := at[name]; ok {
+			held[k.job.Name][k.shard] = holder
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return held, nil
 }

@@ -11,10 +11,10 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
-	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/outcome"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 

@@ -9,9 +9,9 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
-	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/pgexec"
 )
 
 // InstanceInfo is what Instances says about one runner instance: its

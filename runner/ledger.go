@@ -9,9 +9,9 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
-	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 )

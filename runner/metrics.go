@@ -11,22 +11,33 @@ import (
 )
 
 // metrics are a runner's instruments (README's "Metrics"). Attributes:
-// pgfence.job (bounded: the jobs an application registers) and, per
-// instrument, pgfence.status or pgfence.change; never shards or slots.
+// pgfence.job (bounded: the jobs and roles an application registers) and,
+// per instrument, pgfence.status or pgfence.change; never shards or slots.
+// The one exception is pgfence.runner.partition.leader, by pgfence.partition
+// too: a role's partitions are few (the role's Partitions) and each is
+// worth watching.
 type metrics struct {
-	runs, retries, leadership, missed metric.Int64Counter
-	duration                          metric.Float64Histogram
-	owned, leader                     metric.Int64ObservableGauge
-	meter                             metric.Meter
+	runs, retries, leadership, missed, positions metric.Int64Counter
+	duration                                     metric.Float64Histogram
+	owned, leader, partLeader                    metric.Int64ObservableGauge
+	meter                                        metric.Meter
 
 	mu      sync.Mutex
 	shards  map[string]int64 // job -> shards this instance owns
 	jobs    []string         // the registered jobs, for the leader gauge
 	leading map[string]int   // job -> its leases (job or shards) this instance holds
+	roles   map[string]int   // role -> its partition count, for the partition gauge
+	led     map[partKey]bool // the role partitions this instance leads
+}
+
+type partKey struct {
+	role      string
+	partition int
 }
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
-	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}, leading: map[string]int{}}
+	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}, leading: map[string]int{},
+		roles: map[string]int{}, led: map[partKey]bool{}}
 	var err error
 	keep := func(e error) {
 		if err == nil {
@@ -52,6 +63,12 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m.owned, e = m.meter.Int64ObservableGauge("pgfence.runner.shards.owned", metric.WithUnit("{shard}"),
 		metric.WithDescription("Shards of a sharded job this instance is assigned, by pgfence.job."))
 	keep(e)
+	m.positions, e = m.meter.Int64Counter("pgfence.runner.positions.committed", metric.WithUnit("{commit}"),
+		metric.WithDescription("Partition positions committed (Partition.Commit), by pgfence.job (the role)."))
+	keep(e)
+	m.partLeader, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.leader",
+		metric.WithDescription("1 while this instance leads the role's partition, else 0, by pgfence.job (the role) and pgfence.partition."))
+	keep(e)
 	m.leader, e = m.meter.Int64ObservableGauge("pgfence.runner.leader",
 		metric.WithDescription("1 while this instance leads the job (holds its lease, or a shard's), else 0, by pgfence.job."))
 	keep(e)
@@ -61,10 +78,11 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	return m, nil
 }
 
-// observe registers the gauges' callback for the time of Run, for jobs.
-func (m *metrics) observe(jobs []string) (metric.Registration, error) {
+// observe registers the gauges' callback for the time of Run, for jobs
+// (and roles, with their partition counts).
+func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registration, error) {
 	m.mu.Lock()
-	m.jobs = jobs
+	m.jobs, m.roles = jobs, roles
 	m.mu.Unlock()
 	return m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		m.mu.Lock()
@@ -79,8 +97,18 @@ func (m *metrics) observe(jobs []string) (metric.Registration, error) {
 			}
 			o.ObserveInt64(m.leader, leads, metric.WithAttributes(attribute.String("pgfence.job", job)))
 		}
+		for role, n := range m.roles {
+			for part := range n {
+				var leads int64
+				if m.led[partKey{role, part}] {
+					leads = 1
+				}
+				o.ObserveInt64(m.partLeader, leads, metric.WithAttributes(attribute.String("pgfence.job", role),
+					attribute.Int("pgfence.partition", part)))
+			}
+		}
 		return nil
-	}, m.owned, m.leader)
+	}, m.owned, m.leader, m.partLeader)
 }
 
 func (m *metrics) setShards(job string, n int64) {
@@ -101,6 +129,9 @@ func (m *metrics) event(e Event, took time.Duration) {
 		}
 		m.mu.Lock()
 		m.leading[e.Job] += delta
+		if _, role := m.roles[e.Job]; role {
+			m.led[partKey{e.Job, e.Shard}] = delta > 0
+		}
 		m.mu.Unlock()
 		m.leadership.Add(ctx, 1, metric.WithAttributes(job, attribute.String("pgfence.change", change)))
 	case RunStarted:
@@ -123,4 +154,8 @@ func (m *metrics) missedSlots(job string, n int) {
 	if n > 0 {
 		m.missed.Add(context.Background(), int64(n), metric.WithAttributes(attribute.String("pgfence.job", job)))
 	}
+}
+
+func (m *metrics) positionCommitted(role string) {
+	m.positions.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.job", role)))
 }

@@ -55,7 +55,8 @@ type Runner struct {
 type job struct {
 	Job
 	sched  Schedule
-	shards int // 0: singleton
+	shards int   // 0: singleton; a role's partitions
+	role   *Role // a continuous role, not a scheduled job
 }
 
 // ErrNilClient is returned by New for a nil client.
@@ -226,10 +227,14 @@ func (r *Runner) Run(ctx context.Context) error {
 		return err
 	}
 	names := make([]string, len(jobs))
+	roles := make(map[string]int)
 	for i, j := range jobs {
 		names[i] = j.Name
+		if j.role != nil {
+			roles[j.Name] = j.shards
+		}
 	}
-	if reg, err := r.m.observe(names); err == nil {
+	if reg, err := r.m.observe(names, roles); err == nil {
 		defer func() { _ = reg.Unregister() }()
 	}
 	work, stopWork := context.WithCancelCause(context.Background())
@@ -340,6 +345,9 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 		shards, attempts []int
 	)
 	for _, j := range jobs {
+		if j.role != nil {
+			continue // a role has no schedule nor ledger: pgfence_positions
+		}
 		names, schedules = append(names, j.Name), append(schedules, j.Schedule)
 		shards, attempts = append(shards, j.shards), append(attempts, j.Retry.MaxAttempts)
 	}

@@ -25,6 +25,7 @@ type queries struct {
 	ledgerSQL
 	fleetSQL
 	controlSQL
+	roleSQL
 }
 
 type ledgerSQL struct {
@@ -34,7 +35,11 @@ type ledgerSQL struct {
 }
 
 type fleetSQL struct {
-	register, heartbeat, announce, leave, instances, terms string
+	register, heartbeat, announce, leave, holders, instances, terms string
+}
+
+type roleSQL struct {
+	position, advance, partitions string
 }
 
 type controlSQL struct {
@@ -47,25 +52,57 @@ var built sync.Map // validated schema → *queries
 
 // sqlFor returns schema's statements; schema must be validated.
 func sqlFor(schema string) *queries {
+	schema = ident.Schema(schema) // "" and "pgfence" are one schema
 	if q, ok := built.Load(schema); ok {
 		return q.(*queries)
 	}
-	q, _ := built.LoadOrStore(schema, &queries{newLedgerSQL(schema), newFleetSQL(schema), newControlSQL(schema)})
+	q, _ := built.LoadOrStore(schema, &queries{newLedgerSQL(schema), newFleetSQL(schema), newControlSQL(schema), newRoleSQL(schema)})
 	return q.(*queries)
 }
 
 // tables are schema's tables and functions, quoted.
 type tables struct {
-	runs, jobs, inst, leases, wake string
+	runs, jobs, inst, leases, wake, positions string
 }
 
 func tablesOf(schema string) tables {
 	return tables{
-		runs:   ident.Table(schema, "pgfence_runs"),
-		jobs:   ident.Table(schema, "pgfence_jobs"),
-		inst:   ident.Table(schema, "pgfence_instances"),
-		leases: ident.Table(schema, "pgfence_leases"),
-		wake:   ident.Table(schema, "pgfence_wake_waiters"),
+		runs:      ident.Table(schema, "pgfence_runs"),
+		jobs:      ident.Table(schema, "pgfence_jobs"),
+		inst:      ident.Table(schema, "pgfence_instances"),
+		leases:    ident.Table(schema, "pgfence_leases"),
+		wake:      ident.Table(schema, "pgfence_wake_waiters"),
+		positions: ident.Table(schema, "pgfence_positions"),
+	}
+}
+
+// newRoleSQL: continuous roles' positions.
+func newRoleSQL(schema string) roleSQL {
+	t := tablesOf(schema)
+	return roleSQL{
+		// A partition's position ($1 role, $2 partition), its row created
+		// at 0 the first time: one row either way (the inserted row is
+		// not visible to the second branch, which finds an existing one).
+		position: `WITH ins AS (INSERT INTO ` + t.positions + ` (role, partition) VALUES ($1, $2)
+    ON CONFLICT DO NOTHING RETURNING position)
+SELECT position FROM ins UNION ALL SELECT position FROM ` + t.positions + ` WHERE role = $1 AND partition = $2`,
+
+		// Advances a partition's position ($3) inside its leader's guarded
+		// transaction (token $4, holder $5). The guard has checked the
+		// token and holds the lease row until the end of the transaction;
+		// the token condition also refuses a position a newer leader has
+		// advanced (no row), and the trigger a token going down.
+		advance: `UPDATE ` + t.positions + ` SET position = $3, token = $4, holder = $5, advanced_at = now(), commits = commits + 1
+ WHERE role = $1 AND partition = $2 AND token <= $4`,
+
+		// Every partition that has had a leader (of role $2, or of all
+		// when $2 is ''), with its lease ($1 the role lease prefix).
+		partitions: `SELECT p.role, p.partition, p.position, p.token, coalesce(p.holder, ''), p.advanced_at, p.commits,
+       coalesce(l.holder, ''), coalesce(l.token, 0), coalesce(l.holder IS NOT NULL AND l.expires_at > now(), false), now()
+  FROM ` + t.positions + ` p
+  LEFT JOIN ` + t.leases + ` l ON l.name = $1 || p.role || '/' || p.partition
+ WHERE $2 = '' OR p.role = $2
+ ORDER BY p.role, p.partition`,
 	}
 }
 
@@ -207,6 +244,10 @@ SELECT id, jobs, (SELECT array_agg(job) FROM pending), (SELECT array_agg(shard) 
 		// leave) to every runner of the schema, on the channel blocked
 		// acquirers listen to, as a release of the pseudo-lease $1.
 		announce: fmt.Sprintf(`SELECT %[1]s($1)`, wake),
+
+		// Who holds each of the leases $1 now (unexpired), through the
+		// primary key.
+		holders: `SELECT name, holder FROM ` + leases + ` WHERE name = ANY($1) AND holder IS NOT NULL AND expires_at > now()`,
 		leave: fmt.Sprintf(`WITH gone AS (UPDATE %[1]s SET expires_at = now() WHERE id = $1 RETURNING id)
 SELECT %[2]s($2) FROM gone`, inst, wake),
 

@@ -26,6 +26,9 @@ type worker struct {
 }
 
 func (w *worker) leaseName() string {
+	if w.j.role != nil {
+		return roleLeasePrefix + w.j.Name + "/" + strconv.Itoa(w.shard)
+	}
 	if w.j.shards == 0 {
 		return jobLeasePrefix + w.j.Name
 	}
@@ -44,6 +47,12 @@ func (w *worker) event(k EventKind, s slotRef, l *lock.Lease, attempt int, err e
 // loop campaigns, leads, releases and campaigns again until ctx ends, with
 // lock.Election. A permanent error stops the whole runner.
 func (w *worker) loop(ctx context.Context) {
+	w.electionEnded(w.election(w.lead).Run(ctx))
+}
+
+// election campaigns for the worker's lease and calls lead while it holds
+// it, recording the term (for shutdown and for the events and metrics).
+func (w *worker) election(lead func(ctx context.Context, l *lock.Lease) error) *lock.Election {
 	log := w.log()
 	e := &lock.Election{
 		Client: w.r.lc,
@@ -52,7 +61,7 @@ func (w *worker) loop(ctx context.Context) {
 			defer w.r.hold(l)()
 			log.Info("pgfence runner: leading", "token", l.Token())
 			w.event(LeadershipGained, slotRef{}, l, 0, nil)
-			return w.lead(ctx, l)
+			return lead(ctx, l)
 		},
 		OnStop: func(l *lock.Lease, err error) {
 			w.event(LeadershipLost, slotRef{}, l, 0, err)
@@ -70,8 +79,14 @@ func (w *worker) loop(ctx context.Context) {
 			return w.r.deferFor()
 		}
 	}
-	if err := e.Run(ctx); err != nil && !errors.Is(err, lock.ErrClosed) {
-		// Acquire retries transient errors itself: this is permanent.
+	return e
+}
+
+// electionEnded handles the end of the worker's election: an error other
+// than a closed client is permanent (Acquire retries transient errors
+// itself) and stops the runner.
+func (w *worker) electionEnded(err error) {
+	if err != nil && !errors.Is(err, lock.ErrClosed) {
 		w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
 	}
 }

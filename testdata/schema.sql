@@ -145,6 +145,22 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION pgfence.pgfence_positions_protect() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF NEW.role <> OLD.role OR NEW.partition <> OLD.partition THEN
+        RAISE EXCEPTION 'pgfence: a position keeps its role and partition (%, %)', OLD.role, OLD.partition
+            USING ERRCODE = 'PF010';
+    END IF;
+    IF NEW.token < OLD.token THEN
+        RAISE EXCEPTION 'pgfence: position of %/% is held by token %, refusing token %', OLD.role, OLD.partition, OLD.token, NEW.token
+            USING ERRCODE = 'PF010';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
 CREATE FUNCTION pgfence.pgfence_runs_protect() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
@@ -311,6 +327,18 @@ ALTER TABLE pgfence.pgfence_leases ALTER COLUMN token ADD GENERATED ALWAYS AS ID
     CACHE 1
 );
 
+CREATE TABLE pgfence.pgfence_positions (
+    role text NOT NULL,
+    partition integer NOT NULL,
+    "position" bigint DEFAULT 0 NOT NULL,
+    token bigint DEFAULT 0 NOT NULL,
+    holder text,
+    advanced_at timestamp with time zone,
+    commits bigint DEFAULT 0 NOT NULL,
+    CONSTRAINT pgfence_positions_partition_check CHECK ((partition >= 0)),
+    CONSTRAINT pgfence_positions_token_check CHECK ((token >= 0))
+);
+
 CREATE TABLE pgfence.pgfence_runs (
     job text NOT NULL,
     shard integer NOT NULL,
@@ -350,6 +378,9 @@ ALTER TABLE ONLY pgfence.pgfence_jobs
 ALTER TABLE ONLY pgfence.pgfence_leases
     ADD CONSTRAINT pgfence_leases_pkey PRIMARY KEY (name);
 
+ALTER TABLE ONLY pgfence.pgfence_positions
+    ADD CONSTRAINT pgfence_positions_pkey PRIMARY KEY (role, partition);
+
 ALTER TABLE ONLY pgfence.pgfence_runs
     ADD CONSTRAINT pgfence_runs_pkey PRIMARY KEY (job, shard, kind, slot, attempt);
 
@@ -372,6 +403,8 @@ CREATE TRIGGER pgfence_leases_mark_insert BEFORE INSERT ON pgfence.pgfence_lease
 CREATE TRIGGER pgfence_leases_protect_delete BEFORE DELETE ON pgfence.pgfence_leases FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_leases_protect();
 
 CREATE TRIGGER pgfence_leases_protect_truncate BEFORE TRUNCATE ON pgfence.pgfence_leases FOR EACH STATEMENT EXECUTE FUNCTION pgfence.pgfence_leases_protect();
+
+CREATE TRIGGER pgfence_positions_protect BEFORE UPDATE ON pgfence.pgfence_positions FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_positions_protect();
 
 CREATE TRIGGER pgfence_runs_protect BEFORE UPDATE ON pgfence.pgfence_runs FOR EACH ROW WHEN (((old.status = 'succeeded'::text) AND (new.* IS DISTINCT FROM old.*))) EXECUTE FUNCTION pgfence.pgfence_runs_protect();
 

@@ -1,0 +1,431 @@
+package runner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctxcheck"
+	"github.com/pgfence/pgfence/internal/hint"
+	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/pgexec"
+	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/wait"
+	"github.com/pgfence/pgfence/lock"
+)
+
+// roleLeasePrefix names a partition's lease: roleLeasePrefix + role + "/" +
+// partition. A wake-up of the partition's leader is announced as a release
+// of roleWakePrefix + role + "/" + partition.
+const (
+	roleLeasePrefix = "pgfence/role/"
+	roleWakePrefix  = "pgfence/role-wake/"
+)
+
+// Role is continuous work split into partitions: a relay draining an
+// outbox, a consumer of a stream's partitions, the single writer of a key
+// range. Each partition has one leader at a time among the replicas that
+// register the role, and Lead runs for as long as this instance leads it.
+// Partitions are spread over those replicas with sharded jobs' hashing
+// (about 1/n of them move when one of n replicas joins or leaves), and each
+// has a position, stored in pgfence's schema and advanced in the same
+// guarded transaction as the work's effects (Partition.Commit): a stale
+// leader's progress and effects are refused together, and a new leader
+// resumes exactly after the last committed position.
+type Role struct {
+	// Name identifies the role in the schema; it shares the namespace of
+	// the runner's jobs. Required.
+	Name string
+	// Partitions is how many partitions the role has: 1 to 65536. Every
+	// replica registering the role must give the same number.
+	Partitions int
+	// Lead does one partition's work while this instance leads it. Its
+	// context ends when the lease is lost, when a rebalance moves the
+	// partition to another replica, or at shutdown; a transaction begun by
+	// Partition.Commit before a move or a shutdown is finished first (the
+	// handover waits for it, up to Config.ShutdownTimeout), and no new one
+	// starts. Typically it loops: read the work after p.Position(), apply
+	// it and the new position in p.Commit, and p.Wait when there is none.
+	// A nil return means "nothing more for now": Lead is called again
+	// after a wake-up or Poll. An error (or a panic) is logged and Lead is
+	// called again after the shared backoff, while this instance still
+	// leads. Required.
+	Lead func(ctx context.Context, p *Partition) error
+	// Poll is how long Partition.Wait waits when no wake-up (Wake) arrives:
+	// the fallback when notifications are lost or cannot be delivered
+	// (behind PgBouncer in transaction mode). Default 1s.
+	Poll time.Duration
+}
+
+// ErrPositionBackwards is returned by Partition.Commit when its function
+// returns a position below the partition's current one; nothing commits.
+var ErrPositionBackwards = errors.New("runner: a partition's position cannot go backwards")
+
+func (ro Role) validate() error {
+	field := func(f, reason string) error { return &JobError{Job: ro.Name, Field: f, Reason: reason} }
+	switch {
+	case ro.Partitions < 1 || ro.Partitions > 1<<16:
+		return field("Partitions", fmt.Sprintf("must be between 1 and 65536, got %d", ro.Partitions))
+	case ro.Lead == nil:
+		return field("Lead", "is required")
+	case ro.Poll < 0:
+		return field("Poll", fmt.Sprintf("must not be negative, got %v", ro.Poll))
+	}
+	if err := fence.ValidateName(roleLeasePrefix + ro.Name + "/" + strconv.Itoa(ro.Partitions-1)); err != nil || ro.Name == "" {
+		if err == nil {
+			err = errors.New("is required")
+		}
+		return field("Name", err.Error())
+	}
+	return nil
+}
+
+// RegisterRole adds a continuous partitioned role (see Role). It returns a
+// *JobError naming the bad field (it matches ErrInvalidJob),
+// ErrDuplicateJob for a name already registered as a job or a role, or
+// ErrRunning.
+func (r *Runner) RegisterRole(ro Role) error {
+	if err := ro.validate(); err != nil {
+		return err
+	}
+	if ro.Poll == 0 {
+		ro.Poll = time.Second
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.running {
+		return ErrRunning
+	}
+	if r.names[ro.Name] {
+		return fmt.Errorf("%w: %q", ErrDuplicateJob, ro.Name)
+	}
+	r.names[ro.Name] = true
+	r.jobs = append(r.jobs, &job{Job: Job{Name: ro.Name}, shards: ro.Partitions, role: &ro})
+	return nil
+}
+
+// Partition is one partition of a role, as its leader sees it during one
+// leadership term (handed to Role.Lead).
+type Partition struct {
+	// Role is the role's name.
+	Role string
+	// Index is the partition's number, from 0.
+	Index int
+	// Partitions is the role's partition count.
+	Partitions int
+	// Token is the fencing token of the partition's lease in this term.
+	// Send it to any resource outside PostgreSQL the work writes to.
+	Token fence.Token
+
+	w        *worker
+	lease    *lock.Lease
+	position int64
+	wake     <-chan struct{}
+	poll     time.Duration
+	busy     chan struct{} // holds a value while a Commit's transaction runs
+}
+
+// Lease returns the partition's lease in this term.
+func (p *Partition) Lease() *lock.Lease { return p.lease }
+
+// Position is the partition's last committed position: 0 before the first
+// Commit ever, then the value of the newest Commit that committed (read
+// from the database when the term began, and kept by Commit).
+func (p *Partition) Position() int64 { return p.position }
+
+// Commit runs fn in a transaction guarded by the partition's token and, in
+// the same transaction, advances the partition's position to the value fn
+// returns (at least Position(): ErrPositionBackwards otherwise). Either the
+// work's effects and the new position commit together, or neither does. A
+// stale leader is refused by the database (an error matching
+// fence.ErrFenced) and nothing of it commits. Its answer is the truth about
+// the commit, as fence.Guard.RunTx's: nil means committed (Position is then
+// the new value); fence.ErrOutcomeUnknown means it may have committed, and
+// the next term or the next call of Lead reads the position back.
+//
+// fn's statements must use the context fn is given, not ctx: it outlives a
+// rebalance, so that a moving partition is handed over after the
+// transaction, not in the middle of it, and it ends when the lease does.
+// ctx decides whether to start: once it has ended, Commit returns its error
+// and runs nothing.
+func (p *Partition) Commit(ctx context.Context, fn func(ctx context.Context, tx pgx.Tx) (next int64, err error)) error {
+	if err := ctxcheck.NotNil(ctx, "runner: Partition.Commit"); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	select {
+	case p.busy <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	defer func() { <-p.busy }()
+	if err := ctx.Err(); err != nil { // a handover may have begun while waiting
+		return err
+	}
+	tctx := p.lease.Context()
+	if dl, ok := ctx.Deadline(); ok {
+		var cancel context.CancelFunc
+		tctx, cancel = context.WithDeadline(tctx, dl)
+		defer cancel()
+	}
+	var next int64
+	err := p.lease.RunTx(tctx, func(tx pgx.Tx) error {
+		n, err := fn(tctx, tx)
+		if err != nil {
+			return err
+		}
+		if n < p.position {
+			return fmt.Errorf("%w: %d after %d (role %q, partition %d)", ErrPositionBackwards, n, p.position, p.Role, p.Index)
+		}
+		tag, err := tx.Exec(tctx, p.w.r.q.advance, p.Role, p.Index, n, int64(p.Token), p.w.r.lcfg.Holder)
+		if err != nil {
+			return err
+		}
+		if tag.RowsAffected() != 1 {
+			return fmt.Errorf("%w: the position of role %q, partition %d was advanced by a newer leader",
+				fence.ErrStaleToken, p.Role, p.Index)
+		}
+		next = n
+		return nil
+	})
+	if err == nil {
+		p.position = next
+		p.w.r.m.positionCommitted(p.Role)
+	}
+	return err
+}
+
+// Wait waits until the partition is woken (Wake, or the announcement of a
+// release of its wake name), or the role's Poll has passed, or ctx ends (it
+// then returns ctx's error).
+func (p *Partition) Wait(ctx context.Context) error {
+	if err := ctxcheck.NotNil(ctx, "runner: Partition.Wait"); err != nil {
+		return err
+	}
+	t := time.NewTimer(p.poll)
+	defer t.Stop()
+	select {
+	case <-p.wake:
+	case <-t.C:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return nil
+}
+
+// Wake wakes the leader of role's partition in schema ("" means
+// "pgfence"), wherever it runs, so that its Wait returns at once: call it
+// in the transaction that adds the partition's work (the notification is
+// sent when that transaction commits). Leaders that cannot receive it
+// (behind PgBouncer in transaction mode) find the work at their next Poll.
+func Wake(ctx context.Context, db fence.DB, schema, role string, partition int) error {
+	if err := ctxcheck.NotNil(ctx, "runner: Wake"); err != nil {
+		return err
+	}
+	if err := pgexec.NotNil(db, "runner: Wake"); err != nil {
+		return err
+	}
+	q, err := control(schema, role)
+	if err != nil {
+		return err
+	}
+	if partition < 0 {
+		return fmt.Errorf("%w: partition %d", ErrNoSuchShard, partition)
+	}
+	if _, err := db.Exec(ctx, q.announce, roleWakeName(role, partition)); err != nil {
+		return fmt.Errorf("runner: wake role %q partition %d: %w", role, partition, hint.Wrap(err, ident.Schema(schema), hint.Role(db)))
+	}
+	return nil
+}
+
+func roleWakeName(role string, partition int) string {
+	return roleWakePrefix + role + "/" + strconv.Itoa(partition)
+}
+
+// roleLoop leads the worker's partition while the balancer keeps it here
+// (ctx): it campaigns with lock.Election, and when ctx ends it first ends
+// Lead's context, lets a Commit in flight finish (up to ShutdownTimeout),
+// and only then ends the election, which releases the lease.
+func (w *worker) roleLoop(ctx context.Context) {
+	electCtx, endElect := context.WithCancel(context.WithoutCancel(ctx))
+	defer endElect()
+	type current struct {
+		cancel context.CancelFunc
+		busy   chan struct{}
+	}
+	terms := make(chan current, 1) // the running term, if any
+	e := w.election(func(lctx context.Context, l *lock.Lease) error {
+		leadCtx, cancel := context.WithCancel(lctx)
+		defer cancel()
+		p, err := w.newPartition(lctx, l)
+		if err != nil {
+			return err
+		}
+		terms <- current{cancel, p.busy}
+		defer func() { <-terms }()
+		if ctx.Err() != nil {
+			return nil // moved away meanwhile
+		}
+		return w.leadRole(leadCtx, p)
+	})
+	done := make(chan error, 1)
+	go func() { done <- e.Run(electCtx) }() // waited for below, on every path
+	select {
+	case err := <-done:
+		w.electionEnded(err)
+		return
+	case <-ctx.Done():
+	}
+	// Hand over: no new transaction, the one in flight finishes.
+	select {
+	case t := <-terms:
+		t.cancel()
+		timer := time.NewTimer(w.r.cfg.ShutdownTimeout)
+		select {
+		case t.busy <- struct{}{}:
+			<-t.busy
+		case <-timer.C:
+			w.log().Warn("pgfence runner: a partition's transaction did not finish within ShutdownTimeout; releasing its lease anyway")
+		}
+		timer.Stop()
+		terms <- t
+	default:
+	}
+	endElect()
+	w.electionEnded(<-done)
+}
+
+// newPartition starts a term: the partition's position (its row created
+// if it is new) and its wake-up subscription.
+func (w *worker) newPartition(ctx context.Context, l *lock.Lease) (*Partition, error) {
+	ro := w.j.role
+	p := &Partition{Role: ro.Name, Index: w.shard, Partitions: ro.Partitions, Token: l.Token(),
+		w: w, lease: l, poll: ro.Poll, busy: make(chan struct{}, 1)}
+	if err := w.r.pool.QueryRow(ctx, w.r.q.position, ro.Name, w.shard).Scan(&p.position); err != nil {
+		return nil, fmt.Errorf("runner: read the position of role %q, partition %d: %w", ro.Name, w.shard, err)
+	}
+	return p, nil
+}
+
+// leadRole calls the role's Lead until ctx ends: again after a nil return
+// once woken or after Poll, again after the backoff after an error. The
+// position is read back before each call but the first, so that a Commit
+// whose outcome was unknown is not mistaken.
+func (w *worker) leadRole(ctx context.Context, p *Partition) error {
+	wake, stopWatch := w.r.lc.Watch(roleWakeName(p.Role, p.Index))
+	defer stopWatch()
+	p.wake = wake
+	again := retry.Backoff{Base: w.r.lcfg.PollInterval, Max: 10 * w.r.lcfg.PollInterval}
+	var failing retry.Failing
+	log := w.log()
+	for first := true; ctx.Err() == nil; first = false {
+		if !first {
+			if err := w.r.pool.QueryRow(ctx, w.r.q.position, p.Role, p.Index).Scan(&p.position); err != nil {
+				if ctx.Err() != nil {
+					break
+				}
+				failing.Fail(log, "pgfence runner: reading a partition's position failing; retrying", err)
+				wait.Sleep(ctx, again.Wait(failing.Count()-1))
+				continue
+			}
+		}
+		err := w.callRole(ctx, p)
+		switch {
+		case ctx.Err() != nil:
+		case err != nil:
+			failing.Fail(log, "pgfence runner: a role's Lead failing; calling it again after a backoff", err)
+			wait.Sleep(ctx, again.Wait(failing.Count()-1))
+		default:
+			failing.Recover(log, "pgfence runner: a role's Lead recovered")
+			_ = p.Wait(ctx)
+		}
+	}
+	return context.Cause(ctx)
+}
+
+// callRole calls Lead, turning a panic into an error.
+func (w *worker) callRole(ctx context.Context, p *Partition) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = &panicError{value: v}
+		}
+	}()
+	return w.j.role.Lead(ctx, p)
+}
+
+// PartitionInfo is a role's partition as the schema records it, for
+// operators (`pgfence roles`, the status page).
+type PartitionInfo struct {
+	// Role and Partition name it.
+	Role      string `json:"role"`
+	Partition int    `json:"partition"`
+	// Position is its last committed position.
+	Position int64 `json:"position,string"`
+	// Token is the lease token of the position's last advance (0: never
+	// advanced), and Committer the instance that made it.
+	Token     fence.Token `json:"token"`
+	Committer string      `json:"committer"`
+	// AdvancedAt is when the position last advanced (database clock; zero
+	// if never), and Commits how many times it has.
+	AdvancedAt time.Time `json:"advanced_at"`
+	Commits    int64     `json:"commits"`
+	// Leader is the instance holding the partition's lease now, "" if none
+	// (Leading false), with LeaderToken its token.
+	Leader      string      `json:"leader"`
+	LeaderToken fence.Token `json:"leader_token"`
+	Leading     bool        `json:"leading"`
+	// Now is the database's clock when read.
+	Now time.Time `json:"now"`
+}
+
+// Partitions lists the partitions of role (every role's when role is "")
+// in schema ("" means "pgfence") that have ever had a leader, by role and
+// partition: position, when it last advanced, and who leads each now.
+func Partitions(ctx context.Context, db fence.DB, schema, role string) ([]PartitionInfo, error) {
+	if err := ctxcheck.NotNil(ctx, "runner: Partitions"); err != nil {
+		return nil, err
+	}
+	if err := pgexec.NotNil(db, "runner: Partitions"); err != nil {
+		return nil, err
+	}
+	if err := ident.ValidateSchema(schema); err != nil {
+		return nil, fmt.Errorf("runner: %w", err)
+	}
+	if role != "" {
+		if err := fence.ValidateName(role); err != nil {
+			return nil, fmt.Errorf("runner: role: %w", err)
+		}
+	}
+	rows, err := db.Query(ctx, sqlFor(schema).partitions, roleLeasePrefix, role)
+	if err != nil {
+		return nil, fmt.Errorf("runner: read the partitions: %w", hint.Wrap(err, ident.Schema(schema), hint.Role(db)))
+	}
+	infos, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (PartitionInfo, error) {
+		var (
+			p          PartitionInfo
+			tok, ltok  int64
+			advancedAt *time.Time
+		)
+		err := row.Scan(&p.Role, &p.Partition, &p.Position, &tok, &p.Committer, &advancedAt, &p.Commits,
+			&p.Leader, &ltok, &p.Leading, &p.Now)
+		p.Token, p.LeaderToken = fence.Token(tok), fence.Token(ltok)
+		if advancedAt != nil {
+			p.AdvancedAt = *advancedAt
+		}
+		if !p.Leading {
+			p.Leader, p.LeaderToken = "", 0
+		}
+		return p, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("runner: read the partitions: %w", hint.Wrap(err, ident.Schema(schema), hint.Role(db)))
+	}
+	return infos, nil
+}

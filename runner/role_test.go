@@ -1,0 +1,322 @@
+package runner_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/runner"
+)
+
+// counterRole is a role whose every partition appends rows (partition, n)
+// for n = position+1 up to target, one per Commit, in the same transaction
+// as its position.
+func counterRole(db *pgtest.DB, name string, partitions int, target *atomic.Int64, poll time.Duration) runner.Role {
+	effects := tbl(db, "effects")
+	return runner.Role{
+		Name:       name,
+		Partitions: partitions,
+		Poll:       poll,
+		Lead: func(ctx context.Context, p *runner.Partition) error {
+			for ctx.Err() == nil {
+				if p.Position() >= target.Load() {
+					if err := p.Wait(ctx); err != nil {
+						return nil
+					}
+					continue
+				}
+				err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+					next := p.Position() + 1
+					_, err := tx.Exec(ctx, "INSERT INTO "+effects+" (partition, n, token) VALUES ($1, $2, $3)", p.Index, next, int64(p.Token))
+					return next, err
+				})
+				if err != nil && ctx.Err() == nil {
+					return err
+				}
+			}
+			return nil
+		},
+	}
+}
+
+func createEffects(t *testing.T, db *pgtest.DB) {
+	t.Helper()
+	if _, err := db.Pool.Exec(context.Background(), "CREATE TABLE "+tbl(db, "effects")+
+		" (partition int NOT NULL, n bigint NOT NULL, token bigint NOT NULL)"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkEffects fails unless every partition holds exactly the rows 1..want
+// (no duplicate, no gap) and its position is want.
+func checkEffects(t *testing.T, db *pgtest.DB, role string, partitions int, want int64) {
+	t.Helper()
+	for p := range partitions {
+		var n, distinct, maxN int64
+		if err := db.Pool.QueryRow(context.Background(), "SELECT count(*), count(DISTINCT n), coalesce(max(n), 0) FROM "+
+			tbl(db, "effects")+" WHERE partition = $1", p).Scan(&n, &distinct, &maxN); err != nil {
+			t.Fatal(err)
+		}
+		if n != want || distinct != want || maxN != want {
+			t.Errorf("partition %d: %d rows, %d distinct, max %d; want exactly 1..%d", p, n, distinct, maxN, want)
+		}
+	}
+	infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, role)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(infos) != partitions {
+		t.Fatalf("Partitions lists %d partitions, want %d", len(infos), partitions)
+	}
+	for _, in := range infos {
+		if in.Position != want || in.Commits != want {
+			t.Errorf("partition %d: position %d after %d commits, want %d", in.Partition, in.Position, in.Commits, want)
+		}
+	}
+}
+
+// A role's partitions are spread over the replicas; each leader commits
+// its effects with its position; when a replica stops, its partitions move
+// to the other, which resumes exactly after the last committed position:
+// every effect exactly once.
+func TestRolePartitionsSpreadAndResume(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	var target atomic.Int64
+	target.Store(5)
+	const parts = 6
+	cfg := func(who string) (lock.Config, runner.Config) {
+		return lock.Config{Schema: db.Schema, Holder: who, TTL: 2 * time.Second, PollInterval: 200 * time.Millisecond},
+			runner.Config{RebalanceInterval: 500 * time.Millisecond}
+	}
+	reg := func(r *runner.Runner) error {
+		return r.RegisterRole(counterRole(db, "relay", parts, &target, 50*time.Millisecond))
+	}
+	a := startWith(t, db.Pool, "a", cfg, reg)
+	startWith(t, db.Pool, "b", cfg, reg)
+	positions := func() (sum int64, leaders map[string]int) {
+		infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, "relay")
+		if err != nil {
+			t.Fatal(err)
+		}
+		leaders = map[string]int{}
+		for _, in := range infos {
+			sum += in.Position
+			if in.Leading {
+				leaders[in.Leader]++
+			}
+		}
+		return sum, leaders
+	}
+	waitFor(t, 60*time.Second, "both replicas leading and every partition at 5", func() bool {
+		sum, leaders := positions()
+		return sum == 5*parts && leaders["a"] > 0 && leaders["b"] > 0 && leaders["a"]+leaders["b"] == parts
+	})
+	a.stop(t)
+	target.Store(10)
+	for p := range parts {
+		if err := runner.Wake(context.Background(), db.Pool, db.Schema, "relay", p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, 60*time.Second, "b leading every partition, each at 10", func() bool {
+		sum, leaders := positions()
+		return sum == 10*parts && leaders["b"] == parts
+	})
+	checkEffects(t, db, "relay", parts, 10)
+}
+
+// A partition leader whose lease has passed to another holder cannot
+// commit an effect or a position: the database refuses its token, and
+// nothing of its transaction commits.
+func TestStalePartitionLeaderIsRefused(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	effects := tbl(db, "effects")
+	captured := make(chan *runner.Partition, 1)
+	proceed := make(chan struct{})
+	result := make(chan error, 1)
+	lead := func(ctx context.Context, p *runner.Partition) error {
+		select {
+		case captured <- p:
+		default:
+			<-ctx.Done() // later terms do nothing
+			return nil
+		}
+		<-proceed // frozen: it ignores its context meanwhile
+		result <- p.Commit(context.Background(), func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			_, err := tx.Exec(ctx, "INSERT INTO "+effects+" (partition, n, token) VALUES ($1, 1, $2)", p.Index, int64(p.Token))
+			return 1, err
+		})
+		return nil
+	}
+	// A long TTL: the stale leader still trusts its lease when it commits
+	// (the next renewal is 10 s away), so the database must refuse it.
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "zombie", TTL: 30 * time.Second}, runner.Config{},
+		func(r *runner.Runner) error {
+			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: lead})
+		})
+	p := <-captured
+	ctx := context.Background()
+	name := "pgfence/role/relay/0"
+	if _, _, err := lock.ForceRelease(ctx, db.Pool, db.Schema, name); err != nil {
+		t.Fatal(err)
+	}
+	thief := lockClient(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "new-leader"})
+	l, err := thief.TryAcquire(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.Token() <= p.Token {
+		t.Fatalf("new token %v is not above the stale leader's %v", l.Token(), p.Token)
+	}
+	close(proceed)
+	err = <-result
+	if !errors.Is(err, fence.ErrFenced) {
+		t.Fatalf("the stale leader's Commit: %v, want an error matching fence.ErrFenced", err)
+	}
+	t.Logf("stale leader refused: %v", err)
+	if n := queryInt(t, db, "SELECT count(*) FROM "+effects); n != 0 {
+		t.Fatalf("%d effects of the stale leader committed", n)
+	}
+	infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(infos) != 1 || infos[0].Position != 0 || infos[0].Commits != 0 {
+		t.Fatalf("partitions after the refusal: %+v, want position 0, no commit", infos)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A partition that is handed over (here at shutdown; a rebalance takes the
+// same path) is handed over after the transaction in flight, not in the
+// middle of it: the transaction commits, and only then is the lease
+// released.
+func TestPartitionHandedOverAfterItsTransaction(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	effects := tbl(db, "effects")
+	inTx := make(chan struct{})
+	finish := make(chan struct{})
+	result := make(chan error, 1)
+	lead := func(ctx context.Context, p *runner.Partition) error {
+		if p.Position() > 0 {
+			<-ctx.Done()
+			return nil
+		}
+		result <- p.Commit(ctx, func(tctx context.Context, tx pgx.Tx) (int64, error) {
+			if _, err := tx.Exec(tctx, "INSERT INTO "+effects+" (partition, n, token) VALUES ($1, 1, $2)", p.Index, int64(p.Token)); err != nil {
+				return 0, err
+			}
+			close(inTx)
+			<-finish
+			// The lead context has ended meanwhile; the transaction's has not.
+			if ctx.Err() == nil {
+				return 0, errors.New("the lead context did not end at shutdown")
+			}
+			_, err := tx.Exec(tctx, "SELECT 1")
+			return 1, err
+		})
+		<-ctx.Done()
+		return nil
+	}
+	in := start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{ShutdownTimeout: time.Minute},
+		func(r *runner.Runner) error {
+			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: lead})
+		})
+	<-inTx
+	in.cancel() // shutdown begins while the transaction is open
+	info, err := lock.Inspect(context.Background(), db.Pool, db.Schema, "pgfence/role/relay/0")
+	if err != nil || !info.Held || info.Holder != "a" {
+		t.Fatalf("the lease during the open transaction: %+v, %v; want it still held by a", info, err)
+	}
+	close(finish)
+	if err := <-result; err != nil {
+		t.Fatalf("Commit of the transaction open at shutdown: %v", err)
+	}
+	in.stop(t)
+	checkEffects(t, db, "relay", 1, 1)
+}
+
+// Wake reaches the partition's leader at once: with a Poll of an hour, the
+// work is found only because of the wake-up.
+func TestWakeReachesThePartitionLeader(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	var target atomic.Int64
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{},
+		func(r *runner.Runner) error { return r.RegisterRole(counterRole(db, "relay", 2, &target, time.Hour)) })
+	waitFor(t, 30*time.Second, "both partitions led", func() bool {
+		infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, "relay")
+		return err == nil && len(infos) == 2 && infos[0].Leading && infos[1].Leading
+	})
+	target.Store(1)
+	// Wake partition 1 only, in the transaction that "adds the work".
+	tx, err := db.Pool.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := runner.Wake(context.Background(), tx, db.Schema, "relay", 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "partition 1 woken", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "effects")+" WHERE partition = 1") == 1
+	})
+	// The partition not woken still waits (negative control of the wake).
+	if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "effects")+" WHERE partition = 0"); n != 0 {
+		t.Fatalf("partition 0 ran %d times without a wake-up", n)
+	}
+}
+
+// RegisterRole refuses bad roles with a *JobError naming the field, and a
+// name taken by a job.
+func TestRegisterRoleRefusesBadRoles(t *testing.T) {
+	db := pgtest.New(t)
+	r, err := runner.New(lockClient(t, db.Pool, lock.Config{Schema: db.Schema}), runner.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lead := func(context.Context, *runner.Partition) error { return nil }
+	for _, tc := range []struct {
+		role  runner.Role
+		field string
+	}{
+		{runner.Role{Name: "r", Partitions: 0, Lead: lead}, "Partitions"},
+		{runner.Role{Name: "r", Partitions: 1 << 17, Lead: lead}, "Partitions"},
+		{runner.Role{Name: "r", Partitions: 1}, "Lead"},
+		{runner.Role{Name: "", Partitions: 1, Lead: lead}, "Name"},
+		{runner.Role{Name: "r", Partitions: 1, Lead: lead, Poll: -time.Second}, "Poll"},
+	} {
+		err := r.RegisterRole(tc.role)
+		var je *runner.JobError
+		if !errors.As(err, &je) || je.Field != tc.field || !errors.Is(err, runner.ErrInvalidJob) {
+			t.Errorf("RegisterRole(%+v): %v, want a JobError on %s", tc.role, err, tc.field)
+		}
+	}
+	if err := r.Register(chargeJob(db, "taken", "@every 1h")); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.RegisterRole(runner.Role{Name: "taken", Partitions: 2, Lead: lead}); !errors.Is(err, runner.ErrDuplicateJob) {
+		t.Fatalf("a role named as a job: %v, want ErrDuplicateJob", err)
+	}
+	if err := runner.Wake(context.Background(), db.Pool, db.Schema, "r", -1); !errors.Is(err, runner.ErrNoSuchShard) {
+		t.Fatalf("Wake of partition -1: %v", err)
+	}
+}
