@@ -37,7 +37,8 @@
 //   - GET api/leases: [lock.Info] (`pgfence leases --json`)
 //   - GET api/jobs[?job=NAME]: [runner.JobInfo] (`pgfence jobs status --json`)
 //   - GET api/runs[?job=NAME][&status=S][&limit=N]: [runner.RunInfo] (`pgfence jobs --json`)
-//   - GET api/fleet: {"instances": [runner.InstanceInfo], "terms": [runner.Term]}
+//   - GET api/fleet: {"instances": [runner.InstanceInfo], "partitions": [runner.PartitionInfo], "terms": [runner.Term]}
+//   - GET api/roles[?role=NAME]: [runner.PartitionInfo] (`pgfence roles --json`)
 //   - GET api/epoch: migrations.Epoch, the database history tokens are issued in
 //
 // Paths are relative to where the handler is mounted.

@@ -131,6 +131,9 @@ func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
 	mux.HandleFunc("GET /api/fleet", h.api(func(ctx context.Context, r *http.Request) (any, error) {
 		return h.readFleet(ctx)
 	}))
+	mux.HandleFunc("GET /api/roles", h.api(func(ctx context.Context, r *http.Request) (any, error) {
+		return orEmpty(runner.Partitions(ctx, h.pool, h.schema, r.FormValue("role")))
+	}))
 	mux.HandleFunc("GET /api/epoch", h.api(func(ctx context.Context, r *http.Request) (any, error) {
 		return h.epoch(ctx)
 	}))
@@ -277,8 +280,9 @@ func (h *Handler) epoch(ctx context.Context) (*schemaver.Epoch, error) {
 
 // fleetJSON is api/fleet's shape.
 type fleetJSON struct {
-	Instances []runner.InstanceInfo `json:"instances"`
-	Terms     []runner.Term         `json:"terms"`
+	Instances  []runner.InstanceInfo  `json:"instances"`
+	Partitions []runner.PartitionInfo `json:"partitions"`
+	Terms      []runner.Term          `json:"terms"`
 }
 
 func (h *Handler) readFleet(ctx context.Context) (fleetJSON, error) {
@@ -287,6 +291,9 @@ func (h *Handler) readFleet(ctx context.Context) (fleetJSON, error) {
 		err error
 	)
 	if f.Instances, err = orEmpty(runner.Instances(ctx, h.pool, h.schema)); err != nil {
+		return f, err
+	}
+	if f.Partitions, err = orEmpty(runner.Partitions(ctx, h.pool, h.schema, "")); err != nil {
 		return f, err
 	}
 	f.Terms, err = orEmpty(runner.Terms(ctx, h.pool, h.schema, 20))

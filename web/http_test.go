@@ -96,6 +96,11 @@ func TestJSONEndpointsAndPages(t *testing.T) {
 	if len(fleet.Instances) != 1 || fleet.Instances[0].ID != "app-1" || !fleet.Instances[0].Live || len(fleet.Instances[0].Leads) != 3 || len(fleet.Terms) == 0 {
 		t.Fatalf("api/fleet: %+v", fleet)
 	}
+	var parts []runner.PartitionInfo
+	pgtest.Eventually(t, 30*time.Second, "both partitions of relay at position 3 in api/roles", func() bool {
+		getJSON(t, rg.srv.URL+"/api/roles?role=relay", &parts)
+		return len(parts) == 2 && parts[0].Position == 3 && parts[1].Position == 3 && parts[1].Leader == "app-1"
+	})
 	var ep migrations.Epoch
 	getJSON(t, rg.srv.URL+"/api/epoch", &ep)
 	if ep.FirstToken < 1 || ep.Timeline < 1 {
@@ -109,6 +114,7 @@ func TestJSONEndpointsAndPages(t *testing.T) {
 		{"/", "nightly-billing"},
 		{"/jobs", "charge"},
 		{"/fleet", "app-1"},
+		{"/fleet", "relay#1"},
 		{"/jobs?partial=1", "charge"},
 	} {
 		code, h, body := get(t, rg.srv.URL+page.path)
@@ -333,7 +339,7 @@ func TestOperatorRoleIsEnough(t *testing.T) {
 		runs, err := runner.Runs(ctx, rg.db.Pool, rg.db.Schema, runner.RunFilter{})
 		return err == nil && len(runs) > 0
 	})
-	for _, p := range []string{"/", "/jobs", "/fleet", "/api/leases", "/api/jobs", "/api/runs", "/api/fleet", "/api/epoch", "/release?name=held"} {
+	for _, p := range []string{"/", "/jobs", "/fleet", "/api/leases", "/api/jobs", "/api/runs", "/api/fleet", "/api/roles", "/api/epoch", "/release?name=held"} {
 		if code, _, body := get(t, srv+p); code != http.StatusOK {
 			t.Fatalf("GET %s as the operator role: %d\n%s", p, code, body)
 		}

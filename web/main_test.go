@@ -3,6 +3,7 @@ package web_test
 import (
 	"context"
 	"errors"
+	"github.com/jackc/pgx/v5"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -53,6 +54,17 @@ func newRig(t *testing.T, cfg web.Config) *rig {
 		if err := r.Register(j); err != nil {
 			t.Fatal(err)
 		}
+	}
+	// A continuous role whose two partitions each commit position 3 once.
+	if err := r.RegisterRole(runner.Role{Name: "relay", Partitions: 2, Lead: func(ctx context.Context, p *runner.Partition) error {
+		if p.Position() == 0 {
+			if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return 3, nil }); err != nil {
+				return err
+			}
+		}
+		return p.Wait(ctx)
+	}}); err != nil {
+		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

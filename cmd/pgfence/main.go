@@ -23,6 +23,8 @@
 //	jobs resume JOB       let the replicas start JOB's scheduled slots again
 //	jobs prune --older-than D
 //	                      delete finished runs older than D (the latest slot of each job is kept)
+//	roles [ROLE] [--json]
+//	                      each role's partitions: leader, token, position, when it last advanced
 //	grant app|operator ROLE [--print]
 //	                      give ROLE what an application (or this CLI) needs in the schema
 //	ui [--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]
@@ -43,7 +45,7 @@
 //	1   error (database unreachable, query failed, confirmation declined)
 //	2   usage error (unknown command or flag, bad duration, missing command after --)
 //	3   no such lease (release)
-//	4   no such job or shard (jobs status, run, pause, resume)
+//	4   no such job or shard (jobs status, run, pause, resume), or role (roles)
 //	5   the run failed or panicked (jobs run --wait)
 //	75  the lease is held elsewhere (run without --wait)
 //	76  the lease was lost while the command ran; the command was terminated
