@@ -51,9 +51,10 @@
 // Live instances heartbeat into pgfence_instances with the jobs they
 // registered; each job's shards are spread over the live instances that
 // registered that job only, so services with different jobs can share a
-// schema. The assignment is rendezvous hashing with bounded loads: no
-// instance gets more than ceil(N/n) shards, and a join or a leave moves
-// about N/n of them. When an instance joins or leaves, owners release
+// schema. The assignment balances loads (no instance gets more than
+// ceil(N/n) shards) and keeps each shard with the instance holding it while
+// loads allow, spreading the rest by rendezvous hashing: a join moves only
+// the newcomer's share, a leave only the leaver's shards. When an instance joins or leaves, owners release
 // shards that are no longer theirs and new owners take them; a shard's lease
 // ensures no two instances hold it at once. An instance starts its shard
 // workers once its view of the members has held still for a moment, so
@@ -71,6 +72,22 @@
 // hands the job over between runs, once its term is a RebalanceInterval
 // old (so that a job cannot bounce). Singleton workers start campaigning
 // once their instance's view has held still, as shard workers do.
+//
+// # Continuous roles
+//
+// RegisterRole adds work that never stops, split into partitions (an
+// outbox relay, a stream consumer): each partition has one leader at a
+// time among the replicas that register the role, spread and rebalanced as
+// shards are, and Role.Lead runs for as long as this replica leads it. A
+// partition's lease is "pgfence/role/" + role + "/" + partition. Its
+// position (pgfence_positions) is read when a term starts and advanced by
+// Partition.Commit in the same guarded transaction as the work's effects,
+// conditioned on the token, so a stale leader's effects and progress are
+// refused together and the next leader resumes after the last committed
+// position. A rebalance or a shutdown ends Lead's context but lets a
+// Commit under way finish before the lease is released. Wake wakes a
+// partition's leader by NOTIFY; Role.Poll is the fallback. Partitions (and
+// `pgfence roles`) list positions and leaders.
 //
 // # Leases and the ledger's upkeep
 //

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -60,4 +61,75 @@ func ExampleRunner() {
 	}
 	// Output:
 	// compacted one slot with token 1
+}
+
+func ExampleRunner_RegisterRole() {
+	db, cleanup, err := pgfencetest.Open(context.Background())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer cleanup()
+	ctx, stop := context.WithTimeout(context.Background(), 30*time.Second)
+	defer stop()
+	s := db.Schema
+	// The orders service's outbox (txid: the writing transaction) and a sink.
+	for _, stmt := range []string{
+		"CREATE TABLE " + s + ".outbox (id bigserial PRIMARY KEY, part int NOT NULL, body text NOT NULL," +
+			" txid bigint NOT NULL DEFAULT pg_current_xact_id()::text::bigint)",
+		"CREATE TABLE " + s + ".sink (id bigint PRIMARY KEY, body text NOT NULL)",
+		"INSERT INTO " + s + ".outbox (part, body) SELECT n % 2, 'event ' || n FROM generate_series(1, 6) n",
+	} {
+		if _, err := db.Pool.Exec(ctx, stmt); err != nil {
+			log.Fatal(err)
+		}
+	}
+	client, err := lock.New(db.Pool, lock.Config{Schema: s, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close(context.Background())
+	r, err := runner.New(client, runner.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	var delivered atomic.Int64
+	err = r.RegisterRole(runner.Role{
+		Name:       "outbox-relay",
+		Partitions: 2, // every replica registers the same; each partition has one leader
+		Lead: func(ctx context.Context, p *runner.Partition) error {
+			for ctx.Err() == nil {
+				// In one statement (one snapshot): deliver the events of the
+				// transactions that ended after the position, and move it.
+				var n int64
+				err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+					var last int64
+					err := tx.QueryRow(ctx, `WITH batch AS (SELECT id, body, txid FROM `+s+`.outbox WHERE part = $1
+  AND txid > $2 AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint),
+ins AS (INSERT INTO `+s+`.sink SELECT id, body FROM batch)
+SELECT count(*), coalesce(max(txid), $2) FROM batch`, p.Index, p.Position()).Scan(&n, &last)
+					return last, err // effects and position commit together, fenced
+				})
+				if err != nil {
+					return err // called again after a backoff, while still leading
+				}
+				delivered.Add(n)
+				if delivered.Load() == 6 {
+					stop() // a real relay runs until it is told to stop
+				}
+				if err := p.Wait(ctx); err != nil { // a Wake, or Poll
+					return nil
+				}
+			}
+			return nil
+		},
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := r.Run(ctx); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("delivered", delivered.Load(), "events exactly once")
+	// Output:
+	// delivered 6 events exactly once
 }
