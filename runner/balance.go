@@ -88,14 +88,21 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 			failing.Recover(r.log, "pgfence runner: heartbeats recovered")
 			// Heartbeats pace database work, so they stay on the real clock.
 			apply, settling := st.observe(view, time.Now())
-			if apply {
+			// A new view, or the applied one again once it holds still: the
+			// assignment keeps what is held, and views and holders are read
+			// by each instance at its own moment, so it is recomputed from
+			// the holders at every heartbeat. That settles, within one, a
+			// shard that two instances wanted or none did.
+			if len(jobs) > 0 && (apply || !settling && st.applied != nil) {
 				held, err := r.holders(ctx, own, jobs)
 				if err != nil && ctx.Err() == nil {
 					// Without the holders the assignment is the plain
 					// hashing: more moves, still one owner per shard.
 					r.log.Warn("pgfence runner: reading the shards' holders failed; assigning without them", "err", err)
 				}
-				r.apply(g, jobs, view, held, workers)
+				r.apply(g, jobs, st.applied, held, workers)
+			}
+			if apply {
 				r.prefer(singleNames, view)
 				if !singlesStarted {
 					// Singleton workers campaign once the view is known, so
