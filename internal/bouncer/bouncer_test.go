@@ -258,3 +258,82 @@ func TestObserveThroughPgBouncer(t *testing.T) {
 		t.Fatal("no news of the acquisition within 3s (reads every 200ms)")
 	}
 }
+
+// A role's partition leader behind PgBouncer: a wake-up's NOTIFY is not
+// to be relied on there (transaction pooling), and the leader finds the
+// work at its next Poll either way; Partition.Commit (the check, the effects and the position in one
+// transaction) works through transaction pooling.
+func TestRoleThroughPgBouncer(t *testing.T) {
+	b, db, up := start(t, 4)
+	ctx := pgtest.Context(t, time.Minute)
+	pool := poolThrough(t, b, up, "exec")
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{db.Schema, "work"}.Sanitize()+" (n bigint PRIMARY KEY, done bool NOT NULL DEFAULT false)"); err != nil {
+		t.Fatal(err)
+	}
+	work := pgx.Identifier{db.Schema, "work"}.Sanitize()
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Holder: "pooled", TTL: 2 * time.Second, PollInterval: 200 * time.Millisecond,
+		Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	r, err := runner.New(c, runner.Config{RebalanceInterval: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Poll: 200 * time.Millisecond,
+		Lead: func(ctx context.Context, p *runner.Partition) error {
+			for ctx.Err() == nil {
+				if err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+					var last int64
+					err := tx.QueryRow(ctx, "WITH d AS (UPDATE "+work+" SET done = true WHERE n > $1 RETURNING n) SELECT coalesce(max(n), $1) FROM d",
+						p.Position()).Scan(&last)
+					return last, err
+				}); err != nil {
+					return err
+				}
+				if err := p.Wait(ctx); err != nil {
+					return nil
+				}
+			}
+			return nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rctx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	t.Cleanup(func() {
+		stop()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	pgtest.Eventually(t, 10*time.Second, "the partition to have a leader", func() bool {
+		ps, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+		return err == nil && len(ps) == 1 && ps[0].Leader == "pooled"
+	})
+	// The work arrives with its wake-up, written directly to the server.
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "INSERT INTO "+work+" (n) VALUES (1), (2), (3)"); err != nil {
+		t.Fatal(err)
+	}
+	if err := runner.Wake(ctx, tx, db.Schema, "relay", 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, 10*time.Second, "the work done and the position at 3 (Poll every 200ms)", func() bool {
+		ps, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+		return err == nil && len(ps) == 1 && ps[0].Position == 3
+	})
+	var left int
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+work+" WHERE NOT done").Scan(&left); err != nil || left != 0 {
+		t.Fatalf("%d rows not done (%v)", left, err)
+	}
+}
