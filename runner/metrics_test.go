@@ -269,3 +269,39 @@ func TestLeaderGauge(t *testing.T) {
 	ins[leader].stop(t)
 	waitFor(t, 10*time.Second, "the other instance to report that it leads", func() bool { return leads(other) == 1 })
 }
+
+// A role's metrics: the leader gauge per partition (1 for each partition
+// this instance leads, 0 for the others) and the positions committed.
+func TestRoleMetrics(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	lead := func(ctx context.Context, p *runner.Partition) error {
+		if p.Position() < 2 {
+			for range 2 {
+				if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return p.Position() + 1, nil }); err != nil {
+					return err
+				}
+			}
+		}
+		return p.Wait(ctx)
+	}
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", MeterProvider: mp}, runner.Config{},
+		func(r *runner.Runner) error {
+			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 3, Lead: lead})
+		})
+	role := attribute.String("pgfence.job", "relay")
+	waitFor(t, 30*time.Second, "6 positions committed and 3 partitions led", func() bool {
+		c := collect(t, reader)
+		commits, _ := c.value("pgfence.runner.positions.committed", role)
+		led, _ := c.value("pgfence.runner.partition.leader", role)
+		return commits == 6 && led == 3
+	})
+	for p := range 3 {
+		if v, ok := collect(t, reader).value("pgfence.runner.partition.leader", role, attribute.Int("pgfence.partition", p)); !ok || v != 1 {
+			t.Fatalf("partition %d leader gauge: %v %v, want 1", p, v, ok)
+		}
+	}
+}
