@@ -26,6 +26,13 @@
 // address and the identity Config.Identity returns. Without AllowActions the
 // buttons are absent and every POST is answered 403.
 //
+// # Names
+//
+// The handler answers only to the names it is served under: localhost, IP
+// addresses, and Config.Hosts. Any other Host is refused with 421, so that a
+// web page whose name resolves to 127.0.0.1 (DNS rebinding) cannot read or
+// steer a page served on a developer's machine.
+//
 // # Roles
 //
 // The pages and the JSON endpoints only read: a role given

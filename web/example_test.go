@@ -40,6 +40,8 @@ func Example() {
 	mux := http.NewServeMux()
 	page, err := web.New(db.Pool, web.Config{
 		Schema: db.Schema,
+		// The names it is served under, besides localhost and IP addresses.
+		Hosts: []string{"ops.example.com"},
 		// true offers force release, run now, pause and resume; false: no buttons, POST answered 403.
 		AllowActions: false,
 		// Who asked, in the log line of each action and in the ledger.

@@ -10,12 +10,15 @@ import (
 	"html/template"
 	"io/fs"
 	"log/slog"
+	"net"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"path"
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -45,6 +48,14 @@ const MinRefresh = 200 * time.Millisecond
 type Config struct {
 	// Schema is the schema of the leases and jobs shown, "" for "pgfence".
 	Schema string
+	// Hosts are the host names (without port) the page is served under,
+	// besides localhost and IP addresses, which are always accepted. A
+	// request naming any other Host is refused (421): a page on a
+	// developer's machine cannot be read, or steered, by a web page whose
+	// own name an attacker has pointed at 127.0.0.1 (DNS rebinding). An
+	// application serving the page under its domain lists that domain
+	// here. Default: none.
+	Hosts []string
 	// AllowActions shows and accepts the actions: force release, run now,
 	// pause and resume. Off by default: the buttons are absent and every
 	// POST is refused with 403.
@@ -73,6 +84,7 @@ type Handler struct {
 	log    *slog.Logger
 	pages  map[string]*template.Template
 	root   http.Handler
+	hosts  map[string]bool // the names it serves under, besides IP addresses
 }
 
 // New returns the status page of the leases and jobs in cfg.Schema, read
@@ -112,7 +124,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
 
 	mux := http.NewServeMux()
 	static, _ := fs.Sub(assets, "assets/static")
-	mux.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
+	mux.Handle("GET /static/", http.StripPrefix("/static/", staticFiles(static)))
 	mux.HandleFunc("GET /{$}", h.page("leases", h.leases))
 	mux.HandleFunc("GET /jobs", h.page("jobs", h.jobs))
 	mux.HandleFunc("GET /fleet", h.page("fleet", h.fleet))
@@ -138,7 +150,78 @@ func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
 		return h.epoch(ctx)
 	}))
 	h.root = http.NewCrossOriginProtection().Handler(mux)
+	h.hosts = map[string]bool{"localhost": true}
+	for _, name := range cfg.Hosts {
+		h.hosts[strings.ToLower(strings.TrimSuffix(name, "."))] = true
+	}
 	return h, nil
+}
+
+// hostAllowed reports whether a request's Host is one the page serves:
+// localhost, an IP address (a rebinding attack names a host of its own),
+// or one of Config.Hosts.
+func (h *Handler) hostAllowed(hostport string) bool {
+	host := hostport
+	if hh, _, err := net.SplitHostPort(hostport); err == nil {
+		host = hh
+	}
+	host = strings.ToLower(strings.TrimSuffix(strings.Trim(host, "[]"), "."))
+	if _, err := netip.ParseAddr(host); err == nil {
+		return true
+	}
+	return h.hosts[host]
+}
+
+// foreignReferer reports a POST that carries neither Origin nor
+// Sec-Fetch-Site (which http.CrossOriginProtection judges) but a Referer
+// from another host: an older browser's cross-site form.
+func foreignReferer(r *http.Request) bool {
+	if r.Method != http.MethodPost || r.Header.Get("Origin") != "" || r.Header.Get("Sec-Fetch-Site") != "" {
+		return false
+	}
+	ref := r.Header.Get("Referer")
+	if ref == "" {
+		return false
+	}
+	u, err := url.Parse(ref)
+	return err != nil || !strings.EqualFold(u.Host, r.Host)
+}
+
+// badParameter names the first query or form parameter that is not text
+// (invalid UTF-8, or a NUL, which PostgreSQL refuses in text).
+func badParameter(r *http.Request) (string, bool) {
+	if err := r.ParseForm(); err != nil {
+		return "the query", true
+	}
+	for name, values := range r.Form {
+		if !utf8.ValidString(name) || strings.ContainsRune(name, 0) {
+			return printable.String(name), true
+		}
+		for _, v := range values {
+			if !utf8.ValidString(v) || strings.ContainsRune(v, 0) {
+				return name, true
+			}
+		}
+	}
+	return "", false
+}
+
+// staticFiles serves the embedded assets: files only (no directory
+// listing), and a 404 for a path that is not one.
+func staticFiles(fsys fs.FS) http.Handler {
+	files := http.FileServerFS(fsys)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		name := r.URL.Path
+		if name == "" || strings.HasSuffix(name, "/") || !utf8.ValidString(name) || !fs.ValidPath(name) {
+			http.NotFound(w, r)
+			return
+		}
+		if st, err := fs.Stat(fsys, name); err != nil || st.IsDir() {
+			http.NotFound(w, r)
+			return
+		}
+		files.ServeHTTP(w, r)
+	})
 }
 
 // ServeHTTP implements http.Handler.
@@ -149,6 +232,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	hd.Set("X-Content-Type-Options", "nosniff")
 	hd.Set("Referrer-Policy", "no-referrer")
 	hd.Set("X-Frame-Options", "DENY")
+	if !h.hostAllowed(r.Host) {
+		http.Error(w, "pgfence web: this page is not served under the name "+strconv.Quote(r.Host)+
+			" (web.Config.Hosts, or pgfence ui --host, lists the names it answers to)", http.StatusMisdirectedRequest)
+		return
+	}
+	if foreignReferer(r) {
+		http.Error(w, "pgfence web: cross-origin request refused (its Referer names another site)", http.StatusForbidden)
+		return
+	}
+	if name, bad := badParameter(r); bad {
+		http.Error(w, "pgfence web: parameter "+strconv.Quote(name)+" is not valid text", http.StatusBadRequest)
+		return
+	}
 	if r.URL.Path == "" {
 		// Mounted with StripPrefix and asked for the prefix without its
 		// slash: the pages link relative to the prefix's slash.

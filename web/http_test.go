@@ -386,7 +386,9 @@ func TestMountedUnderAPrefix(t *testing.T) {
 	// A router that passes the prefix without its slash on (StripPrefix
 	// leaves an empty path): the handler redirects itself.
 	rec := httptest.NewRecorder()
-	http.StripPrefix("/ops/pgfence", h).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/ops/pgfence", nil))
+	req := httptest.NewRequest(http.MethodGet, "/ops/pgfence", nil)
+	req.Host = "localhost" // httptest's example.com is not a name the page serves
+	http.StripPrefix("/ops/pgfence", h).ServeHTTP(rec, req)
 	if loc := rec.Header().Get("Location"); rec.Code != http.StatusMovedPermanently || loc != "pgfence/" {
 		t.Fatalf("the handler asked for an empty path: %d to %q, want 301 to pgfence/", rec.Code, loc)
 	}
@@ -397,7 +399,7 @@ func TestMountedUnderAPrefix(t *testing.T) {
 	if code, _, _ := get(t, srv+"/ops/pgfence/static/app.js"); code != http.StatusOK {
 		t.Fatalf("GET /ops/pgfence/static/app.js: %d", code)
 	}
-	req, _ := http.NewRequest(http.MethodPost, srv+"/ops/pgfence/resume", strings.NewReader("job=nope"))
+	req, _ = http.NewRequest(http.MethodPost, srv+"/ops/pgfence/resume", strings.NewReader("job=nope"))
 	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
 	res, err = c.Do(req)
 	if err != nil {

@@ -27,7 +27,7 @@
 //	                      each role's partitions: leader, token, position, when it last advanced
 //	grant app|operator ROLE [--print]
 //	                      give ROLE what an application (or this CLI) needs in the schema
-//	ui [--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]
+//	ui [--listen 127.0.0.1:8080] [--host NAME] [--allow-actions] [--refresh 1s]
 //	                      serve the status page (leases, jobs, fleet) in a browser
 //	version               print the module version and the commit it was built from
 //	help                  print this list

@@ -35,7 +35,7 @@ func init() {
 		{"jobs prune", "--older-than D", "delete finished runs older than D (the latest slot of each job is kept)", cmdJobsPrune},
 		{"roles", "[ROLE] [--json]", "each role's partitions: leader, token, position, when it last advanced", cmdRoles},
 		{"grant", "app|operator ROLE [--print]", "give ROLE what an application (or this CLI) needs in the schema", cmdGrant},
-		{"ui", "[--listen 127.0.0.1:8080] [--allow-actions] [--refresh 1s]",
+		{"ui", "[--listen 127.0.0.1:8080] [--host NAME] [--allow-actions] [--refresh 1s]",
 			"serve the status page (leases, jobs, fleet) in a browser", cmdUI},
 		{"version", "", "print the module version and the commit it was built from", cmdVersion},
 		{"help", "", "print this list", cmdHelp},

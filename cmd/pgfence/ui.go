@@ -19,11 +19,16 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 		listen  string
 		allow   bool
 		refresh time.Duration
+		hosts   []string
 	)
 	fs, err := parse(e, "ui", args, func(fs *flag.FlagSet) {
 		fs.StringVar(&listen, "listen", "127.0.0.1:8080", "address to serve the page on (localhost by default)")
 		fs.BoolVar(&allow, "allow-actions", false, "offer force release, run now, pause and resume on the page")
 		fs.DurationVar(&refresh, "refresh", time.Second, "how often an open page updates")
+		fs.Func("host", "a `name` the page is served under, besides localhost and IP addresses (repeatable)", func(s string) error {
+			hosts = append(hosts, s)
+			return nil
+		})
 	})
 	if err != nil {
 		return err
@@ -37,7 +42,7 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	h, err := web.New(pool, web.Config{Schema: e.schema, AllowActions: allow, Refresh: refresh, Logger: slog.New(slog.NewTextHandler(e.stderr, nil))})
+	h, err := web.New(pool, web.Config{Schema: e.schema, Hosts: hosts, AllowActions: allow, Refresh: refresh, Logger: slog.New(slog.NewTextHandler(e.stderr, nil))})
 	if errors.Is(err, web.ErrInvalidConfig) {
 		return fail(exitUsage, "%v", err)
 	}
