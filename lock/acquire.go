@@ -321,10 +321,23 @@ func (c *Client) Acquire(ctx context.Context, name string, opts ...AcquireOption
 			c.abandon(name, secret, pid)
 		}
 	}()
-	var failing retry.Failing
+	var (
+		failing retry.Failing
+		last    error // the last failure of the current failure period
+	)
+	// gaveUp is ctx's error, with the failure that kept Acquire from the
+	// lease when attempts were failing (a refused connection, a failover)
+	// rather than waiting for a holder: a bare "context deadline exceeded"
+	// would hide it.
+	gaveUp := func() error {
+		if last == nil {
+			return ctx.Err()
+		}
+		return fmt.Errorf("lock: acquire %q: %w; the attempts were failing (%d), the last with: %w", name, ctx.Err(), failing.Count(), last)
+	}
 	for {
 		if o.deferFor != nil && !c.deferTo(ctx, name, o.deferFor) {
-			return nil, ctx.Err()
+			return nil, gaveUp()
 		}
 		attemptAt := c.clock.Now() // the trust window of an adopted lease counts from here
 		l, err := c.tryAcquire(ctx, name, secret, since)
@@ -342,17 +355,22 @@ func (c *Client) Acquire(ctx context.Context, name string, opts ...AcquireOption
 				c.m.waitTime.Record(ctx, time.Since(began).Seconds())
 				return l, nil
 			case ctx.Err() != nil:
-				return nil, ctx.Err()
+				if !errors.Is(err, ctx.Err()) {
+					last = err
+				}
+				return nil, gaveUp()
 			case errors.Is(err, ErrClosed) || !(retry.Transient(err) || errors.Is(err, errRowChanging)):
 				return nil, err
 			}
+			last = err
 			failing.Fail(c.cfg.Logger, "pgfence: acquire failing; retrying with backoff", err, "lease", name)
 			if !wait.Sleep(ctx, c.backoff.Wait(failing.Count()-1)) {
-				return nil, ctx.Err()
+				return nil, gaveUp()
 			}
 			continue
 		}
 		failing.Recover(c.cfg.Logger, "pgfence: acquire recovered", "lease", name)
+		last = nil // held by another: waiting, not failing
 		// Waiting: subscribe to releases (once), then register with the
 		// poller, which asks the holder's release to send a NOTIFY and
 		// wakes w once that is done: the next attempt catches a release

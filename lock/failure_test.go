@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -369,5 +370,52 @@ func TestHandoversDoNotChurnConnections(t *testing.T) {
 	}
 	if opened := pool.Stat().NewConnsCount() - before; opened > 3 {
 		t.Fatalf("30 handovers opened %d new connections, want the listening connection kept", opened)
+	}
+}
+
+// Acquire against a server that refuses connections, until its deadline:
+// the error is the deadline's (errors.Is), and it names the failure that
+// kept Acquire from the lease instead of a bare "context deadline
+// exceeded".
+func TestAcquireDeadlineNamesTheLastFailure(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().(*net.TCPAddr)
+	ln.Close() // nothing listens there now: connections are refused
+	cfg := db.Pool.Config().Copy()
+	cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", uint16(addr.Port)
+	cfg.ConnConfig.Fallbacks = nil
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_, err = c.Acquire(ctx, "unreachable")
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "refused") {
+		t.Fatalf("Acquire at its deadline: %v; want the deadline, naming the refused connection", err)
+	}
+	t.Logf("Acquire at its deadline: %v", err)
+
+	// Waiting for a holder is not a failure: the deadline alone.
+	held := newClient(t, db, lock.Config{})
+	if _, err := held.TryAcquire(context.Background(), "busy"); err != nil {
+		t.Fatal(err)
+	}
+	waiter := newClient(t, db, lock.Config{})
+	wctx, wcancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer wcancel()
+	if _, err := waiter.Acquire(wctx, "busy"); err != context.DeadlineExceeded {
+		t.Fatalf("Acquire of a held lease at its deadline: %v, want context.DeadlineExceeded itself", err)
 	}
 }
