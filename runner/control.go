@@ -232,7 +232,7 @@ func Jobs(ctx context.Context, db fence.DB, schema, job string) ([]JobInfo, erro
 	}
 	rows, err := db.Query(ctx, sqlFor(schema).jobs, job, jobLeasePrefix)
 	if err != nil {
-		return nil, controlErr("read the jobs of", schema, job, db, err)
+		return nil, jobsErr(schema, job, db, err)
 	}
 	infos, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (JobInfo, error) {
 		var (
@@ -280,7 +280,7 @@ func Jobs(ctx context.Context, db fence.DB, schema, job string) ([]JobInfo, erro
 		return ji, nil
 	})
 	if err != nil {
-		return nil, controlErr("read the jobs of", schema, job, db, err)
+		return nil, jobsErr(schema, job, db, err)
 	}
 	return infos, nil
 }
@@ -295,6 +295,14 @@ func control(schema, job string) (*queries, error) {
 		return nil, fmt.Errorf("runner: job: %w", err)
 	}
 	return sqlFor(schema), nil
+}
+
+// jobsErr explains a failed read of the jobs (of every job when job is "").
+func jobsErr(schema, job string, db fence.DB, err error) error {
+	if job == "" {
+		return fmt.Errorf("runner: read the jobs: %w", hint.Wrap(err, ident.Schema(schema), hint.Role(db)))
+	}
+	return controlErr("read the jobs of", schema, job, db, err)
 }
 
 // controlErr turns "no row" into ErrUnknownJob and explains the rest.

@@ -13,6 +13,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -84,10 +85,15 @@ func writeJSON(w io.Writer, v any) error {
 
 func cmdLeases(ctx context.Context, e *env, args []string) error {
 	var asJSON bool
-	if _, err := parse(e, "leases", args, func(fs *flag.FlagSet) {
+	fs, err := parse(e, "leases", args, func(fs *flag.FlagSet) {
 		fs.BoolVar(&asJSON, "json", false, "print JSON")
-	}); err != nil {
+	})
+	if err != nil {
 		return err
+	}
+	if fs.NArg() > 0 {
+		fs.Usage()
+		return fail(exitUsage, "leases takes no arguments")
 	}
 	pool, err := e.connect(ctx)
 	if err != nil {
@@ -148,6 +154,9 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 		return fail(exitUsage, "--timeout must be positive")
 	}
 	name := fs.Arg(0)
+	if err := validName("lease", name); err != nil {
+		return err
+	}
 	pool, err := e.connect(ctx)
 	if err != nil {
 		return err
@@ -274,5 +283,18 @@ func cmdJobsPrune(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	fmt.Fprintf(e.stdout, "pruned %d runs older than %v (the latest slot of each job and shard is kept)\n", n, olderThan)
+	return nil
+}
+
+// validName refuses a name no lease, job or role can have, as a usage
+// error (exit 2) that says what is wrong with it.
+func validName(kind, name string) error {
+	if err := fence.ValidateName(name); err != nil {
+		shown := printable.String(name)
+		if len(shown) > 40 {
+			shown = shown[:40] + "..."
+		}
+		return fail(exitUsage, "%s name %q: %v", kind, shown, err)
+	}
 	return nil
 }

@@ -31,6 +31,11 @@ func cmdJobsStatus(ctx context.Context, e *env, args []string) error {
 		return fail(exitUsage, "jobs status takes at most one job name")
 	}
 	job := fs.Arg(0)
+	if job != "" {
+		if err := validName("job", job); err != nil {
+			return err
+		}
+	}
 	pool, err := e.connect(ctx)
 	if err != nil {
 		return err
@@ -105,6 +110,9 @@ func cmdJobsRun(ctx context.Context, e *env, args []string) error {
 		return fail(exitUsage, "--timeout must be positive, and goes with --wait")
 	}
 	job := fs.Arg(0)
+	if err := validName("job", job); err != nil {
+		return err
+	}
 	pool, err := e.connect(ctx)
 	if err != nil {
 		return err
@@ -166,12 +174,21 @@ func jobsPause(ctx context.Context, e *env, verb string, args []string) error {
 		return fail(exitUsage, "jobs %s takes exactly one job name", verb)
 	}
 	job := fs.Arg(0)
+	if err := validName("job", job); err != nil {
+		return err
+	}
 	pool, err := e.connect(ctx)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
 	if verb == "pause" {
+		// Pausing a paused job keeps the first pause: say so.
+		if jobs, err := runner.Jobs(ctx, pool, e.schema, job); err == nil && len(jobs) > 0 && jobs[0].Paused {
+			fmt.Fprintf(e.stdout, "%s was already paused by %s at %s; nothing changed\n", strconv.Quote(job),
+				printable.String(jobs[0].PausedBy), (*jobs[0].PausedAt).UTC().Format(time.RFC3339))
+			return nil
+		}
 		err = runner.Pause(ctx, pool, e.schema, job, operator())
 	} else {
 		err = runner.Resume(ctx, pool, e.schema, job)

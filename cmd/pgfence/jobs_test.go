@@ -96,6 +96,10 @@ func TestJobsCommandsSteerTheRunner(t *testing.T) {
 	if v := status("report"); v[0]["paused"] != true || !strings.HasPrefix(v[0]["paused_by"].(string), "pgfence-cli:") {
 		t.Fatalf("after pause: %v", v)
 	}
+	// Pausing again changes nothing, and says so.
+	if out, code := c.run("", "jobs", "pause", "report"); code != 0 || !strings.Contains(out, "already paused by pgfence-cli:") {
+		t.Fatalf("jobs pause of a paused job: exit %d\n%s", code, out)
+	}
 	if out, code := c.run("", "jobs", "resume", "report"); code != 0 {
 		t.Fatalf("jobs resume: exit %d\n%s", code, out)
 	}
@@ -119,6 +123,8 @@ func TestJobsCommandsSteerTheRunner(t *testing.T) {
 		{[]string{"jobs", "status", "a", "b"}, exitUsage, "at most one job name"},
 		{[]string{"jobs", "--status", "bogus"}, exitUsage, "--status must be one of"},
 		{[]string{"jobs", "bogus"}, exitUsage, "unknown jobs subcommand"},
+		{[]string{"jobs", "run", ""}, exitUsage, `job name "": `},
+		{[]string{"jobs", "pause", strings.Repeat("x", 10000)}, exitUsage, "job name"},
 	} {
 		if out, code := c.run("", tc.args...); code != tc.code || !strings.Contains(out, tc.says) {
 			t.Errorf("pgfence %v: exit %d, want %d and %q\n%s", tc.args, code, tc.code, tc.says, out)

@@ -441,3 +441,28 @@ func TestGrantApp(t *testing.T) {
 		t.Fatalf("grant to a missing role: %d\n%s", code, out)
 	}
 }
+
+// Usage errors exit 2 and say what was wrong; the help names where the
+// database and the schema come from; ui refuses an unmigrated schema at
+// start instead of serving 500s.
+func TestUsageErrorsAndStartChecks(t *testing.T) {
+	c := newCLI(t)
+	for _, tc := range []struct {
+		args []string
+		code int
+		says string
+	}{
+		{[]string{"leases", "extra-arg"}, exitUsage, "leases takes no arguments"},
+		{[]string{"release", ""}, exitUsage, `lease name "": `},
+		{[]string{"release", strings.Repeat("x", 10000), "--yes"}, exitUsage, "lease name"},
+		{[]string{"roles", "a", "b"}, exitUsage, "at most one role name"},
+		{[]string{"help"}, exitOK, "$PGFENCE_SCHEMA"},
+		{[]string{"help"}, exitOK, "$DATABASE_URL"},
+		{[]string{"--schema", "pgfence_not_migrated", "ui", "--listen", "127.0.0.1:0"}, exitError, "migrate up"},
+	} {
+		out, code := c.run("", tc.args...)
+		if code != tc.code || !strings.Contains(out, tc.says) {
+			t.Errorf("pgfence %v: exit %d, want %d and %q\n%s", tc.args, code, tc.code, tc.says, out)
+		}
+	}
+}

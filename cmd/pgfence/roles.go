@@ -26,6 +26,11 @@ func cmdRoles(ctx context.Context, e *env, args []string) error {
 		return fail(exitUsage, "roles takes at most one role name")
 	}
 	role := fs.Arg(0)
+	if role != "" {
+		if err := validName("role", role); err != nil {
+			return err
+		}
+	}
 	pool, err := e.connect(ctx)
 	if err != nil {
 		return err

@@ -88,7 +88,9 @@ func subcommands(parent string) string {
 // usageText is the usage message: every command of the table.
 func usageText() string {
 	var b strings.Builder
-	b.WriteString("usage: pgfence [--database-url URL] [--schema NAME] COMMAND [flags] [args]\n\ncommands:\n")
+	b.WriteString("usage: pgfence [--database-url URL] [--schema NAME] COMMAND [flags] [args]\n\n" +
+		"The database: --database-url, else $DATABASE_URL, else the libpq variables (PGHOST, PGPORT, ...).\n" +
+		"The schema: --schema, else $PGFENCE_SCHEMA, else pgfence.\n\ncommands:\n")
 	for _, c := range commands {
 		line := strings.TrimSpace(c.name + " " + c.synopsis)
 		if len(line) <= 20 {

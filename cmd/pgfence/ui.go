@@ -8,8 +8,10 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strconv"
 	"time"
 
+	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/web"
 )
 
@@ -42,6 +44,11 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer pool.Close()
+	// An unmigrated (or mistyped) schema is refused at start, as an
+	// unreachable database is: every page would answer 500.
+	if err := migrations.Verify(ctx, pool, e.schema); err != nil {
+		return err
+	}
 	h, err := web.New(pool, web.Config{Schema: e.schema, Hosts: hosts, AllowActions: allow, Refresh: refresh, Logger: slog.New(slog.NewTextHandler(e.stderr, nil))})
 	if errors.Is(err, web.ErrInvalidConfig) {
 		return fail(exitUsage, "%v", err)
@@ -57,7 +64,13 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 	if allow {
 		actions = "actions enabled"
 	}
-	fmt.Fprintf(e.stdout, "pgfence status page of schema %s: http://%s/ (%s); Ctrl-C stops it\n", e.schemaName(), ln.Addr(), actions)
+	// The address to open: a wildcard listener is reached on loopback.
+	at := ln.Addr().(*net.TCPAddr)
+	open := at.String()
+	if at.IP.IsUnspecified() {
+		open = net.JoinHostPort("127.0.0.1", strconv.Itoa(at.Port))
+	}
+	fmt.Fprintf(e.stdout, "pgfence status page of schema %s: http://%s/ (%s); Ctrl-C stops it\n", e.schemaName(), open, actions)
 	if ip := ln.Addr().(*net.TCPAddr).IP; !ip.IsLoopback() {
 		fmt.Fprintf(e.stderr, "pgfence: warning: listening on %s, beyond this machine: whoever reaches it reads the page%s\n",
 			ln.Addr(), map[bool]string{true: " and can steer jobs and release leases", false: ""}[allow])
