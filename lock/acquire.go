@@ -242,7 +242,10 @@ type acquireOptions struct {
 // again before each attempt; 0 or less tries at once. A replica that
 // prefers another to lead defers, so that the other, campaigning without
 // delay, takes the lease when both wait for it, while a lease nobody else
-// wants is still taken d() after it frees.
+// wants is still taken d() after it frees. It is a preference, not a
+// guarantee: the check and the attempt are two statements, so a release
+// that lands between them is taken at once (a deferring campaigner that
+// is already waiting when the lease frees always defers).
 func Defer(d func() time.Duration) AcquireOption {
 	return func(o *acquireOptions) { o.deferFor = d }
 }

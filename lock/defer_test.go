@@ -24,24 +24,27 @@ func TestDeferLeavesAFreedLeaseToOthers(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := make(chan *lock.Lease, 2)
+	// q, which defers, waits first: its first look at the lease is over
+	// (the poller has marked the held lease waited for) before p starts,
+	// so the release cannot land between q's check and its attempt (a
+	// deferral is a preference, not a guarantee: see lock.Defer).
 	go func() {
 		l, err := q.Acquire(ctx, "preferred", lock.Defer(func() time.Duration { return 5 * time.Second }))
 		if err == nil {
 			got <- l
 		}
 	}()
+	waited := "SELECT waiters_until IS NOT NULL FROM " + pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize() + " WHERE name = 'preferred'"
+	pgtest.Eventually(t, 30*time.Second, "q waiting", func() bool {
+		var ok bool
+		return db.Pool.QueryRow(ctx, waited).Scan(&ok) == nil && ok
+	})
 	go func() {
 		l, err := p.Acquire(ctx, "preferred")
 		if err == nil {
 			got <- l
 		}
 	}()
-	// A waiter has registered (the poller marks the held lease waited for).
-	waited := "SELECT waiters_until IS NOT NULL FROM " + pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize() + " WHERE name = 'preferred'"
-	pgtest.Eventually(t, 30*time.Second, "a waiter", func() bool {
-		var ok bool
-		return db.Pool.QueryRow(ctx, waited).Scan(&ok) == nil && ok
-	})
 	if err := held.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
