@@ -112,6 +112,19 @@ func TestLeastPrivilege(t *testing.T) {
 	if err := r.RegisterSharded(job, 2); err != nil {
 		t.Fatal(err)
 	}
+	// And a continuous role, whose partition commits its position once.
+	advanced := make(chan struct{})
+	if err := r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: func(ctx context.Context, p *runner.Partition) error {
+		if p.Position() == 0 {
+			if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return 1, nil }); err != nil {
+				return err
+			}
+			close(advanced)
+		}
+		return p.Wait(ctx)
+	}}); err != nil {
+		t.Fatal(err)
+	}
 	rctx, stop := context.WithCancel(ctx)
 	done := make(chan error, 1)
 	go func() { done <- r.Run(rctx) }()
@@ -121,6 +134,13 @@ func TestLeastPrivilege(t *testing.T) {
 		t.Fatalf("runner as the application role: %v", err)
 	case <-ctx.Done():
 		t.Fatal("no run succeeded as the application role")
+	}
+	select {
+	case <-advanced:
+	case err := <-done:
+		t.Fatalf("runner as the application role: %v", err)
+	case <-ctx.Done():
+		t.Fatal("no partition position committed as the application role")
 	}
 	stop()
 	if err := <-done; err != nil {
@@ -135,6 +155,7 @@ func TestLeastPrivilege(t *testing.T) {
 
 	// What the application role must not be able to do, and what refuses it.
 	leases, runs, fences := ident.Table(schema, "pgfence_leases"), ident.Table(schema, "pgfence_runs"), ident.Table(schema, "pgfence_fences")
+	positions := ident.Table(schema, "pgfence_positions")
 	forbidden := []struct {
 		action, sql, code, refusedBy string
 	}{
@@ -148,6 +169,9 @@ func TestLeastPrivilege(t *testing.T) {
 		{"delete the latest run of a job (its slot would run again)", "DELETE FROM " + runs, "PF010", "trigger pgfence_runs_protect_delete"},
 		{"turn a succeeded run into another state", "UPDATE " + runs + " SET status = 'failed' WHERE status = 'succeeded'", "PF010", "trigger pgfence_runs_protect"},
 		{"truncate the ledger", "TRUNCATE " + runs, "42501", "no TRUNCATE privilege"},
+		{"insert a position with a token of its choosing", "INSERT INTO " + positions + " (role, partition, token) VALUES ('forged', 0, 1000000)", "42501", "INSERT on (role, partition) only"},
+		{"move a position to another partition", "UPDATE " + positions + " SET partition = partition + 1", "42501", "no UPDATE on the key"},
+		{"lower a position's token", "UPDATE " + positions + " SET token = token - 1", "PF010", "trigger pgfence_positions_protect"},
 		{"drop the leases table", "DROP TABLE " + leases, "42501", "not the owner"},
 		{"change the leases table", "ALTER TABLE " + leases + " SET (fillfactor = 100)", "42501", "not the owner"},
 		{"create objects in the schema", "CREATE TABLE " + ident.Table(schema, "intruder") + " (x int)", "42501", "no CREATE on the schema"},

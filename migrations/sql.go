@@ -55,8 +55,10 @@ func appGrantSQL(schema, s, r string) []string {
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_jobs") + " TO " + r,
 		// Not the key of a position: the trigger refuses that anyway.
-		"GRANT SELECT, INSERT ON " + t("pgfence_positions") + " TO " + r,
-		"REVOKE UPDATE ON " + t("pgfence_positions") + " FROM " + r,
+		// A position row is created with its key only: a row inserted with
+		// a token of the application's choosing would refuse every leader.
+		"REVOKE INSERT, UPDATE ON " + t("pgfence_positions") + " FROM " + r,
+		"GRANT SELECT, INSERT (role, partition) ON " + t("pgfence_positions") + " TO " + r,
 		"GRANT UPDATE (position, token, holder, advanced_at, commits) ON " + t("pgfence_positions") + " TO " + r,
 		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +

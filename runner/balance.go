@@ -63,7 +63,7 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 	defer g.Stop()
 	var names, singleNames []string
 	for _, j := range jobs {
-		names = append(names, j.Name)
+		names = append(names, j.member())
 	}
 	for _, j := range singles {
 		names, singleNames = append(names, j.Name), append(singleNames, j.Name)
@@ -95,12 +95,18 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 			// shard that two instances wanted or none did.
 			if len(jobs) > 0 && (apply || !settling && st.applied != nil) {
 				held, err := r.holders(ctx, own, jobs)
-				if err != nil && ctx.Err() == nil {
-					// Without the holders the assignment is the plain
-					// hashing: more moves, still one owner per shard.
+				switch {
+				case err == nil:
+					r.apply(g, jobs, st.applied, held, workers)
+				case apply && ctx.Err() == nil:
+					// A new view must be applied (members that left own
+					// shards): without the holders, by the plain hashing,
+					// which moves more, still one owner per shard.
 					r.log.Warn("pgfence runner: reading the shards' holders failed; assigning without them", "err", err)
+					r.apply(g, jobs, st.applied, nil, workers)
 				}
-				r.apply(g, jobs, st.applied, held, workers)
+				// Otherwise the workers stay as they are until the next
+				// heartbeat reads the holders.
 			}
 			if apply {
 				r.prefer(singleNames, view)
@@ -201,7 +207,7 @@ func onlyLeft(before, view members) bool {
 // apply starts and stops shard workers to match the assignment in view.
 func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][]string, workers map[shardKey]context.CancelFunc) {
 	for _, j := range jobs {
-		ids := view[j.Name]
+		ids := view[j.member()]
 		me := slices.Index(ids, r.lcfg.Holder)
 		owner := assign(j.Name, j.shards, ids, held[j.Name])
 		owned := 0
@@ -270,8 +276,9 @@ func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string
 }
 
 // holders reads who holds each shard (and partition) of jobs now: job name
-// -> holder id per shard, "" where none holds it. Read when a new view is
-// applied, so that the assignment keeps what is held (assign).
+// -> holder id per shard, "" where none holds it. Read at every heartbeat
+// once the view holds still, so that the assignment keeps what is held
+// (assign).
 func (r *Runner) holders(ctx context.Context, own *ownconn.Conn, jobs []*job) (map[string][]string, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
 	defer cancel()

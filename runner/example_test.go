@@ -98,13 +98,15 @@ func ExampleRunner_RegisterRole() {
 		Partitions: 2, // every replica registers the same; each partition has one leader
 		Lead: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
-				// In one statement (one snapshot): deliver the events of the
-				// transactions that ended after the position, and move it.
+				// In one statement (one snapshot): deliver the events of up to
+				// 100 whole transactions with ids above the position, all ended
+				// (below the snapshot's xmin), and move the position.
 				var n int64
 				err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
 					var last int64
-					err := tx.QueryRow(ctx, `WITH batch AS (SELECT id, body, txid FROM `+s+`.outbox WHERE part = $1
-  AND txid > $2 AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint),
+					err := tx.QueryRow(ctx, `WITH txs AS (SELECT DISTINCT txid FROM `+s+`.outbox WHERE part = $1 AND txid > $2
+  AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint ORDER BY txid LIMIT 100),
+batch AS (SELECT id, body, txid FROM `+s+`.outbox JOIN txs USING (txid) WHERE part = $1),
 ins AS (INSERT INTO `+s+`.sink SELECT id, body FROM batch)
 SELECT count(*), coalesce(max(txid), $2) FROM batch`, p.Index, p.Position()).Scan(&n, &last)
 					return last, err // effects and position commit together, fenced

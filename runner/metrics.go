@@ -14,8 +14,7 @@ import (
 // pgfence.job (bounded: the jobs and roles an application registers) and,
 // per instrument, pgfence.status or pgfence.change; never shards or slots.
 // The one exception is pgfence.runner.partition.leader, by pgfence.partition
-// too: a role's partitions are few (the role's Partitions) and each is
-// worth watching.
+// too, for the partitions this instance has led only.
 type metrics struct {
 	runs, retries, leadership, missed, positions metric.Int64Counter
 	duration                                     metric.Float64Histogram
@@ -97,15 +96,16 @@ func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registrat
 			}
 			o.ObserveInt64(m.leader, leads, metric.WithAttributes(attribute.String("pgfence.job", job)))
 		}
-		for role, n := range m.roles {
-			for part := range n {
-				var leads int64
-				if m.led[partKey{role, part}] {
-					leads = 1
-				}
-				o.ObserveInt64(m.partLeader, leads, metric.WithAttributes(attribute.String("pgfence.job", role),
-					attribute.Int("pgfence.partition", part)))
+		// Only the partitions this instance has led (1 while it leads, 0
+		// after): a role of many partitions does not make as many series
+		// on every instance.
+		for k, leads := range m.led {
+			v := int64(0)
+			if leads {
+				v = 1
 			}
+			o.ObserveInt64(m.partLeader, v, metric.WithAttributes(attribute.String("pgfence.job", k.role),
+				attribute.Int("pgfence.partition", k.partition)))
 		}
 		return nil
 	}, m.owned, m.leader, m.partLeader)

@@ -66,6 +66,12 @@ type Role struct {
 // returns a position below the partition's current one; nothing commits.
 var ErrPositionBackwards = errors.New("runner: a partition's position cannot go backwards")
 
+// ErrPositionMoved is returned by Partition.Commit when the stored position
+// is no longer the one the term knew (an earlier Commit whose outcome was
+// unknown did commit): nothing of this transaction commits, and Position
+// then holds the stored position, to resume from.
+var ErrPositionMoved = errors.New("runner: the partition's position has moved")
+
 func (ro Role) validate() error {
 	field := func(f, reason string) error { return &JobError{Job: ro.Name, Field: f, Reason: reason} }
 	switch {
@@ -143,10 +149,12 @@ func (p *Partition) Position() int64 { return p.position }
 // returns (at least Position(): ErrPositionBackwards otherwise). Either the
 // work's effects and the new position commit together, or neither does. A
 // stale leader is refused by the database (an error matching
-// fence.ErrFenced) and nothing of it commits. Its answer is the truth about
-// the commit, as fence.Guard.RunTx's: nil means committed (Position is then
-// the new value); fence.ErrOutcomeUnknown means it may have committed, and
-// the next term or the next call of Lead reads the position back.
+// fence.ErrFenced) and nothing of it commits. The position is advanced only
+// from the value the term knows (a compare-and-set), so work is never
+// applied twice over a position: ErrPositionMoved otherwise. Its answer is
+// the truth about the commit, as fence.Guard.RunTx's: nil means committed
+// (Position is then the new value); fence.ErrOutcomeUnknown means it may
+// have committed (Position is then read back when the server answers).
 //
 // fn's statements must use the context fn is given, not ctx: it outlives a
 // rebalance, so that a moving partition is handed over after the
@@ -184,20 +192,27 @@ func (p *Partition) Commit(ctx context.Context, fn func(ctx context.Context, tx 
 		if n < p.position {
 			return fmt.Errorf("%w: %d after %d (role %q, partition %d)", ErrPositionBackwards, n, p.position, p.Role, p.Index)
 		}
-		tag, err := tx.Exec(tctx, p.w.r.q.advance, p.Role, p.Index, n, int64(p.Token), p.w.r.lcfg.Holder)
+		tag, err := tx.Exec(tctx, p.w.r.q.advance, p.Role, p.Index, n, int64(p.Token), p.w.r.lcfg.Holder, p.position)
 		if err != nil {
 			return err
 		}
 		if tag.RowsAffected() != 1 {
-			return fmt.Errorf("%w: the position of role %q, partition %d was advanced by a newer leader",
-				fence.ErrStaleToken, p.Role, p.Index)
+			return fmt.Errorf("%w: role %q, partition %d is no longer at %d", ErrPositionMoved, p.Role, p.Index, p.position)
 		}
 		next = n
 		return nil
 	})
-	if err == nil {
+	switch {
+	case err == nil:
 		p.position = next
 		p.w.r.m.positionCommitted(p.Role)
+	case errors.Is(err, ErrPositionMoved) || errors.Is(err, fence.ErrOutcomeUnknown):
+		// Learn the committed position, for the next call (best effort:
+		// Lead's next call reads it again anyway).
+		var pos int64
+		if p.w.r.pool.QueryRow(tctx, p.w.r.q.position, p.Role, p.Index).Scan(&pos) == nil {
+			p.position = pos
+		}
 	}
 	return err
 }
@@ -259,16 +274,30 @@ func (w *worker) roleLoop(ctx context.Context) {
 	type current struct {
 		cancel context.CancelFunc
 		busy   chan struct{}
+		lease  *lock.Lease
 	}
 	terms := make(chan current, 1) // the running term, if any
 	e := w.election(func(lctx context.Context, l *lock.Lease) error {
 		leadCtx, cancel := context.WithCancel(lctx)
 		defer cancel()
 		p, err := w.newPartition(lctx, l)
+		// A transient failure is retried within the term, with a backoff:
+		// ending the term would release the lease and campaign again at
+		// once, drawing a token each time.
+		again := retry.Backoff{Base: w.r.lcfg.PollInterval, Max: 10 * w.r.lcfg.PollInterval}
+		for n := 0; err != nil && retry.Transient(err) && lctx.Err() == nil; n++ {
+			if !wait.Sleep(lctx, again.Wait(n)) {
+				return nil
+			}
+			p, err = w.newPartition(lctx, l)
+		}
 		if err != nil {
+			if lctx.Err() != nil {
+				return nil
+			}
 			return err
 		}
-		terms <- current{cancel, p.busy}
+		terms <- current{cancel, p.busy, l}
 		defer func() { <-terms }()
 		if ctx.Err() != nil {
 			return nil // moved away meanwhile
@@ -292,7 +321,16 @@ func (w *worker) roleLoop(ctx context.Context) {
 		case t.busy <- struct{}{}:
 			<-t.busy
 		case <-timer.C:
+			// Releasing ends the lease's context, on which the transaction
+			// runs: it is cancelled, and the election (which waits for
+			// Lead) can end. A takeover still waits for the transaction's
+			// end at the server.
 			w.log().Warn("pgfence runner: a partition's transaction did not finish within ShutdownTimeout; releasing its lease anyway")
+			rctx, rcancel := wait.Detached(context.Background())
+			if err := t.lease.Release(rctx); err != nil {
+				w.log().Warn("pgfence runner: releasing the partition's lease failed; it expires within its TTL", "err", err)
+			}
+			rcancel()
 		}
 		timer.Stop()
 		terms <- t

@@ -320,3 +320,52 @@ func TestRegisterRoleRefusesBadRoles(t *testing.T) {
 		t.Fatalf("Wake of partition -1: %v", err)
 	}
 }
+
+// Commit advances a position only from the value the term knows: when the
+// stored position has moved (here set by hand, as an earlier commit whose
+// answer was lost would have moved it), Commit is refused with
+// ErrPositionMoved, nothing of its transaction commits, and Position is the
+// stored one.
+func TestCommitRefusesAMovedPosition(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	effects := tbl(db, "effects")
+	moved := make(chan struct{})
+	result := make(chan error, 1)
+	position := make(chan int64, 1)
+	lead := func(ctx context.Context, p *runner.Partition) error {
+		if p.Position() != 0 {
+			<-ctx.Done()
+			return nil
+		}
+		<-moved
+		err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+			_, err := tx.Exec(ctx, "INSERT INTO "+effects+" (partition, n, token) VALUES (0, 1, $1)", int64(p.Token))
+			return 1, err
+		})
+		result <- err
+		position <- p.Position()
+		<-ctx.Done()
+		return nil
+	}
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{},
+		func(r *runner.Runner) error { return r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: lead}) })
+	waitFor(t, 30*time.Second, "the partition led", func() bool {
+		infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, "relay")
+		return err == nil && len(infos) == 1 && infos[0].Leading
+	})
+	if _, err := db.Pool.Exec(context.Background(), "UPDATE "+tbl(db, "pgfence_positions")+" SET position = 5"); err != nil {
+		t.Fatal(err)
+	}
+	close(moved)
+	if err := <-result; !errors.Is(err, runner.ErrPositionMoved) {
+		t.Fatalf("Commit over a moved position: %v, want ErrPositionMoved", err)
+	}
+	if p := <-position; p != 5 {
+		t.Fatalf("Position after the refusal: %d, want the stored 5", p)
+	}
+	if n := queryInt(t, db, "SELECT count(*) FROM "+effects); n != 0 {
+		t.Fatalf("%d effects of the refused Commit committed", n)
+	}
+}

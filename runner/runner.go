@@ -59,6 +59,17 @@ type job struct {
 	role   *Role // a continuous role, not a scheduled job
 }
 
+// member is the name the job is listed under in pgfence_instances, by
+// which its members are found: a role's is prefixed, so that a role and a
+// job of the same name in two services sharing a schema are not taken for
+// one.
+func (j *job) member() string {
+	if j.role != nil {
+		return roleLeasePrefix + j.Name
+	}
+	return j.Name
+}
+
 // ErrNilClient is returned by New for a nil client.
 var ErrNilClient = errors.New("runner: nil lock client")
 
@@ -311,7 +322,7 @@ func (r *Runner) heldJobs() []string {
 	defer r.heldMu.Unlock()
 	names := make([]string, 0, len(r.held))
 	for l := range r.held {
-		names = append(names, strings.TrimPrefix(l.Name(), jobLeasePrefix))
+		names = append(names, strings.TrimPrefix(strings.TrimPrefix(l.Name(), jobLeasePrefix), roleLeasePrefix))
 	}
 	slices.Sort(names)
 	return names

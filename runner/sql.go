@@ -87,13 +87,15 @@ func newRoleSQL(schema string) roleSQL {
     ON CONFLICT DO NOTHING RETURNING position)
 SELECT position FROM ins UNION ALL SELECT position FROM ` + t.positions + ` WHERE role = $1 AND partition = $2`,
 
-		// Advances a partition's position ($3) inside its leader's guarded
-		// transaction (token $4, holder $5). The guard has checked the
-		// token and holds the lease row until the end of the transaction;
-		// the token condition also refuses a position a newer leader has
-		// advanced (no row), and the trigger a token going down.
+		// Advances a partition's position from $6 to $3 inside its
+		// leader's guarded transaction (token $4, holder $5): a
+		// compare-and-set, so a position that moved (an earlier commit
+		// whose answer was lost did commit) is not advanced twice. The
+		// guard has checked the token and holds the lease row until the
+		// end of the transaction; the token condition and the trigger
+		// refuse a token going down.
 		advance: `UPDATE ` + t.positions + ` SET position = $3, token = $4, holder = $5, advanced_at = now(), commits = commits + 1
- WHERE role = $1 AND partition = $2 AND token <= $4`,
+ WHERE role = $1 AND partition = $2 AND token <= $4 AND position = $6`,
 
 		// Every partition that has had a leader (of role $2, or of all
 		// when $2 is ''), with its lease ($1 the role lease prefix).
