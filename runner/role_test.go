@@ -350,7 +350,9 @@ func TestCommitRefusesAMovedPosition(t *testing.T) {
 		return nil
 	}
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{},
-		func(r *runner.Runner) error { return r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: lead}) })
+		func(r *runner.Runner) error {
+			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: lead})
+		})
 	waitFor(t, 30*time.Second, "the partition led", func() bool {
 		infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, "relay")
 		return err == nil && len(infos) == 1 && infos[0].Leading
