@@ -34,7 +34,7 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 		return nil, err
 	}
 	secret := newSecret()
-	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
+	l, err := c.tryAcquire(ctx, name, secret, time.Time{}, 0)
 	if pid, ok := inDoubt(err); ok {
 		c.abandon(name, secret, pid)
 	}
@@ -64,7 +64,7 @@ var errRowChanging = errors.New("the row kept changing under three attempts")
 // RenewInterval: an acquisition that took longer than that to come back
 // (it waited behind a guarded transaction, or the process was paused) is
 // renewed at once, and tried again if the renewal finds it gone.
-func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time) (l *Lease, err error) {
+func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time, minFree time.Duration) (l *Lease, err error) {
 	defer func() {
 		c.m.attempted(ctx, err)
 		if l != nil {
@@ -81,7 +81,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		g    grant
 		held *HeldError
 	)
-	req := acquisition{name: name, secret: secret}
+	req := acquisition{name: name, secret: secret, minFree: minFree}
 	for attempt := 0; ; attempt++ {
 		if attempt == 3 {
 			if held != nil {
@@ -100,6 +100,9 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		if !r.won {
 			if held = r.held; held != nil && r.live {
 				return nil, held
+			}
+			if held != nil && req.minFree > 0 {
+				return nil, errFreedTooRecently
 			}
 			continue // freed between the two statements, or an insert race
 		}
@@ -144,16 +147,22 @@ type grant struct {
 	sent      time.Time
 }
 
-// acquisition is what one Acquire asks for: the name and its secret.
+// acquisition is what one Acquire asks for: the name and its secret, and
+// how long the lease must have been free (Defer; 0: no condition).
 type acquisition struct {
-	name   string
-	secret []byte
+	name    string
+	secret  []byte
+	minFree time.Duration
 }
 
 // args are the acquire and acquireNew statements' arguments.
 func (a acquisition) args(c *Client) []any {
 	return []any{a.name, c.cfg.Holder, a.secret, c.cfg.TTL.Microseconds()}
 }
+
+// errFreedTooRecently is a deferred attempt's answer when the lease has
+// been free for less than its deferral: Acquire defers again.
+var errFreedTooRecently = errors.New("lock: freed too recently for a deferred acquisition")
 
 // attempt is one compare-and-set (and, for a name never acquired, the
 // insert). r.won says whether the lease was won (g is then set); otherwise
@@ -205,7 +214,11 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 	}
 	defer conn.Release()
 	var notified bool // an observer was told
-	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
+	if req.minFree > 0 {
+		err = conn.QueryRow(ctx, c.q.acquireDeferred, append(req.args(c), req.minFree.Microseconds())...).Scan(token, expiresAt, &notified)
+	} else {
+		err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
+	}
 	switch {
 	case err == nil:
 		return casResult{won: true}, nil
@@ -242,10 +255,9 @@ type acquireOptions struct {
 // again before each attempt; 0 or less tries at once. A replica that
 // prefers another to lead defers, so that the other, campaigning without
 // delay, takes the lease when both wait for it, while a lease nobody else
-// wants is still taken d() after it frees. It is a preference, not a
-// guarantee: the check and the attempt are two statements, so a release
-// that lands between them is taken at once (a deferring campaigner that
-// is already waiting when the lease frees always defers).
+// wants is still taken d() after it frees. The attempt itself carries the
+// condition (free for at least d()), so a release that lands between
+// Defer's look and the attempt is not taken at once either.
 func Defer(d func() time.Duration) AcquireOption {
 	return func(o *acquireOptions) { o.deferFor = d }
 }
@@ -343,7 +355,14 @@ func (c *Client) Acquire(ctx context.Context, name string, opts ...AcquireOption
 			return nil, gaveUp()
 		}
 		attemptAt := c.clock.Now() // the trust window of an adopted lease counts from here
-		l, err := c.tryAcquire(ctx, name, secret, since)
+		var minFree time.Duration
+		if o.deferFor != nil {
+			minFree = max(o.deferFor(), 0)
+		}
+		l, err := c.tryAcquire(ctx, name, secret, since, minFree)
+		if errors.Is(err, errFreedTooRecently) {
+			continue // freed just now: defer (deferTo waits out the rest)
+		}
 		if since.IsZero() {
 			since = attemptAt
 		}

@@ -24,10 +24,11 @@ func TestDeferLeavesAFreedLeaseToOthers(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := make(chan *lock.Lease, 2)
-	// q, which defers, waits first: its first look at the lease is over
-	// (the poller has marked the held lease waited for) before p starts,
-	// so the release cannot land between q's check and its attempt (a
-	// deferral is a preference, not a guarantee: see lock.Defer).
+	// q, which defers, waits first (the poller has marked the held lease
+	// waited for) before p starts. Its attempts carry the deferral, so a
+	// release landing between its look at the lease and an attempt is not
+	// taken at once either (it was, twice, under load, before the attempt
+	// carried it).
 	go func() {
 		l, err := q.Acquire(ctx, "preferred", lock.Defer(func() time.Duration { return 5 * time.Second }))
 		if err == nil {

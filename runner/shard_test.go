@@ -125,8 +125,12 @@ func TestShardsSpreadAndRebalance(t *testing.T) {
 	waitFor(t, 20*time.Second, "the survivors to absorb b's shards", balanced("a", "c", "d"))
 	took := time.Since(killed)
 	t.Logf("kill absorbed in %v (TTL %v + rebalance %v): %v", took, ttl, rebalance, held())
-	if took > ttl+rebalance+500*time.Millisecond {
-		t.Errorf("absorbing took %v, want about TTL + one rebalance interval (%v)", took, ttl+rebalance)
+	// The bound allows a loaded machine a second and a heartbeat beyond
+	// the TTL and one rebalance (a run with load 9 took 3.09 s against a
+	// former 3.0 s bound); a takeover that waited for something else (a
+	// poll, a second TTL) still fails it.
+	if bound := ttl + 2*rebalance + time.Second; took > bound {
+		t.Errorf("absorbing took %v, want about TTL + one rebalance interval (%v), at most %v", took, ttl+rebalance, bound)
 	}
 	time.Sleep(time.Second)
 	for _, who := range []string{"a", "c", "d", "b"} {
