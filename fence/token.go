@@ -32,8 +32,14 @@ func (t Token) Valid() bool { return t >= 1 }
 func (t Token) MarshalText() ([]byte, error) { return []byte(t.String()), nil }
 
 // UnmarshalText implements encoding.TextUnmarshaler; it accepts what
-// ParseToken accepts.
+// ParseToken accepts, and "0", which MarshalText writes for the zero value
+// ("no token": a job without a leader, a position never advanced), so that
+// every JSON shape reads back.
 func (t *Token) UnmarshalText(b []byte) error {
+	if string(b) == "0" {
+		*t = 0
+		return nil
+	}
 	v, err := ParseToken(string(b))
 	if err != nil {
 		return err

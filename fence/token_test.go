@@ -2,6 +2,7 @@ package fence_test
 
 import (
 	"encoding/json"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -33,5 +34,18 @@ func TestTokensAreDecimalStringsInJSON(t *testing.T) {
 	var back struct{ Token fence.Token }
 	if err := json.Unmarshal([]byte(`{"Token":"9007199254740993"}`), &back); err != nil || back.Token != big {
 		t.Fatalf("read back: %v, %v", back.Token, err)
+	}
+	// The zero value ("no token": a job without a leader) reads back too;
+	// a negative token does not.
+	back.Token = 5
+	if err := json.Unmarshal([]byte(`{"Token":"0"}`), &back); err != nil || back.Token != 0 {
+		t.Fatalf("read back the zero token: %v, %v", back.Token, err)
+	}
+	var jobs []runner.JobInfo
+	if err := json.Unmarshal([]byte(`[{"job":"j","token":"0"}]`), &jobs); err != nil || jobs[0].Token != 0 {
+		t.Fatalf("a job without a leader read back: %+v, %v", jobs, err)
+	}
+	if err := json.Unmarshal([]byte(`{"Token":"-1"}`), &back); !errors.Is(err, fence.ErrInvalidToken) {
+		t.Fatalf("a negative token read: %v, want ErrInvalidToken", err)
 	}
 }

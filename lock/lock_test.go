@@ -638,9 +638,9 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	// A TTL of a second: long enough for renewals to land on a loaded
-	// machine, short enough for the test to wait out three of them.
-	cfg := lock.Config{TTL: time.Second, RenewInterval: 300 * time.Millisecond, SafetyMargin: 100 * time.Millisecond}
+	// A TTL of 3 s: a renewal may be two seconds late on a loaded machine
+	// (a 1 s TTL lost the lease under load), and the test waits out two.
+	cfg := lock.Config{TTL: 3 * time.Second, RenewInterval: time.Second, SafetyMargin: 300 * time.Millisecond}
 	// The first holder's guarded transaction stays open past the TTL on
 	// purpose: without an idle bound, which would end it at the TTL.
 	fcfg := cfg
@@ -651,7 +651,7 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A guarded transaction of the first holder stays open for 3 TTLs,
+	// A guarded transaction of the first holder stays open for 2 TTLs,
 	// while the holder releases the lease (which does not wait for it).
 	guarded, err := db.Pool.Begin(ctx)
 	if err != nil {
@@ -662,7 +662,7 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 		t.Fatal(err)
 	}
 	ended := make(chan struct{})
-	time.AfterFunc(3*cfg.TTL, func() { _ = guarded.Rollback(context.Background()); close(ended) })
+	time.AfterFunc(2*cfg.TTL, func() { _ = guarded.Rollback(context.Background()); close(ended) })
 	defer func() { <-ended }()
 	if err := old.Release(ctx); err != nil {
 		t.Fatal(err)
@@ -679,8 +679,11 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 		pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'late'").Scan(&live); err != nil || !live {
 		t.Fatalf("database expiry of the returned lease has passed (%v)", err)
 	}
-	// And it stays live: the renewer keeps it.
-	time.Sleep(2 * cfg.TTL)
+	// And it stays live: the renewer keeps it (three renewals, waited for).
+	before := c.Stats().Renewals
+	pgtest.Eventually(t, 40*time.Second, "three renewals of the returned lease", func() bool {
+		return c.Stats().Renewals-before >= 3 || l.Err() != nil
+	})
 	if err := l.Err(); err != nil {
 		t.Fatalf("lease ended after return: %v", err)
 	}
