@@ -239,12 +239,21 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 	}
 }
 
+// balanceTimeout bounds one of the balancer's statements, with the dial of
+// its connection when that broke: the TTL, after which the liveness row the
+// heartbeat renews has expired anyway, so that a connection to a server
+// that stopped answering is given up and dialled again. Not the
+// RebalanceInterval: a loaded server or machine can take longer than that
+// for a dial and a statement, and cutting it closes the connection, so each
+// heartbeat would dial again and fail again.
+func (r *Runner) balanceTimeout() time.Duration { return r.lcfg.TTL }
+
 // heartbeat renews this instance's liveness row, listing the jobs it runs,
 // pokes the workers of its jobs that have manual runs pending (their
 // notification may not have arrived), and returns the live members of
 // every job.
 func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string) (members, error) {
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
+	ctx, cancel := context.WithTimeout(ctx, r.balanceTimeout())
 	defer cancel()
 	rows, err := own.Query(ctx, r.q.heartbeat, r.lcfg.Holder, r.lcfg.TTL.Microseconds(), jobs,
 		deadInstanceRetention.Microseconds())
@@ -280,7 +289,7 @@ func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string
 // once the view holds still, so that the assignment keeps what is held
 // (assign).
 func (r *Runner) holders(ctx context.Context, own *ownconn.Conn, jobs []*job) (map[string][]string, error) {
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.RebalanceInterval)
+	ctx, cancel := context.WithTimeout(ctx, r.balanceTimeout())
 	defer cancel()
 	var names []string
 	at := make(map[string]shardKey)
