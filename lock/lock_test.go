@@ -133,7 +133,9 @@ func TestRenewReleaseReacquire(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	cfg := lock.Config{TTL: time.Second, RenewInterval: 200 * time.Millisecond, SafetyMargin: 100 * time.Millisecond}
+	// A 3 s TTL: a loaded machine can hold a renewal back for more than a
+	// second, which would lose a 1 s lease before the test looks at it.
+	cfg := lock.Config{TTL: 3 * time.Second, RenewInterval: 500 * time.Millisecond, SafetyMargin: 300 * time.Millisecond}
 	c := newClient(t, db, cfg)
 	l, err := c.TryAcquire(ctx, "renew")
 	if err != nil {
@@ -143,7 +145,7 @@ func TestRenewReleaseReacquire(t *testing.T) {
 	// Alive after two TTLs only if renewed; judged after the renewals
 	// happened, however long a loaded machine takes for them.
 	pgtest.Eventually(t, 30*time.Second, "two TTLs of renewals", func() bool {
-		return c.Stats().Renewals >= 8 && time.Since(acquired) > 2*cfg.TTL
+		return c.Stats().Renewals >= 8 && time.Since(acquired) > 2*cfg.TTL || c.Stats().Held == 0
 	})
 	if err := l.Check(ctx); err != nil {
 		t.Fatalf("lease not kept alive by renewal: %v", err)
@@ -518,8 +520,8 @@ func TestBatchRenewalIsConstantStatements(t *testing.T) {
 	ctx := ctxT(t, time.Minute)
 	counter := &stmtCounter{}
 	pool := pgtest.NewPool(t, "renew-count", func(c *pgxpool.Config) { c.ConnConfig.Tracer = counter })
-	c, err := lock.New(pool, lock.Config{TTL: 900 * time.Millisecond, RenewInterval: 100 * time.Millisecond,
-		SafetyMargin: 50 * time.Millisecond, Schema: db.Schema, Logger: quiet})
+	c, err := lock.New(pool, lock.Config{TTL: 3 * time.Second, RenewInterval: 300 * time.Millisecond,
+		SafetyMargin: 300 * time.Millisecond, Schema: db.Schema, Logger: quiet})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -532,7 +534,7 @@ func TestBatchRenewalIsConstantStatements(t *testing.T) {
 		}
 	}
 	counter.reset()
-	time.Sleep(1 * time.Second)
+	time.Sleep(3 * time.Second) // a window of about 10 intervals
 	renewals := counter.count("UPDATE")
 	for _, l := range leases {
 		if l.Err() != nil {
@@ -603,7 +605,7 @@ func TestLeasesAndForceRelease(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	c := newClient(t, db, lock.Config{Holder: "worker-1", TTL: 900 * time.Millisecond, RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond})
+	c := newClient(t, db, lock.Config{Holder: "worker-1", TTL: 3 * time.Second, RenewInterval: 100 * time.Millisecond})
 	l, err := c.TryAcquire(ctx, "ops")
 	if err != nil {
 		t.Fatal(err)
@@ -612,7 +614,7 @@ func TestLeasesAndForceRelease(t *testing.T) {
 	if err != nil || len(infos) != 1 {
 		t.Fatalf("Leases = %v, %v", infos, err)
 	}
-	if i := infos[0]; i.Name != "ops" || i.Holder != "worker-1" || !i.Held || i.Token != l.Token() || i.ExpiresIn <= 0 || i.ExpiresIn > time.Second {
+	if i := infos[0]; i.Name != "ops" || i.Holder != "worker-1" || !i.Held || i.Token != l.Token() || i.ExpiresIn <= 0 || i.ExpiresIn > 3*time.Second {
 		t.Fatalf("Info = %+v", i)
 	}
 	if _, _, err := lock.ForceRelease(ctx, c.Pool(), c.Config().Schema, "nope"); !errors.Is(err, lock.ErrNoLease) {
@@ -622,7 +624,7 @@ func TestLeasesAndForceRelease(t *testing.T) {
 	if err != nil || holder != "worker-1" || tok != l.Token() {
 		t.Fatalf("ForceRelease = %q, %d, %v", holder, tok, err)
 	}
-	waitLost(t, l, 2*time.Second, "holder did not notice the forced release")
+	waitLost(t, l, 10*time.Second, "holder did not notice the forced release")
 	l2, err := c.TryAcquire(ctx, "ops")
 	if err != nil || l2.Token() <= l.Token() {
 		t.Fatalf("after force release: %v, %v", l2, err)
@@ -861,9 +863,14 @@ func TestWaitersPollOncePerInterval(t *testing.T) {
 			got <- l
 		}()
 	}
-	// Every waiter has tried once and waits: the statements settle to the
-	// poller's (a loaded machine may take seconds to get there). The count
-	// below is an upper bound, which load can only make easier to meet.
+	// Every waiter has tried once (each failed attempt reads the holder)
+	// and waits: the statements settle to the poller's (a loaded machine
+	// may take seconds to get there, and may not have run every waiter's
+	// goroutine yet when a quiet window is seen). The count below is an
+	// upper bound, which load can only make easier to meet.
+	pgtest.Eventually(t, 30*time.Second, "every waiter's first attempt", func() bool {
+		return counter.count("SELECT token, coalesce(holder") >= n
+	})
 	pgtest.Eventually(t, 30*time.Second, "the waiters' first attempts to be over", func() bool {
 		counter.reset()
 		time.Sleep(300 * time.Millisecond)
