@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -190,9 +191,14 @@ func TestObserveNamesTheLeader(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := pgtest.Context(t, time.Minute)
 	job := runner.Job{Name: "watched", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}
+	logs := pgtest.NewLogs()
+	logs.LogOnFailure(t) // a failure shows both replicas' story
 	ins := map[string]*instance{}
 	for _, who := range []string{"a", "b"} {
-		ins[who] = start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: who, PollInterval: 30 * time.Second}, runner.Config{},
+		log := slog.New(logs).With("replica", who)
+		ins[who] = start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: who, PollInterval: 30 * time.Second, Logger: log,
+			OnEvent: func(e lock.Event) { log.Info("lock event", "event", e) }},
+			runner.Config{OnEvent: func(e runner.Event) { log.Info("runner event", "event", e) }},
 			func(r *runner.Runner) error { return r.Register(job) })
 	}
 	var leader string
@@ -208,7 +214,9 @@ func TestObserveNamesTheLeader(t *testing.T) {
 	if i := <-seen; !i.Held || i.Holder != leader {
 		t.Fatalf("first state: %+v, want %s leading", i, leader)
 	}
+	logs.Handle(ctx, slog.NewRecord(time.Now(), slog.LevelInfo, "stopping "+leader, 0))
 	ins[leader].stop(t)
+	logs.Handle(ctx, slog.NewRecord(time.Now(), slog.LevelInfo, "stopped "+leader, 0))
 	// 20 s: below the 30 s of a poll, so the news can only have come by
 	// notification, with room for a loaded machine (a failure under load
 	// took more than 5 s for the leave, the new leader's acquisition and
@@ -216,6 +224,7 @@ func TestObserveNamesTheLeader(t *testing.T) {
 	for deadline := time.After(20 * time.Second); ; {
 		select {
 		case i := <-seen:
+			logs.Handle(ctx, slog.NewRecord(time.Now(), slog.LevelInfo, fmt.Sprintf("observed %+v", i), 0))
 			if i.Held && i.Holder == other {
 				return
 			}

@@ -353,6 +353,27 @@ func (l *Logs) Find(level slog.Level, msg string) []slog.Record {
 	return out
 }
 
+// LogOnFailure writes every kept record to the test's log when the test
+// has failed, so that a failure shows what the clients logged up to it.
+func (l *Logs) LogOnFailure(tb testing.TB) {
+	tb.Cleanup(func() {
+		if !tb.Failed() {
+			return
+		}
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		for _, r := range *l.recs {
+			var b strings.Builder
+			fmt.Fprintf(&b, "%s %s %s", r.Time.Format("15:04:05.000"), r.Level, r.Message)
+			r.Attrs(func(a slog.Attr) bool {
+				fmt.Fprintf(&b, " %s", a)
+				return true
+			})
+			tb.Log(b.String())
+		}
+	})
+}
+
 // NeedTool handles a test's missing external tool (PgBouncer, Patroni, the
 // server binaries): if err matches one of missing, the test is skipped with
 // err's message, which names the tool and how to install it, or fails when
