@@ -104,9 +104,11 @@ type Config struct {
 	// goroutines (the renewer, a lease's timer, the caller's).
 	OnEvent func(Event)
 
-	// SkewWarning is how far the database's clock may seem to be from this
-	// machine's before the client logs a warning (once per crossing, and
-	// once when it is back under). pgfence never uses the skew for
+	// SkewWarning is how far the database's clock must surely be from
+	// this machine's before the client logs a warning (once per crossing,
+	// and once when it is back under). A renewal's round trip bounds what
+	// it can tell: a difference within the round trip is not counted as
+	// skew, so a slow round trip never warns. pgfence never uses the skew for
 	// decisions, but a skew near SafetyMargin eats the safety the trust
 	// window gives. Default SafetyMargin/2; negative: never warn.
 	SkewWarning time.Duration

@@ -16,15 +16,19 @@ type Stats struct {
 	LastRenewLatency time.Duration
 	// ClockSkew estimates the database's clock minus this machine's, from
 	// the last successful renewal (server time against the midpoint of the
-	// request). pgfence never uses it for decisions (expiry is judged by
-	// the database); a large value points at a misconfigured clock.
+	// request), to within half of LastRenewLatency either way. pgfence
+	// never uses it for decisions (expiry is judged by the database); a
+	// large value points at a misconfigured clock.
 	ClockSkew time.Duration
 }
 
 type stats struct {
 	renewals, failures atomic.Uint64
 	latency, skew      atomic.Int64
-	skewed             atomic.Bool // the skew is past Config.SkewWarning
+	// leastSkew is the smallest skew (in absolute value) the last renewal
+	// is consistent with: 0 when the clocks may agree.
+	leastSkew atomic.Int64
+	skewed    atomic.Bool // leastSkew is past Config.SkewWarning
 }
 
 // Stats returns the client's current lease health.
@@ -45,26 +49,52 @@ func (c *Client) Stats() Stats {
 // got, with the database's statement time dbNow, and returns its round trip.
 func (s *stats) observe(sent, got, dbNow time.Time) time.Duration {
 	rtt := got.Sub(sent)
+	estimate, least := skewOf(sent, got, dbNow)
 	s.renewals.Add(1)
 	s.latency.Store(int64(rtt))
-	s.skew.Store(int64(dbNow.Sub(sent.Add(rtt / 2))))
+	s.skew.Store(int64(estimate))
+	s.leastSkew.Store(int64(least))
 	return rtt
 }
 
-// watchSkew logs once when the estimated clock skew crosses
-// Config.SkewWarning, and once when it is back under.
+// skewOf judges the database's clock against this machine's from one round
+// trip: a statement sent at sent, answered at got (this machine's clock),
+// that read dbNow on the database's clock while it ran. The true skew
+// (database minus here) lies between dbNow-got and dbNow-sent, whichever
+// part of the round trip the statement ran in; estimate is the middle of
+// that range and least the smallest skew, in absolute value, that it
+// admits: 0 when the range holds 0, i.e. when the clocks may agree and the
+// difference seen is the round trip's (a loaded machine's 100 ms round trip
+// is not 50 ms of skew).
+func skewOf(sent, got, dbNow time.Time) (estimate, least time.Duration) {
+	rtt := got.Sub(sent)
+	lo, hi := dbNow.Sub(sent.Add(rtt)), dbNow.Sub(sent) // dbNow-got, dbNow-sent on one clock reading
+	estimate = lo + (hi-lo)/2
+	switch {
+	case lo > 0:
+		least = lo
+	case hi < 0:
+		least = -hi
+	}
+	return estimate, least
+}
+
+// watchSkew logs once when the clock skew is surely past
+// Config.SkewWarning (past it whatever part of the round trip the renewal
+// ran in), and once when it may be back under.
 func (c *Client) watchSkew() {
 	if c.cfg.SkewWarning < 0 {
 		return
 	}
 	skew := time.Duration(c.stats.skew.Load())
-	over := skew > c.cfg.SkewWarning || -skew > c.cfg.SkewWarning
+	over := time.Duration(c.stats.leastSkew.Load()) > c.cfg.SkewWarning
 	if c.stats.skewed.Swap(over) == over {
 		return
 	}
 	if over {
 		c.cfg.Logger.Warn("pgfence: the database's clock and this machine's differ by more than SkewWarning; "+
 			"expiry is judged by the database, but the skew eats into SafetyMargin", "skew", skew,
+			"at_least", time.Duration(c.stats.leastSkew.Load()), "round_trip", time.Duration(c.stats.latency.Load()),
 			"warning", c.cfg.SkewWarning, "safety_margin", c.cfg.SafetyMargin, "holder", c.cfg.Holder)
 	} else {
 		c.cfg.Logger.Info("pgfence: clock skew back under SkewWarning", "skew", skew, "holder", c.cfg.Holder)

@@ -1,0 +1,81 @@
+package lock
+
+import (
+	"bytes"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The skew a renewal proves is the part of the database's clock reading
+// that no timing within the round trip explains.
+func TestSkewOf(t *testing.T) {
+	sent := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	ms := time.Millisecond
+	for _, c := range []struct {
+		name            string
+		rtt, db         time.Duration // the round trip, and dbNow - sent
+		estimate, least time.Duration
+	}{
+		{"same clock, read at the start", 100 * ms, 0, -50 * ms, 0},
+		{"same clock, read at the end", 100 * ms, 100 * ms, 50 * ms, 0},
+		{"same clock, read midway", 100 * ms, 50 * ms, 0, 0},
+		{"database ahead by more than the round trip", 100 * ms, 300 * ms, 250 * ms, 200 * ms},
+		{"database behind", 100 * ms, -300 * ms, -350 * ms, 300 * ms},
+		{"an instant round trip", 0, 70 * ms, 70 * ms, 70 * ms},
+	} {
+		estimate, least := skewOf(sent, sent.Add(c.rtt), sent.Add(c.db))
+		if estimate != c.estimate || least != c.least {
+			t.Errorf("%s: skewOf = %v, %v; want %v, %v", c.name, estimate, least, c.estimate, c.least)
+		}
+	}
+}
+
+// The warning fires once when the skew is surely past SkewWarning, not again
+// while it stays there, and notes once that it is back under; a large
+// difference explained by a slow round trip does not cross.
+func TestSkewWarningOnCrossings(t *testing.T) {
+	var logged bytes.Buffer
+	c := &Client{cfg: Config{SkewWarning: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&logged, nil))}}
+	count := func(level, msg string) int {
+		n := 0
+		for _, line := range strings.Split(logged.String(), "\n") {
+			if strings.Contains(line, "level="+level) && strings.Contains(line, msg) {
+				n++
+			}
+		}
+		return n
+	}
+	sent := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	renew := func(rtt, db time.Duration) {
+		c.stats.observe(sent, sent.Add(rtt), sent.Add(db))
+		c.watchSkew()
+	}
+	ms := time.Millisecond
+	renew(300*ms, 250*ms) // 250 ms off, all of it within the round trip
+	if n := count("WARN", "SkewWarning"); n != 0 {
+		t.Fatalf("%d warnings for a difference the round trip explains, want 0", n)
+	}
+	renew(10*ms, 200*ms)  // surely 190 ms ahead: warns
+	renew(10*ms, 300*ms)  // still over: no second warning
+	renew(10*ms, -200*ms) // over, the other way: still no second warning
+	if n := count("WARN", "SkewWarning"); n != 1 {
+		t.Fatalf("%d warnings, want 1", n)
+	}
+	renew(10*ms, 5*ms) // agrees within the round trip: back under
+	renew(10*ms, 5*ms)
+	if n := count("INFO", "back under"); n != 1 {
+		t.Fatalf("%d notes of the skew back under, want 1", n)
+	}
+	renew(10*ms, 200*ms) // a new crossing warns again
+	if n := count("WARN", "SkewWarning"); n != 2 {
+		t.Fatalf("%d warnings after a second crossing, want 2", n)
+	}
+	c.cfg.SkewWarning = -1 // never warn
+	renew(10*ms, 5*ms)
+	renew(10*ms, time.Hour)
+	if n := count("WARN", "SkewWarning"); n != 2 {
+		t.Fatalf("%d warnings with warnings off, want still 2", n)
+	}
+}
