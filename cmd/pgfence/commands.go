@@ -49,14 +49,14 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 		if err != nil {
 			return err
 		}
-		fmt.Fprintf(e.stdout, "pgfence schema is at version %d\n", v)
+		fmt.Fprintf(e.stdout, "pgfence schema %s in %s is at version %d\n", printable.String(e.schema), e.target, v)
 		return nil
 	}
 	st, err := migrations.Status(ctx, pool, e.schema)
 	if err != nil {
 		return err
 	}
-	where := "schema " + printable.String(st.Schema)
+	where := "schema " + printable.String(st.Schema) + " in " + e.target
 	switch {
 	case !st.SchemaExists:
 		fmt.Fprintf(e.stdout, "%s: no such schema (not migrated; `pgfence migrate up` creates it)\n", where)

@@ -137,6 +137,11 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	if url == "" {
 		url = os.Getenv("DATABASE_URL")
 	}
+	if url == "" && !libpqNamesADatabase() {
+		return nil, fail(exitUsage, "no database named: set DATABASE_URL or --database-url, e.g.\n"+
+			"  DATABASE_URL='postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable'\n"+
+			"(or the libpq variables PGHOST, PGDATABASE, ...); pgfence does not guess one")
+	}
 	if scheme, _, ok := strings.Cut(url, "://"); ok && scheme != "postgres" && scheme != "postgresql" && !strings.ContainsAny(scheme, " =") {
 		return nil, fail(exitUsage, "--database-url: scheme %q: a URL starts with postgres:// or postgresql:// "+
 			"(or give keyword/value settings: host=... dbname=...)", scheme)
@@ -162,6 +167,20 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 		return nil, fail(exitError, "cannot reach %s: %s", e.target, distinctLines(err.Error()))
 	}
 	return pool, nil
+}
+
+// libpqNamesADatabase reports whether libpq's environment names a server or
+// a database (an empty URL then means "the libpq variables", as in psql).
+// With none of them, an empty URL would mean a local socket and a database
+// named after the OS user: a guess the CLI refuses to make for commands that
+// migrate, release and pause.
+func libpqNamesADatabase() bool {
+	for _, v := range []string{"PGHOST", "PGHOSTADDR", "PGDATABASE", "PGSERVICE"} {
+		if os.Getenv(v) != "" {
+			return true
+		}
+	}
+	return false
 }
 
 // distinctLines drops the lines of s that repeat an earlier one: pgx names

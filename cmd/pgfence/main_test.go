@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/url"
 	"os"
 	"os/exec"
@@ -33,8 +34,13 @@ type cli struct {
 func newCLI(t *testing.T) *cli {
 	t.Helper()
 	c := &cli{t: t, bin: pgtest.Build(t, "."), schema: pgtest.Schema(t, "cli")}
-	if out, code := c.run("", "migrate", "up"); code != 0 {
+	out, code := c.run("", "migrate", "up")
+	if code != 0 {
 		t.Fatalf("migrate up: %d %s", code, out)
+	}
+	// A migration names where it went.
+	if cc, err := pgx.ParseConfig(pgtest.URL(t)); err != nil || !strings.Contains(out, fmt.Sprintf("in database %q as user %q", cc.Database, cc.User)) {
+		t.Fatalf("migrate up does not name its database (%v):\n%s", err, out)
 	}
 	return c
 }
@@ -339,6 +345,8 @@ func TestMessagesSayWhatToDo(t *testing.T) {
 			[]string{`"down"`, "up or status"}, []string{"takes one argument"}},
 		{"not migrated", []string{"DATABASE_URL=" + empty}, []string{"leases"}, 1,
 			[]string{`schema "pgfence"`, "migrate up", `database "` + empty[strings.LastIndex(empty, "/")+1:strings.Index(empty, "?")] + `"`, `user "postgres"`}, nil},
+		{"no database named", []string{"DATABASE_URL=", "PGHOST=", "PGHOSTADDR=", "PGDATABASE=", "PGSERVICE="}, []string{"migrate", "up"}, 2,
+			[]string{"DATABASE_URL", "--database-url", "does not guess"}, []string{"version"}},
 		{"mistyped scheme", nil, []string{"--database-url", "postgress://postgres@127.0.0.1:5432/test", "leases"}, 2,
 			[]string{`"postgress"`, "postgres://"}, []string{"failed to parse"}},
 	}

@@ -28,12 +28,21 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL")) // "": the libpq variables (PGHOST, ...)
+	// It migrates and writes, so it does not guess which database.
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		fmt.Fprintln(os.Stderr, "quickstart: set DATABASE_URL to the database to use, e.g.\n"+
+			"  DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable' go run ./examples/quickstart")
+		os.Exit(2)
+	}
+	pool, err := pgxpool.New(ctx, url)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "quickstart:", err)
 		os.Exit(1)
 	}
 	defer pool.Close()
+	cc := pool.Config().ConnConfig
+	fmt.Printf("database %q as user %q at %s:%d\n", cc.Database, cc.User, cc.Host, cc.Port)
 	if err := run(ctx, pool, "pgfence", os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "quickstart:", err)
 		os.Exit(1)

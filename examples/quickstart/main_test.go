@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -73,7 +74,16 @@ func TestQuickStartChargesEachCustomerOnce(t *testing.T) {
 	t.Run("one after the other", func(t *testing.T) {
 		url := pgtest.Database(t)
 		for range 2 {
-			wait(start(url))
+			cmd, out := start(url)
+			wait(cmd, out)
+			// It says which database it used.
+			cc, err := pgx.ParseConfig(url)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := fmt.Sprintf("database %q as user %q", cc.Database, cc.User); !strings.HasPrefix(out.String(), want) {
+				t.Fatalf("the output does not start with %q:\n%s", want, out)
+			}
 		}
 		if n, c := charges(url); n != 3 || c != 3 {
 			t.Fatalf("two runs left %d charges of %d customers; want 3 of 3", n, c)
@@ -100,6 +110,23 @@ func TestQuickStartChargesEachCustomerOnce(t *testing.T) {
 			t.Fatalf("two copies at once left %d charges of %d customers; want 3 of 3\n%s\n%s", n, c, aOut, bOut)
 		}
 	})
+}
+
+// Without DATABASE_URL the quick start, which migrates and writes, refuses
+// to guess a database (libpq's defaults once migrated another user's
+// database and exited 0), exits 2 and says what to set.
+func TestQuickStartNeedsDatabaseURL(t *testing.T) {
+	bin := pgtest.Build(t, ".")
+	cmd := exec.Command(bin)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "DATABASE_URL=") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	out, err := cmd.CombinedOutput()
+	if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 2 || !strings.Contains(string(out), "set DATABASE_URL") {
+		t.Fatalf("without DATABASE_URL: %v\n%s\nwant exit 2 and what to set", err, out)
+	}
 }
 
 // Every Go block in README.md is code that compiles: it stands,
