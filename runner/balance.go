@@ -70,11 +70,12 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 	}
 	singlesStarted := false
 	st := settler{settle: min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second), patience: r.cfg.RebalanceInterval}
-	announced := false
+	announced, started := false, false
 	var failing retry.Failing // one warning per failure period
 	for {
 		next := r.cfg.RebalanceInterval
-		view, err := r.heartbeat(ctx, own, names)
+		view, err := r.heartbeat(ctx, own, names, !started)
+		started = started || err == nil
 		if err != nil {
 			if ctx.Err() != nil {
 				return
@@ -251,12 +252,14 @@ func (r *Runner) balanceTimeout() time.Duration { return r.lcfg.TTL }
 // heartbeat renews this instance's liveness row, listing the jobs it runs,
 // pokes the workers of its jobs that have manual runs pending (their
 // notification may not have arrived), and returns the live members of
-// every job.
-func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string) (members, error) {
+// every job. first says no heartbeat of this Run has succeeded yet: it
+// records the instance's start, so that a restart with the same Holder
+// shows its own start time.
+func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string, first bool) (members, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.balanceTimeout())
 	defer cancel()
 	rows, err := own.Query(ctx, r.q.heartbeat, r.lcfg.Holder, r.lcfg.TTL.Microseconds(), jobs,
-		deadInstanceRetention.Microseconds())
+		deadInstanceRetention.Microseconds(), first)
 	if err != nil {
 		return nil, err
 	}

@@ -25,6 +25,10 @@ type InstanceInfo struct {
 	// is kept a while, then deleted by the live instances.
 	ExpiresAt time.Time `json:"expires_at"`
 	Live      bool      `json:"live"`
+	// StoppedAt is when the instance stopped cleanly (its Run returned),
+	// nil while it runs or if it stopped heartbeating without a word (a
+	// crash, a kill, a lost network).
+	StoppedAt *time.Time `json:"stopped_at"`
 	// Jobs names the jobs the instance registered (it runs them when it
 	// leads them).
 	Jobs []string `json:"jobs"`
@@ -65,7 +69,7 @@ func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo,
 			shards []int
 			tokens []int64
 		)
-		err := r.Scan(&ii.ID, &ii.StartedAt, &ii.HeartbeatAt, &ii.ExpiresAt, &ii.Live, &ii.Jobs, &jobs, &shards, &tokens, &ii.Now)
+		err := r.Scan(&ii.ID, &ii.StartedAt, &ii.HeartbeatAt, &ii.ExpiresAt, &ii.Live, &ii.StoppedAt, &ii.Jobs, &jobs, &shards, &tokens, &ii.Now)
 		for i := range jobs {
 			ii.Leads = append(ii.Leads, Lead{Job: jobs[i], Shard: shards[i], Token: fence.Token(tokens[i])})
 		}
@@ -95,14 +99,29 @@ type Term struct {
 	FirstRun time.Time `json:"first_run"`
 	LastRun  time.Time `json:"last_run"`
 	Attempts int       `json:"attempts"`
+	// Until is when the term's last attempt to end ended (an attempt that
+	// still runs counts from its start): the term's last sign of life in
+	// the ledger.
+	Until time.Time `json:"until"`
+	// Fenced counts the term's attempts refused as stale or taken over.
+	Fenced int `json:"fenced"`
+}
+
+// TermFilter selects terms for Terms. The zero value selects the 20 most
+// recent terms of every job.
+type TermFilter struct {
+	// Job, if set, selects one job's terms.
+	Job string
+	// Limit is the most terms returned. Default 20.
+	Limit int
 }
 
 // Terms returns the most recent leadership terms recorded in the ledger of
-// schema ("" means "pgfence"), newest first, at most limit (default 20): a
-// change of leader shows as a new term with a greater token. A term in
+// schema ("" means "pgfence") that f selects, newest first: a change of
+// leader shows as a new term with a greater token. A term in
 // which no attempt ran is not in the ledger; the current leader of each job
 // is in Jobs.
-func Terms(ctx context.Context, db fence.DB, schema string, limit int) ([]Term, error) {
+func Terms(ctx context.Context, db fence.DB, schema string, f TermFilter) ([]Term, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: Terms"); err != nil {
 		return nil, err
 	}
@@ -112,13 +131,13 @@ func Terms(ctx context.Context, db fence.DB, schema string, limit int) ([]Term, 
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
-	if limit == 0 {
-		limit = 20
+	if f.Limit == 0 {
+		f.Limit = 20
 	}
-	if limit < 0 {
-		return nil, fmt.Errorf("runner: Terms limit %d is negative", limit)
+	if f.Limit < 0 {
+		return nil, fmt.Errorf("runner: TermFilter.Limit %d is negative", f.Limit)
 	}
-	rows, err := db.Query(ctx, sqlFor(schema).terms, limit)
+	rows, err := db.Query(ctx, sqlFor(schema).terms, f.Limit, f.Job)
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the terms: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
@@ -127,7 +146,7 @@ func Terms(ctx context.Context, db fence.DB, schema string, limit int) ([]Term, 
 			t   Term
 			tok int64
 		)
-		err := r.Scan(&t.Job, &t.Shard, &tok, &t.Holder, &t.FirstRun, &t.LastRun, &t.Attempts)
+		err := r.Scan(&t.Job, &t.Shard, &tok, &t.Holder, &t.FirstRun, &t.LastRun, &t.Until, &t.Attempts, &t.Fenced)
 		t.Token = fence.Token(tok)
 		return t, err
 	})

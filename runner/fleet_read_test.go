@@ -39,9 +39,11 @@ func TestInstancesAndTermsFollowTheFleet(t *testing.T) {
 		}
 		return m
 	}
-	var list []runner.InstanceInfo
+	var (
+		list []runner.InstanceInfo
+		err  error
+	)
 	waitFor(t, 15*time.Second, "both instances live, leading all five job shards between them", func() bool {
-		var err error
 		if list, err = runner.Instances(ctx, db.Pool, db.Schema); err != nil {
 			t.Fatal(err)
 		}
@@ -59,25 +61,39 @@ func TestInstancesAndTermsFollowTheFleet(t *testing.T) {
 		}
 	}
 	waitFor(t, 10*time.Second, "tick to run", func() bool {
-		terms, err := runner.Terms(ctx, db.Pool, db.Schema, 0)
+		terms, err := runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{})
 		return err == nil && slices.ContainsFunc(terms, func(tm runner.Term) bool { return tm.Job == "tick" })
 	})
 	first := holderOf(t, db, "pgfence/job/tick")
 	other := map[string]string{"a": "b", "b": "a"}[first]
+	startedAt := func(list []runner.InstanceInfo, id string) (time.Time, *time.Time) {
+		for _, ii := range list {
+			if ii.ID == id {
+				return ii.StartedAt, ii.StoppedAt
+			}
+		}
+		t.Fatalf("no instance %s in %+v", id, list)
+		return time.Time{}, nil
+	}
+	began, _ := startedAt(list, first)
 	ins[first].stop(t)
 	waitFor(t, 15*time.Second, "the stopped instance marked not live, the other leading everything", func() bool {
-		list, err := runner.Instances(ctx, db.Pool, db.Schema)
-		if err != nil {
+		if list, err = runner.Instances(ctx, db.Pool, db.Schema); err != nil {
 			t.Fatal(err)
 		}
 		m := leads(list)
 		_, stillLive := m[first]
 		return !stillLive && len(m[other]) == 5
 	})
+	// A clean stop is recorded as such (a crash leaves StoppedAt nil: the
+	// fleet page tells "stopped" from "gone").
+	if _, stopped := startedAt(list, first); stopped == nil {
+		t.Fatalf("instance %s stopped cleanly, but StoppedAt is nil", first)
+	}
 	var terms []runner.Term
 	waitFor(t, 10*time.Second, "a second term of tick, by the other instance", func() bool {
 		var err error
-		terms, err = runner.Terms(ctx, db.Pool, db.Schema, 100)
+		terms, err = runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Limit: 100})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -87,8 +103,22 @@ func TestInstancesAndTermsFollowTheFleet(t *testing.T) {
 	if tk[0].Token <= tk[1].Token || tk[1].Holder != first || tk[0].FirstRun.Before(tk[1].FirstRun) || tk[0].Attempts < 1 {
 		t.Fatalf("terms of tick, newest first: %+v; want the newer term (greater token) by %s after %s's", tk, other, first)
 	}
-	if _, err := runner.Terms(ctx, db.Pool, db.Schema, -1); err == nil {
+	if _, err := runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Limit: -1}); err == nil {
 		t.Fatal("Terms with a negative limit: no error")
+	}
+	// Started again under the same identity, it shows its own start time
+	// and is no longer stopped.
+	ins[first] = start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: first, TTL: time.Second, PollInterval: 100 * time.Millisecond},
+		runner.Config{}, register)
+	waitFor(t, 15*time.Second, "the restarted instance live", func() bool {
+		if list, err = runner.Instances(ctx, db.Pool, db.Schema); err != nil {
+			t.Fatal(err)
+		}
+		_, live := leads(list)[first]
+		return live
+	})
+	if again, stopped := startedAt(list, first); !again.After(began) || stopped != nil {
+		t.Fatalf("restarted %s: started %v (first start %v), stopped %v; want a later start and not stopped", first, again, began, stopped)
 	}
 }
 

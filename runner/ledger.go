@@ -71,8 +71,13 @@ type RunFilter struct {
 	Job string
 	// Status, if set, selects runs in that state.
 	Status Status
+	// Kind, if set, selects runs of that kind (scheduled or manual).
+	Kind Kind
 	// Limit is the most runs returned. Default 20.
 	Limit int
+	// Offset skips that many of the newest matching runs: the page of
+	// older runs after the first Limit is Offset Limit.
+	Offset int
 }
 
 // Runs returns recent attempts from the ledger in schema ("" means "pgfence"),
@@ -93,7 +98,10 @@ func Runs(ctx context.Context, db fence.DB, schema string, f RunFilter) ([]RunIn
 	if f.Limit < 0 {
 		return nil, fmt.Errorf("runner: RunFilter.Limit %d is negative", f.Limit)
 	}
-	rows, err := db.Query(ctx, sqlFor(schema).runs, f.Job, string(f.Status), f.Limit)
+	if f.Offset < 0 {
+		return nil, fmt.Errorf("runner: RunFilter.Offset %d is negative", f.Offset)
+	}
+	rows, err := db.Query(ctx, sqlFor(schema).runs, f.Job, string(f.Status), f.Limit, string(f.Kind), f.Offset)
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the ledger: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}

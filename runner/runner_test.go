@@ -584,6 +584,34 @@ func TestLedgerReadAndPrune(t *testing.T) {
 	if err != nil || len(failed) != 2 || failed[0].Error != "again" || failed[0].FinishedAt == nil || failed[1].Error != "boom" {
 		t.Fatalf("failed attempts of a (each attempt kept): %+v, %v", failed, err)
 	}
+	manual, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{Job: "a", Kind: runner.KindManual})
+	if err != nil || len(manual) != 1 || manual[0].Token != 3 || manual[0].Kind != runner.KindManual {
+		t.Fatalf("manual runs of a: %+v, %v", manual, err)
+	}
+	// Pages of two, newest first, cover a's five attempts once each.
+	var paged []string
+	for off := 0; off < 6; off += 2 {
+		page, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{Job: "a", Limit: 2, Offset: off})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ri := range page {
+			paged = append(paged, fmt.Sprintf("%d/%s/%d", ri.Token, ri.Kind, ri.Attempt))
+		}
+	}
+	if want := []string{"3/manual/1", "3/scheduled/2", "3/scheduled/1", "2/scheduled/1", "1/scheduled/1"}; !slices.Equal(paged, want) {
+		t.Fatalf("a's attempts in pages of two: %v, want %v", paged, want)
+	}
+	if _, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{Offset: -1}); err == nil {
+		t.Fatal("Runs with a negative offset: no error")
+	}
+	// a's terms: token 3's three attempts (one still failing, then its
+	// retry, and the manual run), 2's, 1's; b's are left out.
+	terms, err := runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Job: "a"})
+	if err != nil || len(terms) != 3 || terms[0].Token != 3 || terms[0].Attempts != 3 || terms[2].Token != 1 ||
+		terms[0].Until.Sub(old.Add(3*time.Hour)).Abs() > time.Microsecond || terms[0].Fenced != 0 {
+		t.Fatalf("terms of a: %+v, %v", terms, err)
+	}
 	n, err := runner.Prune(ctx, db.Pool, db.Schema, time.Now().Add(-24*time.Hour))
 	if err != nil || n != 3 {
 		t.Fatalf("Prune deleted %d, %v; want the two older scheduled slots of a and its old manual run", n, err)
@@ -591,6 +619,13 @@ func TestLedgerReadAndPrune(t *testing.T) {
 	left, err := runner.Runs(ctx, db.Pool, db.Schema, runner.RunFilter{Limit: 100})
 	if err != nil || len(left) != 4 {
 		t.Fatalf("after Prune: %d runs, %v; want both attempts of a's latest slot, b's running and recent runs", len(left), err)
+	}
+	mustExec(t, db, "INSERT INTO "+runs+` (job, shard, kind, slot, attempt, token, status, holder, started_at, finished_at, error) VALUES
+		('c', 0, 'scheduled', now(), 1, 7, 'fenced', 'h', now(), now(), 'stale'),
+		('c', 0, 'scheduled', now(), 2, 8, 'succeeded', 'h2', now(), now(), NULL)`)
+	if terms, err := runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Job: "c"}); err != nil || len(terms) != 2 ||
+		terms[0].Fenced+terms[1].Fenced != 1 {
+		t.Fatalf("terms of c: %+v, %v; want two, one fenced attempt between them", terms, err)
 	}
 
 	inst := tbl(db, "pgfence_instances")

@@ -233,9 +233,10 @@ ON CONFLICT (job) DO UPDATE SET schedule = EXCLUDED.schedule, shards = EXCLUDED.
 		// carries the (job, shard) pairs of the schema's pending manual
 		// runs, through the partial index.
 		heartbeat: fmt.Sprintf(`WITH me AS (
-    INSERT INTO %[1]s (id, started_at, heartbeat_at, expires_at, jobs)
+    INSERT INTO %[1]s AS i (id, started_at, heartbeat_at, expires_at, jobs)
     VALUES ($1, now(), now(), now() + $2 * interval '1 microsecond', $3)
-    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at, jobs = EXCLUDED.jobs
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at, jobs = EXCLUDED.jobs,
+        started_at = CASE WHEN $5 THEN now() ELSE i.started_at END, stopped_at = NULL
     RETURNING id, jobs),
 gone AS (DELETE FROM %[1]s WHERE expires_at < now() - $4 * interval '1 microsecond' AND id <> $1),
 pending AS (SELECT DISTINCT job, shard FROM %[2]s WHERE status = 'pending')
@@ -250,13 +251,13 @@ SELECT id, jobs, (SELECT array_agg(job) FROM pending), (SELECT array_agg(shard) 
 		// Who holds each of the leases $1 now (unexpired), through the
 		// primary key.
 		holders: `SELECT name, holder FROM ` + leases + ` WHERE name = ANY($1) AND holder IS NOT NULL AND expires_at > now()`,
-		leave: fmt.Sprintf(`WITH gone AS (UPDATE %[1]s SET expires_at = now() WHERE id = $1 RETURNING id)
+		leave: fmt.Sprintf(`WITH gone AS (UPDATE %[1]s SET expires_at = now(), stopped_at = now() WHERE id = $1 RETURNING id)
 SELECT %[2]s($2) FROM gone`, inst, wake),
 
 		// Every instance row ($1 the job lease prefix) with the job
 		// leases it holds, unexpired: parallel arrays of job, shard and
 		// token.
-		instances: `SELECT i.id, i.started_at, i.heartbeat_at, i.expires_at, i.expires_at > now(), i.jobs,
+		instances: `SELECT i.id, i.started_at, i.heartbeat_at, i.expires_at, i.expires_at > now(), i.stopped_at, i.jobs,
        coalesce(array_agg(h.job ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
        coalesce(array_agg(h.shard ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
        coalesce(array_agg(h.token ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
@@ -267,14 +268,15 @@ SELECT %[2]s($2) FROM gone`, inst, wake),
            FROM ` + jobs + ` j, generate_series(0, greatest(j.shards, 1) - 1) AS g(shard), ` + leases + ` l
           WHERE l.name = $1 || j.job || CASE WHEN j.shards = 0 THEN '' ELSE '/' || g.shard END
             AND l.holder = i.id AND l.expires_at > now()) AS h ON true
- GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.jobs
+ GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.stopped_at, i.jobs
  ORDER BY i.id`,
 
 		// The latest $1 leadership terms in the ledger: attempts grouped
 		// by job, shard and token, newest first.
-		terms: `SELECT job, shard, token, min(holder), min(started_at), max(started_at), count(*)
+		terms: `SELECT job, shard, token, min(holder), min(started_at), max(started_at),
+       max(coalesce(finished_at, started_at)), count(*), count(*) FILTER (WHERE status = 'fenced')
   FROM ` + runs + `
- WHERE token IS NOT NULL
+ WHERE token IS NOT NULL AND ($2 = '' OR job = $2)
  GROUP BY job, shard, token
  ORDER BY min(started_at) DESC, job, shard
  LIMIT $1`,
@@ -300,9 +302,9 @@ func newControlSQL(schema string) controlSQL {
 		runs: fmt.Sprintf(`SELECT job, shard, kind, slot, attempt, coalesce(token, 0), status, holder, coalesce(requested_by, ''),
        started_at, finished_at, coalesce(error, '')
   FROM %[1]s
- WHERE ($1 = '' OR job = $1) AND ($2 = '' OR status = $2)
- ORDER BY started_at DESC, job, shard, attempt DESC
- LIMIT $3`, runs),
+ WHERE ($1 = '' OR job = $1) AND ($2 = '' OR status = $2) AND ($4 = '' OR kind = $4)
+ ORDER BY started_at DESC, job, shard, kind, slot DESC, attempt DESC
+ LIMIT $3 OFFSET $5`, runs),
 
 		// Pause (by $2) and resume job $1; no row for an unknown job.
 		pause: `UPDATE ` + jobs + ` SET paused_by = CASE WHEN paused_at IS NULL THEN $2 ELSE paused_by END,

@@ -289,6 +289,7 @@ CREATE TABLE pgfence.pgfence_instances (
     heartbeat_at timestamp with time zone NOT NULL,
     expires_at timestamp with time zone NOT NULL,
     jobs text[] DEFAULT '{}'::text[] NOT NULL,
+    stopped_at timestamp with time zone,
     CONSTRAINT pgfence_instances_id_check CHECK (((octet_length(id) >= 1) AND (octet_length(id) <= 255)))
 );
 

@@ -105,7 +105,10 @@ CREATE TABLE pgfence_instances (
     started_at   timestamptz NOT NULL,
     heartbeat_at timestamptz NOT NULL,
     expires_at   timestamptz NOT NULL,
-    jobs         text[]      NOT NULL DEFAULT '{}'
+    jobs         text[]      NOT NULL DEFAULT '{}',
+    -- Set by a clean stop (Run returning), cleared by the next heartbeat:
+    -- a stopped instance is told apart from one that crashed.
+    stopped_at   timestamptz
 );
 CREATE INDEX pgfence_instances_expires ON pgfence_instances (expires_at);
 
