@@ -4,7 +4,12 @@
 // overrides.
 package printable
 
-import "strconv"
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+)
 
 // String returns s when every rune of it is printable (strconv.IsPrint),
 // and otherwise s quoted with Go's escapes, so that control characters,
@@ -16,4 +21,25 @@ func String(s string) string {
 		return s
 	}
 	return q
+}
+
+// Text returns s for showing as text in a block that keeps its lines (an
+// error message on a page): line feeds and tabs stay, every other rune
+// that is not printable (control characters, U+202E and the like, invalid
+// UTF-8) is written as its escape (\x1b, \u202e, \xff), and nothing is
+// quoted, so that quotation marks in a message read as they were written.
+func Text(s string) string {
+	var b strings.Builder
+	for i, r := range s {
+		switch {
+		case r == utf8.RuneError && !strings.HasPrefix(s[i:], "\uFFFD"):
+			fmt.Fprintf(&b, `\x%02x`, s[i])
+		case r == '\n' || r == '\t' || strconv.IsPrint(r):
+			b.WriteRune(r)
+		default:
+			q := strconv.QuoteRune(r)
+			b.WriteString(q[1 : len(q)-1])
+		}
+	}
+	return b.String()
 }

@@ -18,3 +18,17 @@ func TestString(t *testing.T) {
 		}
 	}
 }
+
+func TestText(t *testing.T) {
+	for _, c := range []struct{ in, want string }{
+		{`lease changed: held by "n2"`, `lease changed: held by "n2"`}, // quotes as written
+		{"two\nlines\tand a tab", "two\nlines\tand a tab"},
+		{"\x1b[31mred \u202eevil", `\x1b[31mred \u202eevil`},
+		{"bad\xffutf8 \uFFFD", "bad\\xffutf8 \uFFFD"}, // a real U+FFFD is printable
+		{"\r\x00", `\r\x00`},
+	} {
+		if got := Text(c.in); got != c.want {
+			t.Errorf("Text(%q) = %q, want %q", c.in, got, c.want)
+		}
+	}
+}
