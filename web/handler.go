@@ -128,6 +128,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
 	mux.HandleFunc("GET /{$}", h.page("leases", h.leases))
 	mux.HandleFunc("GET /jobs", h.page("jobs", h.jobs))
 	mux.HandleFunc("GET /fleet", h.page("fleet", h.fleet))
+	mux.HandleFunc("GET /job", h.page("job", h.job))
 	mux.HandleFunc("GET /release", h.action(h.confirmRelease))
 	mux.HandleFunc("POST /release", h.action(h.release))
 	mux.HandleFunc("POST /run", h.action(h.runNow))
@@ -277,14 +278,21 @@ type view struct {
 // page serves a live page: the whole page, or with ?partial=1 (the
 // page's own script asks for it) the part that updates.
 func (h *Handler) page(name string, read func(context.Context, *http.Request) (any, time.Time, error)) http.HandlerFunc {
-	title := map[string]string{"leases": "Leases", "jobs": "Jobs", "fleet": "Fleet"}[name]
+	title := map[string]string{"leases": "Leases", "jobs": "Jobs", "fleet": "Fleet", "job": "Job"}[name]
 	return func(w http.ResponseWriter, r *http.Request) {
 		body, now, err := read(r.Context(), r)
 		if err != nil {
-			h.fail(w, r, http.StatusInternalServerError, err)
+			code := http.StatusInternalServerError
+			if se := (*statusError)(nil); errors.As(err, &se) {
+				code = se.code
+			}
+			h.fail(w, r, code, err)
 			return
 		}
 		v := view{Page: name, Title: title, Schema: h.schema, Refresh: h.cfg.Refresh.Milliseconds(), Actions: h.cfg.AllowActions, Now: now, Body: body}
+		if b, ok := body.(jobBody); ok {
+			v.Title = "Job " + printable.String(b.Job)
+		}
 		tmpl := "layout"
 		if r.FormValue("partial") == "1" {
 			tmpl = "body"
@@ -313,7 +321,7 @@ func (h *Handler) fail(w http.ResponseWriter, r *http.Request, code int, err err
 		writeJSON(w, code, map[string]string{"error": err.Error()})
 		return
 	}
-	h.render(w, code, "error", "layout", view{Page: "error", Title: http.StatusText(code), Schema: h.schema, Body: printable.String(err.Error())})
+	h.render(w, code, "error", "layout", view{Page: "error", Title: http.StatusText(code), Schema: h.schema, Body: printable.Text(err.Error())})
 }
 
 // api serves one JSON endpoint.
@@ -392,7 +400,7 @@ func (h *Handler) readFleet(ctx context.Context) (fleetJSON, error) {
 	if f.Partitions, err = orEmpty(runner.Partitions(ctx, h.pool, h.schema, "")); err != nil {
 		return f, err
 	}
-	f.Terms, err = orEmpty(runner.Terms(ctx, h.pool, h.schema, 20))
+	f.Terms, err = orEmpty(runner.Terms(ctx, h.pool, h.schema, runner.TermFilter{}))
 	return f, err
 }
 
@@ -406,7 +414,9 @@ func parsePages() (map[string]*template.Template, error) {
 	funcs := template.FuncMap{
 		// Text from the database: control and format characters made
 		// visible; html/template escapes the rest.
-		"shown":     printable.String,
+		"shown": printable.String,
+		// An error message: its lines kept, the rest as "shown".
+		"text":      printable.Text,
 		"human":     human,
 		"firstLine": func(s string) string { return firstLine(s, errLine) },
 		"stands":    stands,
@@ -418,13 +428,15 @@ func parsePages() (map[string]*template.Template, error) {
 		"multiline": func(s string) bool { return strings.Contains(s, "\n") || len(s) > errLine },
 		"duration":  func(ms int64) time.Duration { return time.Duration(ms) * time.Millisecond },
 		"neg":       func(d time.Duration) time.Duration { return -d },
+		"add":       func(a, b int) int { return a + b },
+		"stamp":     func(t time.Time) string { return t.UTC().Format("2006-01-02 15:04:05 MST") },
 	}
 	base, err := template.New("pages").Funcs(funcs).ParseFS(assets, "assets/pages.html")
 	if err != nil {
 		return nil, fmt.Errorf("web: %w", err)
 	}
 	pages := map[string]*template.Template{}
-	for _, name := range []string{"leases", "jobs", "fleet", "release", "error"} {
+	for _, name := range []string{"leases", "jobs", "fleet", "job", "release", "error"} {
 		t, err := base.Clone()
 		if err == nil {
 			_, err = t.New("body").Parse(`{{template "` + name + `" .}}`)

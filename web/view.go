@@ -2,6 +2,7 @@ package web
 
 import (
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -111,4 +112,66 @@ func shardLabel(shards, shard int) string {
 		return ""
 	}
 	return fmt.Sprintf("#%d", shard)
+}
+
+// scheduleWords says a job's schedule in words for the common forms
+// (@every, the @ shorthands, a daily, weekly or hourly cron line, every N
+// minutes or hours), naming the time zone cron lines are read in; any
+// other cron line is given as it is, with its zone. The next slots, which
+// the page lists beside it, say the rest.
+func scheduleWords(spec string) string {
+	zone := "UTC"
+	rest := strings.TrimSpace(spec)
+	if strings.HasPrefix(rest, "CRON_TZ=") || strings.HasPrefix(rest, "TZ=") {
+		prefix, r, _ := strings.Cut(rest, " ")
+		_, zone, _ = strings.Cut(prefix, "=")
+		rest = strings.TrimSpace(r)
+	}
+	if d, ok := strings.CutPrefix(rest, "@every "); ok {
+		return "every " + strings.TrimSpace(d)
+	}
+	switch rest {
+	case "@hourly":
+		return "every hour, on the hour"
+	case "@daily", "@midnight":
+		return "every day at 00:00 " + zone
+	case "@weekly":
+		return "every Sunday at 00:00 " + zone
+	case "@monthly":
+		return "on the 1st of every month at 00:00 " + zone
+	case "@yearly", "@annually":
+		return "every 1 January at 00:00 " + zone
+	}
+	f := strings.Fields(rest)
+	if len(f) != 5 {
+		return "cron " + rest + " (" + zone + ")"
+	}
+	minute, hour, dom, month, dow := f[0], f[1], f[2], f[3], f[4]
+	num := func(s string, hi int) (int, bool) {
+		n, err := strconv.Atoi(s)
+		return n, err == nil && n >= 0 && n <= hi
+	}
+	m, mOK := num(minute, 59)
+	h, hOK := num(hour, 23)
+	anyDay := dom == "*" && month == "*"
+	days := map[string]string{"*": "every day", "1-5": "on weekdays", "0,6": "on weekends", "6,0": "on weekends",
+		"0": "every Sunday", "1": "every Monday", "2": "every Tuesday", "3": "every Wednesday", "4": "every Thursday",
+		"5": "every Friday", "6": "every Saturday", "7": "every Sunday"}
+	switch {
+	case anyDay && mOK && hOK && days[dow] != "":
+		return fmt.Sprintf("%s at %02d:%02d %s", days[dow], h, m, zone)
+	case anyDay && dow == "*" && mOK && hour == "*":
+		return fmt.Sprintf("every hour at minute %d", m)
+	case anyDay && dow == "*" && minute == "*" && hour == "*":
+		return "every minute"
+	case anyDay && dow == "*" && hour == "*" && strings.HasPrefix(minute, "*/"):
+		if n, ok := num(minute[2:], 59); ok && n > 0 {
+			return fmt.Sprintf("every %d minutes", n)
+		}
+	case anyDay && dow == "*" && mOK && strings.HasPrefix(hour, "*/"):
+		if n, ok := num(hour[2:], 23); ok && n > 0 {
+			return fmt.Sprintf("every %d hours at minute %d (%s)", n, m, zone)
+		}
+	}
+	return "cron " + rest + " (" + zone + ")"
 }

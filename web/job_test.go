@@ -1,0 +1,145 @@
+package web_test
+
+import (
+	"net/http"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/web"
+)
+
+// A job's page, for a known history: its schedule in words and its next
+// slots; its leader now; three terms on the leadership timeline (token 1
+// by n1, 2 by n2, 3 by n3 leading now) with the stale n1's fenced attempt
+// marked; four failures in a row; the attempts filtered by status and kind
+// and paged; bad parameters answered 400 naming the parameter, an unknown
+// job 404; and every job name on the jobs page links to its page.
+func TestJobPage(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	c := db.Client(t, lock.Config{Holder: "n3"})
+	for range 2 { // tokens 1 and 2 went to n1 and n2 (the ledger below)
+		l, err := c.TryAcquire(ctx, "pgfence/job/billing")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	l, err := c.TryAcquire(ctx, "pgfence/job/billing")
+	if err != nil || l.Token() != 3 {
+		t.Fatalf("n3's lease: %v, %v; want token 3", l, err)
+	}
+	runs := db.Schema + ".pgfence_runs"
+	for _, q := range []string{
+		`INSERT INTO ` + db.Schema + `.pgfence_jobs (job, schedule, shards, max_attempts, registered_at, registered_by)
+		 VALUES ('billing', '30 2 * * *', 0, 3, now(), 'n1')`,
+		`INSERT INTO ` + runs + ` (job, shard, kind, slot, attempt, token, status, holder, requested_by, started_at, finished_at, error)
+		 SELECT 'billing', 0, k, now() - s * interval '1 hour', a, tok, st, h, r,
+		        now() - s * interval '1 hour' + a * interval '1 minute', now() - s * interval '1 hour' + a * interval '1 minute' + interval '20 seconds', e
+		   FROM (VALUES ('scheduled', 6, 1, 1, 'succeeded', 'n1', NULL, NULL),
+		                ('manual',    5, 1, 1, 'succeeded', 'n1', 'ops@example', NULL),
+		                ('scheduled', 4, 1, 1, 'succeeded', 'n1', NULL, NULL),
+		                ('scheduled', 3, 1, 1, 'fenced', 'n1', NULL, 'stale token 1 (current 2)'),
+		                ('scheduled', 3, 2, 2, 'failed', 'n2', NULL, 'provider down'),
+		                ('scheduled', 3, 3, 2, 'failed', 'n2', NULL, 'provider down'),
+		                ('scheduled', 2, 1, 2, 'failed', 'n2', NULL, 'provider down')) v(k, s, a, tok, st, h, r, e)`,
+	} {
+		if _, err := db.Pool.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h, err := web.New(db.Pool, web.Config{Schema: db.Schema, Attempts: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := httptestServer(t, h)
+
+	code, _, page := get(t, base+"/job?name=billing")
+	if code != http.StatusOK {
+		t.Fatalf("job page: %d\n%s", code, page)
+	}
+	for _, want := range []string{
+		"every day at 02:30 UTC", `<code>30 2 * * *</code>`, // the schedule, in words and as written
+		"Job billing",
+		`<td>n3</td>`, // the leader now
+		`title>token 1, held by n1: from`, `title>token 2, held by n2: from`,
+		`title>token 3, held by n3 since`, "leading now", ", 1 fenced",
+		`<span class="warn">4</span>`, // failed in a row: three failures and the fencing since the last success
+	} {
+		if !strings.Contains(page, want) {
+			t.Errorf("the job page lacks %q", want)
+		}
+	}
+	if n := strings.Count(page, `:30:00 UTC</time>`); n < 3 {
+		t.Errorf("%d of the next three slots at :30 shown", n)
+	}
+	leadership := page[strings.Index(page, `id="leadership"`):strings.Index(page, `id="run-timeline"`)]
+	for what, want := range map[string]int{`<g class="term`: 3, `<g class="term term-current"`: 1, `class="fenced-mark"`: 1, `class="lane-label"`: 3} {
+		if n := strings.Count(leadership, what); n != want {
+			t.Errorf("leadership timeline: %d of %s, want %d", n, what, want)
+		}
+	}
+	// The bars go left to right in token order.
+	xs := regexp.MustCompile(`<g class="term[^"]*"><title>token (\d)[^<]*</title><rect x="([0-9.]+)"`).FindAllStringSubmatch(leadership, -1)
+	if len(xs) != 3 || xs[0][1] != "1" || xs[1][1] != "2" || xs[2][1] != "3" || !(num(t, xs[0][2]) < num(t, xs[1][2]) && num(t, xs[1][2]) < num(t, xs[2][2])) {
+		t.Errorf("terms' bars: %v; want tokens 1, 2, 3 from left to right", xs)
+	}
+	runChart := page[strings.Index(page, `id="run-timeline"`):strings.Index(page, `id="attempts"`)]
+	if n := strings.Count(runChart, `<g class="run run-`); n != 3 {
+		t.Errorf("run timeline: %d bars, want the 3 attempts of the page", n)
+	}
+
+	rows := func(page string) int {
+		table := page[strings.Index(page, `<table id="runs">`):]
+		return strings.Count(table[:strings.Index(table, "</table>")], " data-status=")
+	}
+	for _, tc := range []struct {
+		query string
+		rows  int
+		older bool
+	}{
+		{"", 3, true}, {"&page=2", 3, true}, {"&page=3", 1, false},
+		{"&status=fenced", 1, false}, {"&status=failed", 3, false}, {"&kind=manual", 1, false},
+		{"&kind=manual&status=failed", 0, false},
+	} {
+		code, _, page := get(t, base+"/job?name=billing"+tc.query)
+		if code != http.StatusOK || rows(page) != tc.rows || strings.Contains(page, `id="page-older"`) != tc.older {
+			t.Errorf("?name=billing%s: %d, %d rows, older page linked %v; want 200, %d, %v", tc.query, code, rows(page),
+				strings.Contains(page, `id="page-older"`), tc.rows, tc.older)
+		}
+	}
+	if _, _, manual := get(t, base+"/job?name=billing&kind=manual"); !strings.Contains(manual, "asked by ops@example") {
+		t.Errorf("the manual run does not say who asked for it")
+	}
+	for query, want := range map[string]string{ // html/template writes " as &#34;
+		"?name=billing&status=bogus": `parameter &#34;status&#34;`, "?name=billing&kind=x": `parameter &#34;kind&#34;`,
+		"?name=billing&page=0": `parameter &#34;page&#34;`, "": `parameter &#34;name&#34;`,
+	} {
+		if code, _, page := get(t, base+"/job"+query); code != http.StatusBadRequest || !strings.Contains(page, want) {
+			t.Errorf("/job%s: %d; want 400 naming %s\n%s", query, code, want, page)
+		}
+	}
+	if code, _, page := get(t, base+"/job?name=nope"); code != http.StatusNotFound || !strings.Contains(page, `no job named &#34;nope&#34; is registered`) {
+		t.Errorf("an unknown job: %d\n%s", code, page)
+	}
+	if _, _, jobs := get(t, base+"/jobs"); !strings.Contains(jobs, `<a href="job?name=billing">billing</a>`) {
+		t.Errorf("the jobs page does not link billing to its page")
+	}
+}
+
+func num(t *testing.T, s string) float64 {
+	t.Helper()
+	f, err := strconv.ParseFloat(s, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
