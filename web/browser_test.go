@@ -234,7 +234,7 @@ func TestStatusPageInBrowser(t *testing.T) {
 			"the expired lease is not marked as expired and not released"),
 		check(`document.querySelector('#leases tr.st-ending[data-lease="reports/daily"]').textContent.includes("renewal overdue")`,
 			"the lease whose renewal is overdue is not marked"),
-		until(`document.querySelector('#leases tr.st-held[data-lease="pgfence/job/tick"]')?.textContent.includes("held")`, withinRefresh),
+		until(`document.querySelector('#runner-leases tr.st-held[data-lease="pgfence/job/tick"]')?.textContent.includes("held")`, withinRefresh),
 	)
 	if err != nil {
 		t.Fatal(err)
@@ -307,6 +307,33 @@ func TestStatusPageInBrowser(t *testing.T) {
 		until(`[...document.querySelectorAll("#instances th.name")].some(e => e.textContent === "app-1")`, withinRefresh),
 		until(`document.querySelectorAll("#terms tbody tr th").length > 0`, withinRefresh),
 		shoot(dir, "status-fleet"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// A job's page, reached from its name on the jobs page: both timelines
+	// drawn (the term leading now, failed attempts), the attempts
+	// filtered by status with the form.
+	err = chromedp.Do(ctx,
+		chromedp.Navigate(base+"jobs"),
+		chromedp.WaitVisible(chromedp.CSS(`#jobs tr[data-job="charge"] th a`)),
+		chromedp.Click(chromedp.CSS(`#jobs tr[data-job="charge"] th a`)),
+		chromedp.WaitVisible(chromedp.CSS("#job-facts")),
+		check(`document.querySelector("#job-facts").textContent.includes("every 300ms")`, "the job page does not say the schedule"),
+		until(`document.querySelector('#live svg.chart g.term-current[class~="term"]') !== null`, withinRefresh),
+		check(`document.querySelector('#live svg.chart').getBoundingClientRect().height > 20`, "the leadership timeline is not drawn"),
+		check(`document.querySelector('#live svg.chart g.term-current title').textContent.includes("held by app-1")`,
+			"the current term's bar does not name its holder"),
+		until(`document.querySelectorAll('#live svg.chart g.run-failed').length > 0`, withinRefresh),
+		shoot(dir, "status-job"),
+		chromedp.SetValue(chromedp.CSS("#filter-status"), "failed"),
+		chromedp.Click(chromedp.CSS("#filter-apply")),
+		chromedp.WaitVisible(chromedp.CSS(`#runs tr[data-status="failed"]`)),
+		chromedp.WaitReady(chromedp.CSS(`#filter-status option[value="failed"][selected]`)), // the filtered page
+		check(`location.search.includes("status=failed")`, "the filter form did not ask for failed attempts"),
+		check(`[...document.querySelectorAll("#runs tbody tr[data-status]")].every(r => r.dataset.status === "failed")`,
+			"the status filter did not leave only failed attempts"),
 	)
 	if err != nil {
 		t.Fatal(err)

@@ -49,8 +49,9 @@ type chartMark struct {
 }
 
 type chartTick struct {
-	X     float64
-	Label string
+	X      float64
+	Label  string
+	Anchor string // the label's text-anchor: the end ticks stay inside the chart
 }
 
 // The charts' layout, in SVG user units (the SVG scales to the page).
@@ -107,7 +108,14 @@ func (c *chart) axis(s timeScale) {
 	}
 	for i := range chartTicks {
 		t := s.from.Add(time.Duration(float64(span) * float64(i) / float64(chartTicks-1)))
-		c.Ticks = append(c.Ticks, chartTick{X: s.x(t), Label: t.UTC().Format(layout)})
+		anchor := "middle"
+		switch i {
+		case 0:
+			anchor = "start"
+		case chartTicks - 1:
+			anchor = "end"
+		}
+		c.Ticks = append(c.Ticks, chartTick{X: s.x(t), Label: t.UTC().Format(layout), Anchor: anchor})
 	}
 }
 

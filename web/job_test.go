@@ -143,3 +143,44 @@ func num(t *testing.T, s string) float64 {
 	}
 	return f
 }
+
+// The leases page lists held leases before free ones, the runner's leases
+// in a table of their own, and the history a token was issued in only
+// when a token predates the current one (none here).
+func TestLeasesPageOrder(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	c := db.Client(t, lock.Config{Holder: "app-1"})
+	for _, name := range []string{"a-free", "pgfence/job/x-free"} {
+		l, err := c.TryAcquire(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range []string{"b-held", "pgfence/job/y-held"} {
+		if _, err := c.TryAcquire(ctx, name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h, err := web.New(db.Pool, web.Config{Schema: db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, page := get(t, httptestServer(t, h)+"/")
+	app := page[strings.Index(page, `<table id="leases">`):strings.Index(page, `<table id="runner-leases">`)]
+	run := page[strings.Index(page, `<table id="runner-leases">`):]
+	if i, j := strings.Index(app, `data-lease="b-held"`), strings.Index(app, `data-lease="a-free"`); i < 0 || j < 0 || i > j ||
+		strings.Contains(app, `data-lease="pgfence/`) {
+		t.Errorf("application leases: b-held at %d, a-free at %d, runner leases among them: %v", i, j, strings.Contains(app, `data-lease="pgfence/`))
+	}
+	if i, j := strings.Index(run, `data-lease="pgfence/job/y-held"`), strings.Index(run, `data-lease="pgfence/job/x-free"`); i < 0 || j < 0 || i > j {
+		t.Errorf("runner leases: y-held at %d, x-free at %d; want held first", i, j)
+	}
+	if strings.Contains(page, "Issued in") || strings.Contains(page, "timeline 1</td>") {
+		t.Errorf("the history column is shown though every token is of the current one")
+	}
+}

@@ -3,6 +3,7 @@ package web
 import (
 	"context"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/pgfence/pgfence/internal/schemaver"
@@ -18,8 +19,19 @@ type leaseRow struct {
 }
 
 type leasesBody struct {
-	Epoch  *schemaver.Epoch
-	Leases []leaseRow
+	Epoch *schemaver.Epoch
+	// The application's leases, and the runner's (pgfence/...) apart.
+	App, Runner leaseTable
+}
+
+// leaseTable is one table of the leases page.
+type leaseTable struct {
+	ID, Caption string
+	Rows        []leaseRow
+	// ShowEpoch: some token was issued before the current history (a
+	// failover or a restore happened), so the column says something.
+	ShowEpoch bool
+	Actions   bool
 }
 
 func (h *Handler) leases(ctx context.Context, _ *http.Request) (any, time.Time, error) {
@@ -32,12 +44,23 @@ func (h *Handler) leases(ctx context.Context, _ *http.Request) (any, time.Time, 
 		return nil, time.Time{}, err
 	}
 	now := time.Now()
-	b := leasesBody{Epoch: ep, Leases: make([]leaseRow, 0, len(infos))}
+	b := leasesBody{Epoch: ep,
+		App:    leaseTable{ID: "leases", Caption: "The application's leases", Actions: h.cfg.AllowActions},
+		Runner: leaseTable{ID: "runner-leases", Caption: "The runner's leases (pgfence/job/..., pgfence/role/...)", Actions: h.cfg.AllowActions}}
 	for i, in := range infos {
 		if i == 0 {
 			now = in.ExpiresAt.Add(-in.ExpiresIn) // the database's clock
 		}
-		b.Leases = append(b.Leases, leaseRow{Info: in, State: stateOf(in), Epoch: epochText(in.Token, ep)})
+		t := &b.App
+		if strings.HasPrefix(in.Name, "pgfence/") {
+			t = &b.Runner
+		}
+		row := leaseRow{Info: in, State: stateOf(in), Epoch: epochText(in.Token, ep)}
+		t.ShowEpoch = t.ShowEpoch || strings.HasPrefix(row.Epoch, "before")
+		t.Rows = append(t.Rows, row)
+	}
+	for _, t := range []*leaseTable{&b.App, &b.Runner} {
+		sortLeases(t.Rows)
 	}
 	return b, now, nil
 }

@@ -1,7 +1,9 @@
 package web
 
 import (
+	"cmp"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -174,4 +176,19 @@ func scheduleWords(spec string) string {
 		}
 	}
 	return "cron " + rest + " (" + zone + ")"
+}
+
+// sortLeases puts the leases someone holds (or held and never released)
+// first, then the free ones, each by name.
+func sortLeases(rows []leaseRow) {
+	slices.SortStableFunc(rows, func(a, b leaseRow) int {
+		return cmp.Or(cmp.Compare(boolRank(a.State == stateFree), boolRank(b.State == stateFree)), strings.Compare(a.Name, b.Name))
+	})
+}
+
+func boolRank(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
