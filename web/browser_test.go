@@ -339,6 +339,19 @@ func TestStatusPageInBrowser(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// A job with a known history of terms: its page is README's picture.
+	seedHistory(t, rg.db)
+	err = chromedp.Do(ctx,
+		chromedp.Navigate(base+"job?name=billing"),
+		chromedp.WaitVisible(chromedp.CSS("#job-facts")),
+		check(`document.querySelectorAll('#live svg.chart g.term').length === 3 && document.querySelectorAll('#live svg.chart g.fenced-mark').length === 1`,
+			"the leadership timeline does not draw the three terms and the fenced attempt"),
+		shoot(dir, "job-page"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+
 	// Force release: the confirmation first, then the lease is free and
 	// its holder's lease ends.
 	err = chromedp.Do(ctx,

@@ -22,40 +22,7 @@ import (
 func TestJobPage(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	ctx := pgtest.Context(t, time.Minute)
-	c := db.Client(t, lock.Config{Holder: "n3"})
-	for range 2 { // tokens 1 and 2 went to n1 and n2 (the ledger below)
-		l, err := c.TryAcquire(ctx, "pgfence/job/billing")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := l.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	l, err := c.TryAcquire(ctx, "pgfence/job/billing")
-	if err != nil || l.Token() != 3 {
-		t.Fatalf("n3's lease: %v, %v; want token 3", l, err)
-	}
-	runs := db.Schema + ".pgfence_runs"
-	for _, q := range []string{
-		`INSERT INTO ` + db.Schema + `.pgfence_jobs (job, schedule, shards, max_attempts, registered_at, registered_by)
-		 VALUES ('billing', '30 2 * * *', 0, 3, now(), 'n1')`,
-		`INSERT INTO ` + runs + ` (job, shard, kind, slot, attempt, token, status, holder, requested_by, started_at, finished_at, error)
-		 SELECT 'billing', 0, k, now() - s * interval '1 hour', a, tok, st, h, r,
-		        now() - s * interval '1 hour' + a * interval '1 minute', now() - s * interval '1 hour' + a * interval '1 minute' + interval '20 seconds', e
-		   FROM (VALUES ('scheduled', 6, 1, 1, 'succeeded', 'n1', NULL, NULL),
-		                ('manual',    5, 1, 1, 'succeeded', 'n1', 'ops@example', NULL),
-		                ('scheduled', 4, 1, 1, 'succeeded', 'n1', NULL, NULL),
-		                ('scheduled', 3, 1, 1, 'fenced', 'n1', NULL, 'stale token 1 (current 2)'),
-		                ('scheduled', 3, 2, 2, 'failed', 'n2', NULL, 'provider down'),
-		                ('scheduled', 3, 3, 2, 'failed', 'n2', NULL, 'provider down'),
-		                ('scheduled', 2, 1, 2, 'failed', 'n2', NULL, 'provider down')) v(k, s, a, tok, st, h, r, e)`,
-	} {
-		if _, err := db.Pool.Exec(ctx, q); err != nil {
-			t.Fatal(err)
-		}
-	}
+	seedHistory(t, db)
 	h, err := web.New(db.Pool, web.Config{Schema: db.Schema, Attempts: 3})
 	if err != nil {
 		t.Fatal(err)
@@ -132,6 +99,50 @@ func TestJobPage(t *testing.T) {
 	}
 	if _, _, jobs := get(t, base+"/jobs"); !strings.Contains(jobs, `<a href="job?name=billing">billing</a>`) {
 		t.Errorf("the jobs page does not link billing to its page")
+	}
+}
+
+// seedHistory registers the job "billing" (daily at 02:30) with a known
+// history: token 1 held by n1 (three attempts, the last fenced when n2 took
+// over), token 2 by n2 (three failed attempts), and token 3 held now by n3,
+// whose lease the test holds; on a fresh schema the tokens are 1, 2, 3.
+func seedHistory(t *testing.T, db *pgtest.DB) {
+	t.Helper()
+	ctx := pgtest.Context(t, time.Minute)
+	c := db.Client(t, lock.Config{Holder: "n3"})
+	var tokens []int64 // n1's, n2's (the ledger below), then n3's, held now
+	for i := range 3 {
+		l, err := c.TryAcquire(ctx, "pgfence/job/billing")
+		if err != nil {
+			t.Fatal(err)
+		}
+		tokens = append(tokens, int64(l.Token()))
+		if i < 2 {
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.pgfence_jobs (job, schedule, shards, max_attempts, registered_at, registered_by)
+		 VALUES ('billing', '30 2 * * *', 0, 3, now(), 'n1')`); err != nil {
+		t.Fatal(err)
+	}
+	runs := db.Schema + ".pgfence_runs"
+	for _, q := range []string{
+		`INSERT INTO ` + runs + ` (job, shard, kind, slot, attempt, token, status, holder, requested_by, started_at, finished_at, error)
+		 SELECT 'billing', 0, k, now() - s * interval '1 hour', a, tok, st, h, r,
+		        now() - s * interval '1 hour' + a * interval '1 minute', now() - s * interval '1 hour' + a * interval '1 minute' + interval '20 seconds', e
+		   FROM (VALUES ('scheduled', 6, 1, $1::bigint, 'succeeded', 'n1', NULL, NULL),
+		                ('manual',    5, 1, $1, 'succeeded', 'n1', 'ops@example', NULL),
+		                ('scheduled', 4, 1, $1, 'succeeded', 'n1', NULL, NULL),
+		                ('scheduled', 3, 1, $1, 'fenced', 'n1', NULL, 'stale token (a greater one was issued)'),
+		                ('scheduled', 3, 2, $2::bigint, 'failed', 'n2', NULL, 'provider down'),
+		                ('scheduled', 3, 3, $2, 'failed', 'n2', NULL, 'provider down'),
+		                ('scheduled', 2, 1, $2, 'failed', 'n2', NULL, 'provider down')) v(k, s, a, tok, st, h, r, e)`,
+	} {
+		if _, err := db.Pool.Exec(ctx, q, tokens[0], tokens[1]); err != nil {
+			t.Fatal(err)
+		}
 	}
 }
 
