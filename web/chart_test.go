@@ -1,6 +1,8 @@
 package web
 
 import (
+	"html"
+	"strings"
 	"testing"
 	"time"
 
@@ -81,5 +83,20 @@ func TestLeadershipChart(t *testing.T) {
 	}
 	if empty := leadershipChart(nil, []runner.JobInfo{{Job: "j"}}, nil, at(60)); len(empty.Bars) != 0 || empty.Empty == "" {
 		t.Errorf("no terms: %+v", empty)
+	}
+}
+
+// A form value keeps the name exactly (it is posted back) with no raw
+// control or format character in the page.
+func TestValueOf(t *testing.T) {
+	for _, name := range []string{"nightly-billing", "ctl\x1b[2Jname\u202e", `<"&'>`, "tab\tnew\nline"} {
+		v := string(valueOf(name))
+		inner := strings.TrimSuffix(strings.TrimPrefix(v, `value="`), `"`)
+		if strings.ContainsAny(inner, "\x1b\u202e\t\n\"<>") {
+			t.Errorf("valueOf(%q) = %s: raw characters", name, v)
+		}
+		if got := html.UnescapeString(inner); got != name {
+			t.Errorf("valueOf(%q) reads back as %q", name, got)
+		}
 	}
 }

@@ -417,6 +417,7 @@ func parsePages() (map[string]*template.Template, error) {
 		"shown": printable.String,
 		// An error message: its lines kept, the rest as "shown".
 		"text":      printable.Text,
+		"valueOf":   valueOf,
 		"human":     human,
 		"firstLine": func(s string) string { return firstLine(s, errLine) },
 		"stands":    stands,

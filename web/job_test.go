@@ -2,6 +2,7 @@ package web_test
 
 import (
 	"net/http"
+	"net/url"
 	"regexp"
 	"strconv"
 	"strings"
@@ -193,5 +194,36 @@ func TestLeasesPageOrder(t *testing.T) {
 	}
 	if strings.Contains(page, "Issued in") || strings.Contains(page, "timeline 1</td>") {
 		t.Errorf("the history column is shown though every token is of the current one")
+	}
+}
+
+// Names with control and format characters reach no page raw: not the
+// text, not the attributes (data-*, form values) of the leases page, the
+// release confirmation or the jobs page.
+func TestNoRawControlCharacters(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	const name = "ctl\x1b[2Jname\u202eevil"
+	c := db.Client(t, lock.Config{Holder: "holder\x07"})
+	if _, err := c.TryAcquire(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	h, err := web.New(db.Pool, web.Config{Schema: db.Schema, AllowActions: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := httptestServer(t, h)
+	for _, path := range []string{"/", "/release?name=" + url.QueryEscape(name), "/jobs"} {
+		code, _, page := get(t, base+path)
+		if code != http.StatusOK || strings.ContainsAny(page, "\x1b\u202e\x07") {
+			t.Errorf("%s: %d, raw control or format characters: %v", path, code, strings.ContainsAny(page, "\x1b\u202e\x07"))
+		}
+	}
+	// The confirmation's form still names the lease exactly: posting it
+	// releases it.
+	_, _, confirm := get(t, base+"/release?name="+url.QueryEscape(name))
+	if !strings.Contains(confirm, `value="ctl&#x1b;[2Jname&#x202e;evil"`) {
+		t.Fatalf("the confirmation's form value is not the name with references:\n%s", confirm)
 	}
 }

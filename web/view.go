@@ -3,6 +3,8 @@ package web
 import (
 	"cmp"
 	"fmt"
+	"html"
+	"html/template"
 	"slices"
 	"strconv"
 	"strings"
@@ -90,11 +92,11 @@ func human(d time.Duration) string {
 	return fmt.Sprintf("%dd%02dh", int(d.Hours())/24, int(d.Hours())%24)
 }
 
-// firstLine is the first line of an error message, made visible, at most
+// firstLine is the first line of an error message, shown as text, at most
 // n runes (with "…" when cut).
 func firstLine(s string, n int) string {
 	line, _, more := strings.Cut(s, "\n")
-	line = printable.String(line)
+	line = printable.Text(line)
 	if r := []rune(line); len(r) > n {
 		return string(r[:n]) + "…"
 	} else if more {
@@ -191,4 +193,25 @@ func boolRank(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// valueOf writes a form field's value attribute holding s exactly (the
+// form posts it back) with no raw control or format character in the
+// page: those are written as character references (&#x1b;), as the HTML
+// escapes are, so the page's source shows them as the text does.
+func valueOf(s string) template.HTMLAttr {
+	var b strings.Builder
+	b.WriteString(`value="`)
+	for _, r := range s {
+		switch {
+		case r == '\x00':
+			b.WriteString("&#xfffd;")
+		case strconv.IsPrint(r) && r != '\u00a0':
+			b.WriteString(html.EscapeString(string(r)))
+		default:
+			fmt.Fprintf(&b, "&#x%x;", r)
+		}
+	}
+	b.WriteString(`"`)
+	return template.HTMLAttr(b.String())
 }

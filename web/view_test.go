@@ -79,7 +79,8 @@ func TestFirstLine(t *testing.T) {
 		{"boom", 10, "boom"},
 		{"boom\nstack", 10, "boom …"},
 		{"0123456789abc", 10, "0123456789…"},
-		{"bell\x07", 20, `"bell\a"`},
+		{"bell\x07", 20, `bell\a`},
+		{`held by "n2"`, 20, `held by "n2"`}, // quotes as written
 	} {
 		if got := firstLine(c.in, c.n); got != c.want {
 			t.Errorf("firstLine(%q, %d) = %q, want %q", c.in, c.n, got, c.want)
