@@ -94,7 +94,9 @@ func (h *Handler) runNow(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, steerErr(err), err)
 		return
 	}
-	seeOther(w, "jobs?job="+url.QueryEscape(job))
+	// The job's page says what became of the run (or runs, one per
+	// shard), read from the ledger.
+	seeOther(w, "job?"+url.Values{"name": {job}, "done": {"run"}, "slot": {refs[0].Slot.UTC().Format(time.RFC3339Nano)}}.Encode())
 }
 
 // pause serves both pause and resume.
@@ -114,7 +116,7 @@ func (h *Handler) pause(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, r, steerErr(err), err)
 		return
 	}
-	seeOther(w, "jobs")
+	seeOther(w, "job?"+url.Values{"name": {job}, "done": {action}}.Encode())
 }
 
 // releaseBody is the confirmation page's data.
@@ -171,7 +173,7 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	case err != nil:
 		h.fail(w, r, steerErr(err), err)
 	default:
-		seeOther(w, "./")
+		seeOther(w, "./?"+url.Values{"done": {"release"}, "name": {name}, "token": {shownTok.String()}}.Encode())
 	}
 }
 

@@ -286,7 +286,8 @@ func TestStatusPageInBrowser(t *testing.T) {
 	// Run now: one manual run of tick, shown on the page.
 	err = chromedp.Do(ctx,
 		chromedp.Click(chromedp.CSS(runButton)),
-		chromedp.WaitVisible(chromedp.CSS(`h2[data-job="tick"]`)), // the jobs page of tick, where the click leads
+		chromedp.WaitVisible(chromedp.CSS(`#notice`)), // tick's page, where the click leads, says what became of the run
+		until(`document.querySelector('#notice').textContent.startsWith("Asked for a run of tick") && document.querySelector('#notice').textContent.includes("succeeded")`, 10*time.Second),
 		until(`document.querySelector('#runs tr[data-kind="manual"][data-status="succeeded"]') !== null`, 10*time.Second),
 	)
 	if err != nil {
@@ -362,7 +363,8 @@ func TestStatusPageInBrowser(t *testing.T) {
 		check(`document.querySelector("main").textContent.includes("will be refused")`, "the confirmation does not say what releasing does"),
 		shoot(dir, "status-release"),
 		chromedp.Click(chromedp.CSS("#confirm-release")),
-		chromedp.WaitVisible(chromedp.CSS("#leases")),
+		chromedp.WaitVisible(chromedp.CSS("#notice")),
+		check(`document.querySelector("#notice").textContent.startsWith("Released lease")`, "the leases page does not confirm the release"),
 		until(`document.querySelector("#leases tr.st-free") !== null`, withinRefresh),
 	)
 	if err != nil {

@@ -51,6 +51,28 @@ func post(t *testing.T, u string, form url.Values, header map[string]string) (in
 	return res.StatusCode, string(b)
 }
 
+// follow posts form to u and returns the page the 303 it gets sends the
+// browser to (relative to base), and that page's status.
+func follow(t *testing.T, base, u string, form url.Values, header map[string]string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, u, strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	for k, v := range header {
+		req.Header.Set(k, v)
+	}
+	c := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	res, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	if res.StatusCode != http.StatusSeeOther {
+		t.Fatalf("POST %s: %d, want 303", u, res.StatusCode)
+	}
+	code, _, page := get(t, base+"/"+res.Header.Get("Location"))
+	return code, page
+}
+
 func getJSON(t *testing.T, u string, v any) {
 	t.Helper()
 	code, h, body := get(t, u)
@@ -218,9 +240,9 @@ func TestActionsAreSameOriginAndLogged(t *testing.T) {
 	if n := len(manual()); n != 0 {
 		t.Fatalf("%d manual runs after cross-origin POSTs", n)
 	}
-	code, _ := post(t, rg.srv.URL+"/run", form, map[string]string{"Sec-Fetch-Site": "same-origin", "X-User": "alice"})
-	if code != http.StatusSeeOther {
-		t.Fatalf("same-origin run now: %d, want 303", code)
+	code, page := follow(t, rg.srv.URL, rg.srv.URL+"/run", form, map[string]string{"Sec-Fetch-Site": "same-origin", "X-User": "alice"})
+	if code != http.StatusOK || !strings.Contains(page, "Asked for a run of tick (") {
+		t.Fatalf("same-origin run now: %d, no notice of the run:\n%s", code, page)
 	}
 	pgtest.Eventually(t, 10*time.Second, "the manual run to succeed", func() bool {
 		m := manual()
@@ -229,14 +251,20 @@ func TestActionsAreSameOriginAndLogged(t *testing.T) {
 	if m := manual(); m[0].RequestedBy != "pgfence-web:alice" {
 		t.Fatalf("requested_by %q, want pgfence-web:alice", m[0].RequestedBy)
 	}
-	if code, _ := post(t, rg.srv.URL+"/pause", form, nil); code != http.StatusSeeOther {
-		t.Fatalf("pause: %d", code)
+	// Each action leads to a page that says what it did, read from the
+	// database.
+	if code, page := follow(t, rg.srv.URL, rg.srv.URL+"/pause", form, nil); code != http.StatusOK || !strings.Contains(page, "tick is paused (by pgfence-web:127.0.0.1:") {
+		t.Fatalf("after pause: %d, no notice of the pause:\n%s", code, page)
 	}
 	if jobs, _ := runner.Jobs(ctx, rg.db.Pool, rg.db.Schema, "tick"); len(jobs) != 1 || !jobs[0].Paused || !strings.HasPrefix(jobs[0].PausedBy, "pgfence-web:127.0.0.1:") {
 		t.Fatalf("after pause: %+v", jobs)
 	}
-	if code, _ := post(t, rg.srv.URL+"/resume", form, nil); code != http.StatusSeeOther {
-		t.Fatalf("resume: %d", code)
+	if code, page := follow(t, rg.srv.URL, rg.srv.URL+"/resume", form, nil); code != http.StatusOK || !strings.Contains(page, "tick is not paused") {
+		t.Fatalf("after resume: %d, no notice:\n%s", code, page)
+	}
+	// A link made up to claim a pause says what is true.
+	if _, _, page := get(t, rg.srv.URL+"/job?name=tick&done=pause"); strings.Contains(page, "tick is paused") {
+		t.Fatal("a made-up link made the page claim a pause")
 	}
 	if code, body := post(t, rg.srv.URL+"/run", url.Values{"job": {"no-such-job"}}, nil); code != http.StatusNotFound || !strings.Contains(body, "unknown job") {
 		t.Fatalf("run now of an unknown job: %d\n%s", code, body)
@@ -248,7 +276,7 @@ func TestActionsAreSameOriginAndLogged(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, _, page := get(t, rg.srv.URL+"/release?name=stuck")
+	_, _, page = get(t, rg.srv.URL+"/release?name=stuck")
 	if !strings.Contains(page, "held by <strong>app-1</strong> with token "+l.Token().String()) || !strings.Contains(page, "will be refused") {
 		t.Fatalf("confirmation page:\n%s", page)
 	}
@@ -260,8 +288,9 @@ func TestActionsAreSameOriginAndLogged(t *testing.T) {
 		t.Fatalf("the lease after a refused release: %v", err)
 	}
 	ok := url.Values{"name": {"stuck"}, "token": {l.Token().String()}}
-	if code, _ := post(t, rg.srv.URL+"/release", ok, map[string]string{"X-User": "bob"}); code != http.StatusSeeOther {
-		t.Fatalf("release: %d", code)
+	if code, page := follow(t, rg.srv.URL, rg.srv.URL+"/release", ok, map[string]string{"X-User": "bob"}); code != http.StatusOK ||
+		!strings.Contains(page, "Released lease stuck: writes with token "+l.Token().String()+" are refused") {
+		t.Fatalf("after release: %d, no notice:\n%s", code, page)
 	}
 	select {
 	case <-l.Done():

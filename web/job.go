@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/runner"
 )
 
@@ -45,6 +47,8 @@ type jobBody struct {
 	More         bool // an older page exists
 	Statuses     []runner.Status
 	Kinds        []runner.Kind
+	// Notice says what an action just did, as the database shows it now.
+	Notice string
 }
 
 // failures counts one shard's failed attempts in a row, newest first;
@@ -146,6 +150,9 @@ func (h *Handler) job(ctx context.Context, r *http.Request) (any, time.Time, err
 	if err != nil {
 		return nil, time.Time{}, err
 	}
+	if b.Notice, err = jobNotice(r, b.Shards, recent); err != nil {
+		return nil, time.Time{}, err
+	}
 	b.Terms = leadershipChart(terms, b.Shards, fenced, now)
 	b.RunChart = attemptsChart(runs, b.Shards[0].Shards, now)
 	return b, now, nil
@@ -181,4 +188,42 @@ func consecutiveFailures(runs []runner.RunInfo, truncated bool) map[int]failures
 		}
 	}
 	return out
+}
+
+// jobNotice says what the action the page was reached from (done: run,
+// pause or resume) did, from what the database says now, so that a link
+// someone made up cannot claim what did not happen.
+func jobNotice(r *http.Request, shards []runner.JobInfo, recent []runner.RunInfo) (string, error) {
+	job := shards[0].Job
+	switch done := r.FormValue("done"); done {
+	case "":
+		return "", nil
+	case "run":
+		slot, err := time.Parse(time.RFC3339Nano, r.FormValue("slot"))
+		if err != nil {
+			return "", badRequest("parameter \"slot\": %q is not a time", r.FormValue("slot"))
+		}
+		var states []string
+		for _, ri := range recent {
+			if ri.Kind == runner.KindManual && ri.Slot.Equal(slot) {
+				where := ""
+				if shards[0].Shards > 0 {
+					where = fmt.Sprintf("shard %d: ", ri.Shard)
+				}
+				states = append(states, fmt.Sprintf("%sattempt %d %s", where, ri.Attempt, ri.Status))
+			}
+		}
+		if len(states) == 0 {
+			return fmt.Sprintf("No manual run of %s asked for at %s is in the recent ledger.", printable.String(job), slot.UTC().Format(time.RFC3339)), nil
+		}
+		return fmt.Sprintf("Asked for a run of %s (%s): %s.", printable.String(job), slot.UTC().Format(time.RFC3339), strings.Join(states, "; ")), nil
+	case "pause", "resume":
+		if ji := shards[0]; ji.Paused {
+			return fmt.Sprintf("%s is paused (by %s): no replica starts its scheduled slots; manual runs still run.",
+				printable.String(job), printable.String(ji.PausedBy)), nil
+		}
+		return fmt.Sprintf("%s is not paused: it runs from its next slot.", printable.String(job)), nil
+	default:
+		return "", badRequest("parameter \"done\": %q is not run, pause or resume", done)
+	}
 }

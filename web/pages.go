@@ -2,10 +2,14 @@ package web
 
 import (
 	"context"
+	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
@@ -20,6 +24,9 @@ type leaseRow struct {
 
 type leasesBody struct {
 	Epoch *schemaver.Epoch
+	// Notice says what a force release just did, as the database shows
+	// it now.
+	Notice string
 	// The application's leases, and the runner's (pgfence/...) apart.
 	App, Runner leaseTable
 }
@@ -34,7 +41,7 @@ type leaseTable struct {
 	Actions   bool
 }
 
-func (h *Handler) leases(ctx context.Context, _ *http.Request) (any, time.Time, error) {
+func (h *Handler) leases(ctx context.Context, r *http.Request) (any, time.Time, error) {
 	ep, err := h.epoch(ctx)
 	if err != nil {
 		return nil, time.Time{}, err
@@ -61,6 +68,9 @@ func (h *Handler) leases(ctx context.Context, _ *http.Request) (any, time.Time, 
 	}
 	for _, t := range []*leaseTable{&b.App, &b.Runner} {
 		sortLeases(t.Rows)
+	}
+	if b.Notice, err = releaseNotice(r, infos); err != nil {
+		return nil, time.Time{}, err
 	}
 	return b, now, nil
 }
@@ -98,4 +108,35 @@ func (h *Handler) fleet(ctx context.Context, _ *http.Request) (any, time.Time, e
 		now = f.Instances[0].Now
 	}
 	return f, now, nil
+}
+
+// releaseNotice says what the force release the page was reached from
+// (done=release, with the lease's name and the token released) did, from
+// the leases as read now.
+func releaseNotice(r *http.Request, infos []lock.Info) (string, error) {
+	switch done := r.FormValue("done"); done {
+	case "":
+		return "", nil
+	case "release":
+	default:
+		return "", badRequest("parameter \"done\": %q is not release", done)
+	}
+	name := r.FormValue("name")
+	tok, err := fence.ParseToken(r.FormValue("token"))
+	if err != nil {
+		return "", badRequest("parameter \"token\": %v", err)
+	}
+	i := slices.IndexFunc(infos, func(in lock.Info) bool { return in.Name == name })
+	switch {
+	case i < 0:
+		return fmt.Sprintf("There is no lease %s.", printable.String(name)), nil
+	case infos[i].Token > tok:
+		in := infos[i]
+		return fmt.Sprintf("Lease %s, released at token %s, has been taken since: token %s, held by %s. Writes with token %s are refused.",
+			printable.String(name), tok, in.Token, printable.String(in.Holder), tok), nil
+	case infos[i].Token == tok && infos[i].Holder == "":
+		return fmt.Sprintf("Released lease %s: writes with token %s are refused, and the next holder gets a greater token.",
+			printable.String(name), tok), nil
+	}
+	return fmt.Sprintf("Lease %s is not released: it has token %s, held by %s.", printable.String(name), infos[i].Token, printable.String(infos[i].Holder)), nil
 }
