@@ -191,7 +191,7 @@ func eval[T any](expr string, v *T, opts ...chromedp.EvaluateOption) chromedp.Ac
 func TestStatusPageInBrowser(t *testing.T) {
 	ctx, con := browser(t)
 	dir := screenshots(t)
-	rg := newRig(t, web.Config{AllowActions: true, Refresh: refresh})
+	rg := newRig(t, web.Config{AllowActions: true, Refresh: refresh, Attempts: 5}) // billing's 7 attempts take two pages
 	dbctx := pgtest.Context(t, 3*time.Minute)
 	base := rg.srv.URL + "/"
 	const hostile = "<img src=x onerror=\"window.pwned=1\">\x1b[2J\u202eesael"
@@ -348,6 +348,14 @@ func TestStatusPageInBrowser(t *testing.T) {
 		check(`document.querySelectorAll('#live svg.chart g.term').length === 3 && document.querySelectorAll('#live svg.chart g.fenced-mark').length === 1`,
 			"the leadership timeline does not draw the three terms and the fenced attempt"),
 		shoot(dir, "job-page"),
+		// Paging: the older attempts, then back.
+		chromedp.Click(chromedp.CSS("#page-older")),
+		chromedp.WaitVisible(chromedp.CSS("#page-newer")),
+		check(`document.querySelectorAll("#runs tbody tr[data-status]").length === 2 && document.querySelector("#page-older") === null`,
+			"the second page of billing's attempts does not hold the last two"),
+		chromedp.Click(chromedp.CSS("#page-newer")),
+		chromedp.WaitVisible(chromedp.CSS("#page-older")),
+		check(`document.querySelectorAll("#runs tbody tr[data-status]").length === 5`, "the first page does not hold five attempts"),
 	)
 	if err != nil {
 		t.Fatal(err)

@@ -227,3 +227,34 @@ func TestNoRawControlCharacters(t *testing.T) {
 		t.Fatalf("the confirmation's form value is not the name with references:\n%s", confirm)
 	}
 }
+
+// The fleet page tells an instance that stopped cleanly from one that went
+// without a word.
+func TestFleetTellsStoppedFromGone(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.pgfence_instances (id, started_at, heartbeat_at, expires_at, stopped_at) VALUES
+		('crashed', now() - interval '1 hour', now() - interval '1 minute', now() - interval '30 seconds', NULL),
+		('stopped', now() - interval '1 hour', now() - interval '1 minute', now() - interval '1 minute', now() - interval '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
+	h, err := web.New(db.Pool, web.Config{Schema: db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, page := get(t, httptestServer(t, h)+"/fleet")
+	row := func(id string) string {
+		i := strings.Index(page, `<th scope="row" class="name">`+id+`</th>`)
+		if i < 0 {
+			t.Fatalf("no row for %s:\n%s", id, page)
+		}
+		return page[i : i+strings.Index(page[i:], "</tr>")]
+	}
+	if r := row("stopped"); !strings.Contains(r, ">stopped</span>") || strings.Contains(r, "gone") {
+		t.Errorf("the cleanly stopped instance: %s", r)
+	}
+	if r := row("crashed"); !strings.Contains(r, ">gone</span>") || strings.Contains(r, ">stopped<") {
+		t.Errorf("the crashed instance: %s", r)
+	}
+}
