@@ -61,21 +61,46 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 	workers := make(map[shardKey]context.CancelFunc)
 	g := bg.New(ctx) // the shard workers and the singleton jobs' workers
 	defer g.Stop()
-	var names, singleNames []string
-	for _, j := range jobs {
-		names = append(names, j.member())
-	}
+	var singleNames []string
 	for _, j := range singles {
-		names, singleNames = append(names, j.Name), append(singleNames, j.Name)
+		singleNames = append(singleNames, j.Name)
 	}
+	// listed names the jobs this instance runs, for its heartbeat: every
+	// sharded job and role, and the singleton jobs not stuck here.
+	listed := func() []string {
+		names := []string{} // never NULL in the heartbeat
+		for _, j := range jobs {
+			names = append(names, j.member())
+		}
+		for _, j := range singleNames {
+			if !r.stuck.is(j) {
+				names = append(names, j)
+			}
+		}
+		return names
+	}
+	var lastListed []string
 	singlesStarted := false
 	st := settler{settle: min(max(r.cfg.RebalanceInterval/4, 50*time.Millisecond), time.Second), patience: r.cfg.RebalanceInterval}
 	announced, started := false, false
 	var failing retry.Failing // one warning per failure period
 	for {
 		next := r.cfg.RebalanceInterval
-		view, err := r.heartbeat(ctx, own, names, !started)
+		names := listed()
+		view, soonest, err := r.heartbeat(ctx, own, names, !started)
 		started = started || err == nil
+		if err == nil && announced && !slices.Equal(names, lastListed) {
+			// A singleton job stuck here, or back: the others look at
+			// once, as for a join or a leave.
+			announced = false
+		}
+		if err == nil {
+			lastListed = names
+		}
+		if soonest > 0 {
+			// Look again just after the first other member would expire.
+			next = min(next, soonest+expiryLag)
+		}
 		if err != nil {
 			if ctx.Err() != nil {
 				return
@@ -117,7 +142,7 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 					// to its preferred replica instead of to the first up.
 					for _, j := range singles {
 						w := &worker{r: r, j: j}
-						g.Go(w.loop)
+						g.Go(w.singleLoop)
 					}
 					singlesStarted = true
 				}
@@ -138,6 +163,8 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 			return
 		case <-t.C:
 		case <-changed:
+			t.Stop()
+		case <-r.stuck.nudge:
 			t.Stop()
 		}
 	}
@@ -240,6 +267,11 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 	}
 }
 
+// expiryLag is how long after another member's expected expiry the
+// balancer looks again: past it by the database's clock, with room for the
+// round trip.
+const expiryLag = 50 * time.Millisecond
+
 // balanceTimeout bounds one of the balancer's statements, with the dial of
 // its connection when that broke: the TTL, after which the liveness row the
 // heartbeat renews has expired anyway, so that a connection to a server
@@ -255,24 +287,30 @@ func (r *Runner) balanceTimeout() time.Duration { return r.lcfg.TTL }
 // every job. first says no heartbeat of this Run has succeeded yet: it
 // records the instance's start, so that a restart with the same Holder
 // shows its own start time.
-func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string, first bool) (members, error) {
+//
+// soonest is how long until the first of the other live members expires
+// unless it heartbeats again (0: none is live): the balancer looks again
+// then, so that a crashed member's jobs move within its TTL, not a
+// RebalanceInterval later.
+func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string, first bool) (view members, soonest time.Duration, err error) {
 	ctx, cancel := context.WithTimeout(ctx, r.balanceTimeout())
 	defer cancel()
 	rows, err := own.Query(ctx, r.q.heartbeat, r.lcfg.Holder, r.lcfg.TTL.Microseconds(), jobs,
 		deadInstanceRetention.Microseconds(), first)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer rows.Close()
-	view := members{}
+	view = members{}
 	for rows.Next() {
 		var (
 			id            string
 			runs, pending []string
 			shards        []int
+			expiresIn     *int64 // microseconds; nil for this instance's row
 		)
-		if err := rows.Scan(&id, &runs, &pending, &shards); err != nil {
-			return nil, err
+		if err := rows.Scan(&id, &runs, &pending, &shards, &expiresIn); err != nil {
+			return nil, 0, err
 		}
 		for _, j := range runs {
 			view[j] = append(view[j], id)
@@ -280,11 +318,16 @@ func (r *Runner) heartbeat(ctx context.Context, own *ownconn.Conn, jobs []string
 		for i, j := range pending {
 			r.poke(j, shards[i])
 		}
+		if expiresIn != nil {
+			if d := time.Duration(*expiresIn) * time.Microsecond; soonest == 0 || d < soonest {
+				soonest = max(d, time.Microsecond)
+			}
+		}
 	}
 	for _, ids := range view {
 		slices.Sort(ids)
 	}
-	return view, rows.Err()
+	return view, soonest, rows.Err()
 }
 
 // holders reads who holds each shard (and partition) of jobs now: job name

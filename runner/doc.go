@@ -65,13 +65,18 @@
 // Instances also list their singleton jobs in pgfence_instances, and each
 // singleton job has a preferred instance: the same hashing, with loads
 // bounded across all the jobs (at most ceil(1.25 x jobs/instances) each).
-// Every instance campaigns for every singleton job, so a takeover after a
-// crash waits for the lease's TTL and the next poll, not for a rebalance;
-// but only the preferred instance takes a freed lease at once, the others
-// after half a PollInterval (lock.Defer). A leader that is not preferred
+// Only the preferred instance campaigns for a job, so a fleet keeps one
+// campaigner per job however many replicas it has (every waiting
+// campaigner costs a share of its client's polls: with every replica
+// campaigning, 1,000 jobs on ten replicas cost the server 25 times what
+// they cost as single-shard jobs). A leader that is no longer preferred
 // hands the job over between runs, once its term is a RebalanceInterval
-// old (so that a job cannot bounce). Singleton workers start campaigning
-// once their instance's view has held still, as shard workers do.
+// old (so that a job cannot bounce), and stops campaigning. After a crash,
+// the crashed instance's jobs go to their next preferred instances when
+// its liveness row expires (each balancer looks again just after the
+// first other member's expiry), and are taken when their leases expire:
+// within about a TTL. Singleton workers start campaigning once their
+// instance's view has held still, as shard workers do.
 //
 // # Continuous roles
 //

@@ -1,18 +1,13 @@
 package runner
 
-import (
-	"sync"
-	"time"
-)
+import "sync"
 
-// Spreading singleton jobs: every replica campaigns for every singleton job
-// (so a crashed leader's job is taken over within its TTL and a poll), but
-// only the job's preferred replica (spread, over the balancer's view) takes
-// a freed lease at once; the others defer (lock.Defer) for deferFor. A
-// leader that is not preferred hands the job over between runs (ends its
-// term, releasing the lease: the preferred replica, woken by the release,
-// takes it), at most once per RebalanceInterval of term, so that a
-// preferred replica that does not take it cannot make the job bounce.
+// Spreading singleton jobs: only the job's preferred replica (spread, over
+// the balancer's view) campaigns for it (worker.singleLoop). A leader that
+// is not preferred hands the job over between runs (ends its term,
+// releasing the lease: the preferred replica, woken by the release, takes
+// it), at most once per RebalanceInterval of term, so that a preferred
+// replica that does not take it cannot make the job bounce.
 
 // preference says which singleton jobs this instance should lead.
 type preference struct {
@@ -42,12 +37,6 @@ func (p *preference) get(job string) (mine bool, changed <-chan struct{}) {
 	defer p.mu.Unlock()
 	return !p.known || p.mine[job], p.changed
 }
-
-// deferFor is how long a replica that is not a singleton job's preferred
-// leader leaves a freed lease of the job to the preferred one: half a
-// PollInterval, so a takeover after a crash still comes within the TTL and
-// one PollInterval.
-func (r *Runner) deferFor() time.Duration { return r.lcfg.PollInterval / 2 }
 
 // pokes lets the balancer wake the worker leading a job's shard when a
 // heartbeat finds manual runs pending for it, in case their notification
@@ -97,4 +86,44 @@ func (r *Runner) poke(job string, shard int) {
 		default:
 		}
 	}
+}
+
+// stuckJobs are the singleton jobs whose term lost its lease while its run
+// did not return (a job that ignores its context): this instance stops
+// listing them in its heartbeat until the run returns, so that the other
+// replicas see it gone from the job and the next preferred one takes the
+// job over. The balancer is nudged at each change.
+type stuckJobs struct {
+	mu    sync.Mutex
+	jobs  map[string]bool
+	nudge chan struct{} // buffered 1: the balancer heartbeats at once
+}
+
+func newStuckJobs() stuckJobs {
+	return stuckJobs{jobs: map[string]bool{}, nudge: make(chan struct{}, 1)}
+}
+
+// set marks job stuck or not, and nudges the balancer on a change.
+func (s *stuckJobs) set(job string, stuck bool) {
+	s.mu.Lock()
+	changed := s.jobs[job] != stuck
+	if stuck {
+		s.jobs[job] = true
+	} else {
+		delete(s.jobs, job)
+	}
+	s.mu.Unlock()
+	if changed {
+		select {
+		case s.nudge <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// is reports whether job is stuck here.
+func (s *stuckJobs) is(job string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.jobs[job]
 }

@@ -39,6 +39,7 @@ type Runner struct {
 	// (the real clock; tests move a fake one).
 	clock clock.Clock
 	pref  *preference // which singleton jobs this instance should lead
+	stuck stuckJobs   // singleton jobs whose run outlived its lease here
 	pokes pokes       // the leading workers, woken when manual runs are pending
 
 	heldMu sync.Mutex
@@ -76,8 +77,8 @@ var ErrNilClient = errors.New("runner: nil lock client")
 // New returns a runner that leads its jobs with client's leases: the
 // client's schema holds the ledger, its Holder is this runner's instance id
 // (unique among live runners), its TTL is also the TTL of the instance's
-// liveness row, its PollInterval is how often a replica that does not lead
-// a job checks whether it can take it over when no release notification
+// liveness row, its PollInterval is how often a replica waiting to take
+// over a job it should lead checks the lease when no release notification
 // arrives, and its Logger and MeterProvider receive the runner's logs and
 // metrics. One client serves the runner and the application's own leases,
 // with one renewer, one listener and one poller. The runner does not close
@@ -102,7 +103,7 @@ func New(client *lock.Client, cfg Config) (*Runner, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: sqlFor(lcfg.Schema), lc: client, log: lcfg.Logger, m: m, clock: clock.Real(), pref: newPreference(),
+	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: sqlFor(lcfg.Schema), lc: client, log: lcfg.Logger, m: m, clock: clock.Real(), pref: newPreference(), stuck: newStuckJobs(),
 		names: make(map[string]bool), held: make(map[*lock.Lease]struct{})}, nil
 }
 
@@ -139,11 +140,11 @@ func (r *Runner) Instance() string { return r.lcfg.Holder }
 // Register adds a singleton job: each slot runs on exactly one replica, the
 // one that holds the job's lease. Singleton jobs spread over the replicas
 // that registered them (each leads at most 1.25 times its share, rounded
-// up): every replica campaigns for every job, but only the job's preferred
-// replica takes a freed lease at once, the others after half a
-// PollInterval, and a leader that is not preferred hands the job over
-// between runs. So a crashed leader's job is still taken over within the
-// TTL and a PollInterval. It returns a *JobError naming the field at fault
+// up): only a job's preferred replica campaigns for it, and a leader that
+// is no longer preferred hands the job over between runs. A crashed
+// leader's job is taken over by its next preferred replica within about a
+// TTL (once the crashed instance's liveness row and the job's lease have
+// expired). It returns a *JobError naming the field at fault
 // (it matches ErrInvalidJob, and ErrInvalidSchedule for the schedule),
 // ErrDuplicateJob, or ErrRunning.
 func (r *Runner) Register(j Job) error { return r.register(j, 0) }

@@ -240,9 +240,10 @@ ON CONFLICT (job) DO UPDATE SET schedule = EXCLUDED.schedule, shards = EXCLUDED.
     RETURNING id, jobs),
 gone AS (DELETE FROM %[1]s WHERE expires_at < now() - $4 * interval '1 microsecond' AND id <> $1),
 pending AS (SELECT DISTINCT job, shard FROM %[2]s WHERE status = 'pending')
-SELECT id, jobs, NULL::text[], NULL::int[] FROM %[1]s WHERE expires_at > now() AND id <> $1
+SELECT id, jobs, NULL::text[], NULL::int[], (extract(epoch FROM expires_at - now()) * 1e6)::bigint
+  FROM %[1]s WHERE expires_at > now() AND id <> $1
 UNION ALL
-SELECT id, jobs, (SELECT array_agg(job) FROM pending), (SELECT array_agg(shard) FROM pending) FROM me`, inst, runs),
+SELECT id, jobs, (SELECT array_agg(job) FROM pending), (SELECT array_agg(shard) FROM pending), NULL FROM me`, inst, runs),
 		// Announces a change of members (a join, or with leave a graceful
 		// leave) to every runner of the schema, on the channel blocked
 		// acquirers listen to, as a release of the pseudo-lease $1.

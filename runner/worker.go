@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -71,15 +72,81 @@ func (w *worker) election(lead func(ctx context.Context, l *lock.Lease) error) *
 		},
 		RetryDelay: -1, // a lost lease is campaigned for again at once
 	}
-	if w.j.shards == 0 {
-		e.Defer = func() time.Duration {
-			if mine, _ := w.r.pref.get(w.j.Name); mine {
-				return 0
+	return e
+}
+
+// singleLoop is a singleton job's worker: it campaigns for the job's lease
+// only while this replica is the job's preferred one, so that a fleet of N
+// replicas keeps one campaigner per job, not N (each waiting campaigner
+// costs a share of its client's polls). A term, once begun, runs on when
+// the preference moves away: lead hands the job over between runs (see
+// handOver), and then the campaign stops until the job is this replica's
+// again. A crashed leader's job is taken over by its next preferred
+// replica once the balancer sees the crashed instance gone (its liveness
+// row expires within a TTL, and the balancer looks again as it does) and
+// the lease expires.
+func (w *worker) singleLoop(ctx context.Context) {
+	for ctx.Err() == nil {
+		mine, changed := w.r.pref.get(w.j.Name)
+		if !mine {
+			select {
+			case <-changed:
+				continue
+			case <-ctx.Done():
+				return
 			}
-			return w.r.deferFor()
+		}
+		w.campaign(ctx)
+	}
+}
+
+// campaign runs the job's election while this replica is preferred for it:
+// a campaign (a waiting Acquire) is cancelled as soon as the preference
+// moves away, a term is not (it ends at its next hand-over point).
+func (w *worker) campaign(ctx context.Context) {
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		mu      sync.Mutex
+		leading bool
+	)
+	// stopIfNotMine ends the campaign if the job is no longer this
+	// replica's and no term runs.
+	stopIfNotMine := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if mine, _ := w.r.pref.get(w.j.Name); !mine && !leading {
+			cancel()
 		}
 	}
-	return e
+	e := w.election(func(ctx context.Context, l *lock.Lease) error {
+		mu.Lock()
+		leading = true
+		mu.Unlock()
+		defer w.watchStuck(ctx)()
+		err := w.lead(ctx, l)
+		mu.Lock()
+		leading = false
+		mu.Unlock()
+		stopIfNotMine() // handed over: campaign again only once it is ours
+		return err
+	})
+	watched := make(chan struct{})
+	go func() { // owned here: it ends with cctx, and campaign waits for it
+		defer close(watched)
+		for {
+			_, changed := w.r.pref.get(w.j.Name)
+			stopIfNotMine()
+			select {
+			case <-changed:
+			case <-cctx.Done():
+				return
+			}
+		}
+	}()
+	w.electionEnded(e.Run(cctx))
+	cancel()
+	<-watched
 }
 
 // electionEnded handles the end of the worker's election: an error other
@@ -260,4 +327,45 @@ func firstErr(a, b error) error {
 		return a
 	}
 	return b
+}
+
+// watchStuck marks the job stuck here (stuckJobs) when the term's context
+// ends and its run has not returned a PollInterval later, and clears the
+// mark once it does; the returned function is called when lead returns.
+func (w *worker) watchStuck(ctx context.Context) func() {
+	var (
+		mu     sync.Mutex
+		timer  *time.Timer
+		ended  bool
+		marked bool
+	)
+	stop := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if ended {
+			return
+		}
+		// Pacing the fleet's view: the real clock.
+		timer = time.AfterFunc(w.r.lcfg.PollInterval, func() {
+			mu.Lock()
+			defer mu.Unlock()
+			if !ended {
+				marked = true
+				w.log().Warn("pgfence runner: the run outlived its lease and has not returned; letting another replica take the job")
+				w.r.stuck.set(w.j.Name, true)
+			}
+		})
+	})
+	return func() {
+		stop()
+		mu.Lock()
+		defer mu.Unlock()
+		ended = true
+		if timer != nil {
+			timer.Stop()
+		}
+		if marked {
+			w.r.stuck.set(w.j.Name, false)
+		}
+	}
 }
