@@ -34,7 +34,7 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 		return nil, err
 	}
 	secret := newSecret()
-	l, err := c.tryAcquire(ctx, name, secret, time.Time{}, 0)
+	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
 	if pid, ok := inDoubt(err); ok {
 		c.abandon(name, secret, pid)
 	}
@@ -64,7 +64,7 @@ var errRowChanging = errors.New("the row kept changing under three attempts")
 // RenewInterval: an acquisition that took longer than that to come back
 // (it waited behind a guarded transaction, or the process was paused) is
 // renewed at once, and tried again if the renewal finds it gone.
-func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time, minFree time.Duration) (l *Lease, err error) {
+func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time) (l *Lease, err error) {
 	defer func() {
 		c.m.attempted(ctx, err)
 		if l != nil {
@@ -81,7 +81,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		g    grant
 		held *HeldError
 	)
-	req := acquisition{name: name, secret: secret, minFree: minFree}
+	req := acquisition{name: name, secret: secret}
 	for attempt := 0; ; attempt++ {
 		if attempt == 3 {
 			if held != nil {
@@ -100,9 +100,6 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		if !r.won {
 			if held = r.held; held != nil && r.live {
 				return nil, held
-			}
-			if held != nil && req.minFree > 0 {
-				return nil, errFreedTooRecently
 			}
 			continue // freed between the two statements, or an insert race
 		}
@@ -147,22 +144,16 @@ type grant struct {
 	sent      time.Time
 }
 
-// acquisition is what one Acquire asks for: the name and its secret, and
-// how long the lease must have been free (Defer; 0: no condition).
+// acquisition is what one Acquire asks for: the name and its secret.
 type acquisition struct {
-	name    string
-	secret  []byte
-	minFree time.Duration
+	name   string
+	secret []byte
 }
 
 // args are the acquire and acquireNew statements' arguments.
 func (a acquisition) args(c *Client) []any {
 	return []any{a.name, c.cfg.Holder, a.secret, c.cfg.TTL.Microseconds()}
 }
-
-// errFreedTooRecently is a deferred attempt's answer when the lease has
-// been free for less than its deferral: Acquire defers again.
-var errFreedTooRecently = errors.New("lock: freed too recently for a deferred acquisition")
 
 // attempt is one compare-and-set (and, for a name never acquired, the
 // insert). r.won says whether the lease was won (g is then set); otherwise
@@ -214,11 +205,7 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 	}
 	defer conn.Release()
 	var notified bool // an observer was told
-	if req.minFree > 0 {
-		err = conn.QueryRow(ctx, c.q.acquireDeferred, append(req.args(c), req.minFree.Microseconds())...).Scan(token, expiresAt, &notified)
-	} else {
-		err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
-	}
+	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
 	switch {
 	case err == nil:
 		return casResult{won: true}, nil
@@ -242,55 +229,6 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 	return casResult{}, nil
 }
 
-// AcquireOption tunes one Acquire.
-type AcquireOption func(*acquireOptions)
-
-type acquireOptions struct {
-	deferFor func() time.Duration
-}
-
-// Defer makes Acquire leave a lease that has been free (released, or
-// expired by the database's clock) for less than d() to other campaigners:
-// it waits until the lease has been free for d(), then tries. d is asked
-// again before each attempt; 0 or less tries at once. A replica that
-// prefers another to lead defers, so that the other, campaigning without
-// delay, takes the lease when both wait for it, while a lease nobody else
-// wants is still taken d() after it frees. The attempt itself carries the
-// condition (free for at least d()), so a release that lands between
-// Defer's look and the attempt is not taken at once either.
-func Defer(d func() time.Duration) AcquireOption {
-	return func(o *acquireOptions) { o.deferFor = d }
-}
-
-// deferStep is how often a deferring Acquire asks d() again while it
-// waits, so that one that becomes preferred meanwhile tries at once.
-const deferStep = 25 * time.Millisecond
-
-// deferTo waits while the lease name has been free for less than d(),
-// asking d() again every deferStep; it reports false if ctx ended.
-func (c *Client) deferTo(ctx context.Context, name string, d func() time.Duration) bool {
-	if d() <= 0 {
-		return true
-	}
-	var (
-		free      bool
-		freeForUs int64
-	)
-	if err := c.pool.QueryRow(ctx, c.q.freeFor, name).Scan(&free, &freeForUs); err != nil || !free {
-		return ctx.Err() == nil // held, never acquired, or unreadable: the attempt says
-	}
-	freedAt := time.Now().Add(-time.Duration(freeForUs) * time.Microsecond)
-	for {
-		left := time.Until(freedAt.Add(d()))
-		if left <= 0 {
-			return true
-		}
-		if !wait.Sleep(ctx, min(left, deferStep)) {
-			return false
-		}
-	}
-}
-
 // Acquire blocks until it acquires the lease name or ctx ends. It wakes
 // within milliseconds of a release (LISTEN/NOTIFY) and otherwise retries
 // every PollInterval (jittered), or sooner when the holder's lease is due to
@@ -305,16 +243,12 @@ func (c *Client) deferTo(ctx context.Context, name string, d func() time.Duratio
 // its own (Acquire keeps one secret across attempts) and returns it, trusted
 // from the first attempt's send time, instead of waiting for it to expire;
 // if Acquire gives up instead, it frees that lease in the background.
-func (c *Client) Acquire(ctx context.Context, name string, opts ...AcquireOption) (l *Lease, err error) {
+func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error) {
 	if err := ctxcheck.NotNil(ctx, "lock: Acquire"); err != nil {
 		return nil, err
 	}
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
-	}
-	var o acquireOptions
-	for _, opt := range opts {
-		opt(&o)
 	}
 	var (
 		sub *subscription
@@ -351,18 +285,8 @@ func (c *Client) Acquire(ctx context.Context, name string, opts ...AcquireOption
 		return fmt.Errorf("lock: acquire %q: %w; the attempts were failing (%d), the last with: %w", name, ctx.Err(), failing.Count(), last)
 	}
 	for {
-		if o.deferFor != nil && !c.deferTo(ctx, name, o.deferFor) {
-			return nil, gaveUp()
-		}
 		attemptAt := c.clock.Now() // the trust window of an adopted lease counts from here
-		var minFree time.Duration
-		if o.deferFor != nil {
-			minFree = max(o.deferFor(), 0)
-		}
-		l, err := c.tryAcquire(ctx, name, secret, since, minFree)
-		if errors.Is(err, errFreedTooRecently) {
-			continue // freed just now: defer (deferTo waits out the rest)
-		}
+		l, err := c.tryAcquire(ctx, name, secret, since)
 		if since.IsZero() {
 			since = attemptAt
 		}

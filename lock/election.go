@@ -42,11 +42,6 @@ type Election struct {
 	// campaign, so that a leader whose Lead fails at once does not grab the
 	// lease straight back. Default 1s; negative means no pause.
 	RetryDelay time.Duration
-
-	// Defer, if set, is passed to each campaign's Acquire as lock.Defer: a
-	// client that prefers another to lead returns a positive duration, and
-	// leaves a freed lease to campaigners that do not defer for that long.
-	Defer func() time.Duration
 }
 
 // ErrInvalidElection is returned by Run when a required field is missing.
@@ -72,11 +67,7 @@ func (e *Election) Run(ctx context.Context) error {
 		delay = time.Second
 	}
 	for {
-		var opts []AcquireOption
-		if e.Defer != nil {
-			opts = append(opts, Defer(e.Defer))
-		}
-		l, err := e.Client.Acquire(ctx, e.Name, opts...)
+		l, err := e.Client.Acquire(ctx, e.Name)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil

@@ -13,7 +13,7 @@ import (
 // the attempt's send time and the token issued.
 func (c *Client) AcquireLostReply(ctx context.Context, name string) ([]byte, time.Time, int64, error) {
 	secret, sent := newSecret(), c.clock.Now()
-	l, err := c.tryAcquire(ctx, name, secret, time.Time{}, 0)
+	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
 	if err != nil {
 		return nil, sent, 0, err
 	}
@@ -29,7 +29,7 @@ func (c *Client) AcquireLostReply(ctx context.Context, name string) ([]byte, tim
 // TryAcquireAs is one attempt of Acquire that uses secret, whose first
 // attempt was sent at since.
 func (c *Client) TryAcquireAs(ctx context.Context, name string, secret []byte, since time.Time) (*Lease, error) {
-	return c.tryAcquire(ctx, name, secret, since, 0)
+	return c.tryAcquire(ctx, name, secret, since)
 }
 
 // SetClock makes the client read the time and arm its trust-window timers

@@ -30,7 +30,7 @@ type queries struct {
 }
 
 type leaseSQL struct {
-	acquire, acquireDeferred, heldBy, freeFor, acquireNew, syncEpoch, renew, check        string
+	acquire, heldBy, acquireNew, syncEpoch, renew, check                                  string
 	release, releaseDurable, releaseMany, releaseManyDurable, releaseSecret, backendAlive string
 }
 
@@ -122,32 +122,12 @@ func newLeaseSQL(schema string) leaseSQL {
 RETURNING l.token, l.expires_at, CASE WHEN l.observers_until > now() THEN %[3]s(l.name) ELSE false END`,
 			t, ready, ident.Table(schema, "pgfence_wake_waiters")),
 
-		// An acquisition with lock.Defer: acquire, on the condition that
-		// the lease has been free (released, or expired) for at least $5
-		// microseconds, checked with the take itself, so that a release
-		// landing between Defer's look and the attempt is not taken at
-		// once. A release sets expires_at to its own time.
-		acquireDeferred: fmt.Sprintf(`UPDATE %[1]s l
-   SET token = DEFAULT, holder = $2, secret = $3, acquired_at = clock_timestamp(), renewed_at = clock_timestamp(),
-       expires_at = clock_timestamp() + $4 * interval '1 microsecond'
- WHERE l.name = (SELECT f.name FROM %[1]s f WHERE f.name = $1 AND (f.holder IS NULL OR f.expires_at <= now())
-                 AND f.expires_at <= now() - $5 * interval '1 microsecond' FOR UPDATE)
-   AND (l.holder IS NULL OR l.expires_at <= now()) AND l.expires_at <= now() - $5 * interval '1 microsecond'
-   AND %[2]s
-RETURNING l.token, l.expires_at, CASE WHEN l.observers_until > now() THEN %[3]s(l.name) ELSE false END`,
-			t, ready, ident.Table(schema, "pgfence_wake_waiters")),
-
 		// The row after the acquire statement (no row: the name's first
 		// acquisition), and whether it holds the caller's secret $2: after
 		// a failed acquire, that means an earlier attempt with the same
 		// secret won and its reply was lost.
 		heldBy: fmt.Sprintf(`SELECT token, coalesce(holder, ''), holder IS NOT NULL AND expires_at > now(), expires_at,
        (extract(epoch FROM expires_at - now()) * 1e6)::bigint, secret IS NOT DISTINCT FROM $2
-  FROM %[1]s WHERE name = $1`, t),
-
-		// Whether lease $1 is free, and for how long (microseconds since
-		// its expiry; a release sets the expiry to the release's time).
-		freeFor: fmt.Sprintf(`SELECT holder IS NULL OR expires_at <= now(), (extract(epoch FROM now() - expires_at) * 1e6)::bigint
   FROM %[1]s WHERE name = $1`, t),
 
 		// First acquisition of a name; a concurrent first acquirer makes
