@@ -424,3 +424,56 @@ func TestAcquireDeadlineNamesTheLastFailure(t *testing.T) {
 		t.Fatalf("Acquire of a held lease at its deadline: %v, want context.DeadlineExceeded itself", err)
 	}
 }
+
+// Renewals slower than half of RenewInterval are counted and warned of,
+// once, and their end is noted, once. The renewal is slowed for real: a
+// transaction holds the lease's row lock, so the renewal's UPDATE waits.
+func TestSlowRenewalsWarnOnce(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	rec := pgtest.NewLogs()
+	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, TTL: 8 * time.Second, RenewInterval: time.Second, Logger: slog.New(rec)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(ctx)
+	l, err := c.TryAcquire(ctx, "slowed")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, 30*time.Second, "a renewal", func() bool { return c.Stats().Renewals >= 1 })
+	if st := c.Stats(); st.SlowRenewals != 0 || len(rec.Find(slog.LevelWarn, "renewals take more")) != 0 {
+		t.Fatalf("a fast renewal counted or warned as slow: %+v", st)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pid int
+	if err := tx.QueryRow(ctx, "SELECT pg_backend_pid() FROM "+db.Schema+".pgfence_leases WHERE name = 'slowed' FOR UPDATE").Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	// The renewal waits for the row lock; it is held two seconds more
+	// (four times the slow threshold; a loaded machine only adds to it).
+	pgtest.Eventually(t, 30*time.Second, "the renewal to wait for the row lock", func() bool {
+		var n int
+		_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, pid).Scan(&n)
+		return n > 0
+	})
+	time.Sleep(2 * time.Second)
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Eventually(t, 30*time.Second, "the slow renewal counted", func() bool { return c.Stats().SlowRenewals >= 1 })
+	r0 := c.Stats().Renewals
+	pgtest.Eventually(t, 30*time.Second, "renewals fast again", func() bool {
+		return len(rec.Find(slog.LevelInfo, "renewals fast again")) == 1 && c.Stats().Renewals >= r0+2
+	})
+	if n := len(rec.Find(slog.LevelWarn, "renewals take more")); n != 1 {
+		t.Fatalf("%d warnings of slow renewals, want 1", n)
+	}
+	if err := l.Check(ctx); err != nil {
+		t.Fatalf("the lease after a slow renewal (within its TTL): %v", err)
+	}
+}

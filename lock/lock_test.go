@@ -513,7 +513,8 @@ func TestBadInput(t *testing.T) {
 	}
 }
 
-// A client holding many leases renews them in one statement per interval.
+// A client holding many leases renews them in one statement per interval
+// (up to 5,000 leases a statement).
 func TestBatchRenewalIsConstantStatements(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)

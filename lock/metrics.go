@@ -19,6 +19,7 @@ type metrics struct {
 	acquisitions metric.Int64Counter
 	losses       metric.Int64Counter
 	renewTime    metric.Float64Histogram
+	slowRenews   metric.Int64Counter
 	timeLeft     metric.Float64Histogram
 	waitTime     metric.Float64Histogram
 	observed     metric.Registration
@@ -50,8 +51,11 @@ func newMetrics(c *Client) (*metrics, error) {
 	ms.losses, e = m.Int64Counter("pgfence.lease.losses", metric.WithUnit("{lease}"),
 		metric.WithDescription("Leases lost, by pgfence.cause: expired, taken_over, released_by_operator, renew_failed, database_unreachable."))
 	keep(e)
+	ms.slowRenews, e = m.Int64Counter("pgfence.lease.renewals.slow", metric.WithUnit("{renewal}"),
+		metric.WithDescription("Renewals whose round trip took more than half of RenewInterval."))
+	keep(e)
 	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renew.duration", metric.WithUnit("s"),
-		metric.WithDescription("Round trip of the renewal statement (all of a client's leases at once)."))
+		metric.WithDescription("Round trip of a renewal statement (up to 5,000 of a client's leases at once)."))
 	keep(e)
 	ms.timeLeft, e = m.Float64Histogram("pgfence.lease.time_left", metric.WithUnit("s"),
 		metric.WithDescription("What was left of a lease's trust window when its renewal succeeded."))
@@ -100,3 +104,5 @@ func (m *metrics) attempted(ctx context.Context, err error) {
 func (m *metrics) lost(cause LossCause) {
 	m.losses.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.cause", string(cause))))
 }
+
+func (m *metrics) slowRenewal() { m.slowRenews.Add(context.Background(), 1) }

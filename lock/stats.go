@@ -10,10 +10,15 @@ type Stats struct {
 	// Held is the number of leases the client holds now.
 	Held int
 	// Renewals and RenewalFailures count renewal statements (one per
-	// interval for all leases) that succeeded and failed.
+	// interval per 5,000 leases) that succeeded and failed.
 	Renewals, RenewalFailures uint64
 	// LastRenewLatency is the round trip of the last successful renewal.
 	LastRenewLatency time.Duration
+	// SlowRenewals counts successful renewals whose round trip took more
+	// than half of RenewInterval (the client logs a warning when they
+	// start, and the metric pgfence.lease.renewals.slow counts them): a
+	// client holding more leases than its server renews in time.
+	SlowRenewals uint64
 	// ClockSkew estimates the database's clock minus this machine's, from
 	// the last successful renewal (server time against the midpoint of the
 	// request), to within half of LastRenewLatency either way. pgfence
@@ -29,6 +34,8 @@ type stats struct {
 	// is consistent with: 0 when the clocks may agree.
 	leastSkew atomic.Int64
 	skewed    atomic.Bool // leastSkew is past Config.SkewWarning
+	slow      atomic.Uint64
+	renewSlow atomic.Bool // the last renewal was slow
 }
 
 // Stats returns the client's current lease health.
@@ -41,6 +48,7 @@ func (c *Client) Stats() Stats {
 		Renewals:         c.stats.renewals.Load(),
 		RenewalFailures:  c.stats.failures.Load(),
 		LastRenewLatency: time.Duration(c.stats.latency.Load()),
+		SlowRenewals:     c.stats.slow.Load(),
 		ClockSkew:        time.Duration(c.stats.skew.Load()),
 	}
 }
