@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -48,13 +49,14 @@ func (b *bench) newPool(ctx context.Context, maxConns int32, tune ...func(*pgxpo
 func (b *bench) scale(ctx context.Context, out *bytes.Buffer, ttl time.Duration, intervals int, counts ...int) error {
 	renew := ttl / 3
 	fmt.Fprintf(out, "\n### Scale: one client holding many leases\n\nOne client (TTL %s, so a renewal every %s) acquires the leases, then "+
-		"holds them for %d renewal intervals. Statements: what its pool sent per interval (a pgx tracer). Renew latency: the "+
-		"renewal statement's round trip (`Client.Stats`), median and max over the intervals. Server CPU: every `postgres` "+
+		"holds them for %d renewal intervals. Statements: what it sent per interval (a pgx tracer; a renewal is one statement per "+
+		"5,000 leases). Renew latency: a renewal statement's round trip (`Client.Stats`), median and max over the window. Server CPU: every `postgres` "+
 		"process, per second of holding. Heap: the client's live heap after a GC, with the leases minus without, per lease (with one lease: mostly the "+
 		"client's own structures). "+
 		"Close: `Client.Close`, which releases them all.\n\n"+
-		"| leases | statements / renewal interval | renew latency | server CPU / s | client heap / lease | acquiring them | Close |\n"+
-		"|---|---|---|---|---|---|---|\n", ttl, renew, intervals)
+		"Lost: leases that ended while they were acquired or held (none should).\n\n"+
+		"| leases | statements / renewal interval | renew latency | server CPU / s | lost | client heap / lease | acquiring them | Close |\n"+
+		"|---|---|---|---|---|---|---|---|\n", ttl, renew, intervals)
 	for _, n := range counts {
 		if err := b.hold(ctx, out, n, ttl, intervals); err != nil {
 			return fmt.Errorf("scale %d: %w", n, err)
@@ -98,34 +100,28 @@ func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Dur
 	acquiring := time.Since(began)
 	perLease := (float64(heap()) - float64(heap0)) / float64(n)
 	renewals := func() uint64 { return c.Stats().Renewals }
-	// Start counting at a renewal, so that the window holds whole intervals.
+	// Start counting once renewals run: the window then holds whole
+	// renewal intervals (each a pass of one statement per 5,000 leases).
 	if err := waitUntil(2*ttl, func() bool { return renewals() > 0 }); err != nil {
 		return errors.New("no renewal")
 	}
-	r0 := renewals()
-	if err := waitUntil(2*ttl, func() bool { return renewals() > r0 }); err != nil {
-		return errors.New("no second renewal")
-	}
 	s0, cpu0, t0 := sent.statements.Load(), mustCPU(), time.Now()
 	var lat []time.Duration
-	last := renewals()
-	for len(lat) < intervals {
-		if err := waitUntil(2*ttl, func() bool { return renewals() > last }); err != nil {
-			return errors.New("renewals stopped")
+	for end := t0.Add(time.Duration(intervals) * c.Config().RenewInterval); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		if st := c.Stats(); len(lat) == 0 || st.LastRenewLatency != lat[len(lat)-1] {
+			lat = append(lat, st.LastRenewLatency)
 		}
-		st := c.Stats()
-		last = st.Renewals
-		lat = append(lat, st.LastRenewLatency)
 	}
 	took, statements, cpu := time.Since(t0), sent.statements.Load()-s0, mustCPU()-cpu0
-	if st := c.Stats(); st.Held != n || st.RenewalFailures > 0 {
-		why := map[string]int{}
-		for _, l := range leases {
-			if err := l.Err(); err != nil {
-				why[err.Error()]++
-			}
+	// Leases lost while acquiring or holding are a result, not an error:
+	// the table says how many, and why.
+	st := c.Stats()
+	lost := n - st.Held
+	why := map[LossWhy]int{}
+	for _, l := range leases {
+		if err := l.Err(); err != nil {
+			why[lossWhy(err)]++
 		}
-		return fmt.Errorf("holds %d leases of %d, %d renewals failed; the others ended with %v", st.Held, n, st.RenewalFailures, why)
 	}
 	closing := time.Now()
 	open = false
@@ -138,8 +134,12 @@ func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Dur
 	if cpu >= 0 {
 		server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
 	}
-	fmt.Fprintf(out, "| %d | %.1f | %s (max %s) | %s | %.0f B | %s | %s |\n", n, float64(statements)/float64(intervals),
-		ms(lat[len(lat)/2]), ms(lat[len(lat)-1]), server, perLease, acquiring.Round(time.Millisecond), closed.Round(time.Millisecond))
+	lostText := "0"
+	if lost > 0 {
+		lostText = fmt.Sprintf("**%d** (%v; slow renewals: %d of %d)", lost, why, st.SlowRenewals, st.Renewals)
+	}
+	fmt.Fprintf(out, "| %d | %.1f | %s (max %s) | %s | %s | %.0f B | %s | %s |\n", n, float64(statements)/float64(intervals),
+		ms(lat[len(lat)/2]), ms(lat[len(lat)-1]), server, lostText, perLease, acquiring.Round(time.Millisecond), closed.Round(time.Millisecond))
 	return nil
 }
 
@@ -215,7 +215,7 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 	fmt.Fprintf(out, "\n### %d singleton jobs on %d runner replicas\n\nTen `runner` instances in this process, each with its own "+
 		"4-connection pool and default timings (TTL 15 s, PollInterval 1 s, RebalanceInterval 5 s), register the same %d jobs "+
 		"(`@every 1h`): with `Register`, and then with `RegisterSharded(job, 1)`. Once every job has its leader, for %s: what the "+
-		"replicas' pools sent (every statement: the leaders' renewals and heartbeats, the waiters' polls), the server's CPU, and "+
+		"replicas' pools sent (every statement: the leaders' renewals and heartbeats, the waiters' polls, if any), the server's CPU, and "+
 		"the connections they opened; with `Register`, once the jobs have moved to their preferred replicas (leadership held "+
 		"still for 10 s). Then, with `Register`: one replica leaves gracefully (its `Run` ends), and another is cut "+
 		"off from the database (its connections terminated and no new ones allowed: it neither renews nor releases, as after a "+
@@ -225,6 +225,7 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 		label string
 		cell  func(fleetCost) string
 	}{
+		{"every job led, after the replicas started", func(c fleetCost) string { return c.allLed.Round(10 * time.Millisecond).String() }},
 		{"jobs led per replica", func(c fleetCost) string { return summary(c.led, "%.0f") }},
 		{"statements / s, the whole fleet", func(c fleetCost) string { return fmt.Sprintf("%.1f", c.total) }},
 		{"statements / s per replica", func(c fleetCost) string { return summary(c.perReplica, "%.2f") }},
@@ -241,7 +242,7 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 		}},
 		{"crash: its jobs led again after", func(c fleetCost) string {
 			return orDash(c.afterCrash, func() string {
-				return fmt.Sprintf("%v (%d jobs; TTL + PollInterval = 16 s)", c.crashTook.Round(time.Millisecond), c.crashJobs)
+				return fmt.Sprintf("%v (%d jobs; TTL = 15 s)", c.crashTook.Round(time.Millisecond), c.crashJobs)
 			})
 		}},
 		{"jobs led per replica after the crash", func(c fleetCost) string {
@@ -266,6 +267,7 @@ func orDash(measured []float64, s func() string) string {
 // for singleton jobs, how leadership moved after a graceful leave and a
 // crash.
 type fleetCost struct {
+	allLed          time.Duration // from the replicas' start until every job had a leader
 	led, perReplica []float64
 	total           float64
 	server          string
@@ -351,6 +353,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 		fleet[i] = r
 		go func() { r.done <- run.Run(rctx) }()
 	}
+	began := time.Now()
 	like := "pgfence/job/" + prefix + "-%"
 	led := func() int {
 		var n int
@@ -360,6 +363,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 	if err := waitUntil(time.Minute, func() bool { return led() == jobs }); err != nil {
 		return fleetCost{}, fmt.Errorf("%d of %d jobs have a leader after a minute", led(), jobs)
 	}
+	allLed := time.Since(began)
 	// leadsNow waits until the leadership has held still for two
 	// RebalanceIntervals (10 s) and returns the jobs led per replica.
 	leadsNow := func(skip ...int) ([]float64, error) {
@@ -428,7 +432,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 	cpu0, t0 := mustCPU(), time.Now()
 	time.Sleep(window)
 	took, cpu := time.Since(t0), mustCPU()-cpu0
-	var c fleetCost
+	c := fleetCost{allLed: allLed}
 	for i, r := range fleet {
 		v := float64(r.sent.statements.Load()-s0[i]) / took.Seconds()
 		c.perReplica = append(c.perReplica, v)
@@ -569,4 +573,19 @@ func (b *bench) crash(ctx context.Context, out *bytes.Buffer, rounds int) error 
 func childFlags() (name *string, ttl *time.Duration) {
 	return flag.String("crash-child", "", "internal: hold this lease until killed"),
 		flag.Duration("crash-ttl", 2*time.Second, "internal: the crash child's TTL")
+}
+
+// LossWhy names why a lease ended, for the scale table.
+type LossWhy string
+
+// lossWhy sorts a lost lease's error into a few kinds.
+func lossWhy(err error) LossWhy {
+	switch msg := err.Error(); {
+	case strings.Contains(msg, "trust window"):
+		return "trust window ran out"
+	case strings.Contains(msg, "taken over"):
+		return "taken over"
+	default:
+		return "other"
+	}
 }
