@@ -312,11 +312,7 @@ func TestRoundTripIsNotSkew(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
 	rec := pgtest.NewLogs()
-	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, TTL: 3 * time.Second, SkewWarning: time.Nanosecond, Logger: slog.New(rec)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close(ctx)
+	c := newClient(t, db, lock.Config{TTL: 3 * time.Second, SkewWarning: time.Nanosecond, Logger: slog.New(rec)})
 	if _, err := c.TryAcquire(ctx, "skewed"); err != nil {
 		t.Fatal(err)
 	}
@@ -433,11 +429,7 @@ func TestSlowRenewalsWarnOnce(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
 	rec := pgtest.NewLogs()
-	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, TTL: 8 * time.Second, RenewInterval: time.Second, Logger: slog.New(rec)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close(ctx)
+	c := newClient(t, db, lock.Config{TTL: 8 * time.Second, RenewInterval: time.Second, Logger: slog.New(rec)})
 	l, err := c.TryAcquire(ctx, "slowed")
 	if err != nil {
 		t.Fatal(err)

@@ -36,36 +36,14 @@ func get(t *testing.T, u string) (int, http.Header, string) {
 
 func post(t *testing.T, u string, form url.Values, header map[string]string) (int, string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodPost, u, strings.NewReader(form.Encode()))
-	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-	for k, v := range header {
-		req.Header.Set(k, v)
-	}
-	c := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
-	res, err := c.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer res.Body.Close()
-	b, _ := io.ReadAll(res.Body)
-	return res.StatusCode, string(b)
+	return do(t, http.MethodPost, u, "", header, form)
 }
 
 // follow posts form to u and returns the page the 303 it gets sends the
 // browser to (relative to base), and that page's status.
 func follow(t *testing.T, base, u string, form url.Values, header map[string]string) (int, string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodPost, u, strings.NewReader(form.Encode()))
-	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-	for k, v := range header {
-		req.Header.Set(k, v)
-	}
-	c := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
-	res, err := c.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	res.Body.Close()
+	res, _ := send(t, http.MethodPost, u, "", header, form)
 	if res.StatusCode != http.StatusSeeOther {
 		t.Fatalf("POST %s: %d, want 303", u, res.StatusCode)
 	}

@@ -10,9 +10,9 @@ import (
 	"github.com/pgfence/pgfence/web"
 )
 
-// do sends a request with the given Host and headers and returns the
-// status and body.
-func do(t *testing.T, method, u, host string, header map[string]string, form url.Values) (int, string) {
+// send sends a request with the given Host and headers, following no
+// redirect, and returns the response with its body read.
+func send(t *testing.T, method, u, host string, header map[string]string, form url.Values) (*http.Response, string) {
 	t.Helper()
 	var body io.Reader
 	if form != nil {
@@ -38,7 +38,15 @@ func do(t *testing.T, method, u, host string, header map[string]string, form url
 	}
 	defer res.Body.Close()
 	b, _ := io.ReadAll(res.Body)
-	return res.StatusCode, string(b)
+	return res, string(b)
+}
+
+// do sends a request with the given Host and headers and returns the
+// status and body.
+func do(t *testing.T, method, u, host string, header map[string]string, form url.Values) (int, string) {
+	t.Helper()
+	res, body := send(t, method, u, host, header, form)
+	return res.StatusCode, body
 }
 
 // The page refuses what it must: a Host it is not served under (DNS
