@@ -19,6 +19,12 @@ import (
 // for n = position+1 up to target, one per Commit, in the same transaction
 // as its position.
 func counterRole(db *pgtest.DB, name string, partitions int, target *atomic.Int64, poll time.Duration) runner.Role {
+	return waitingCounterRole(db, name, partitions, target, poll, nil)
+}
+
+// waitingCounterRole is counterRole that also calls waiting(partition) as
+// a partition's leader calls Wait.
+func waitingCounterRole(db *pgtest.DB, name string, partitions int, target *atomic.Int64, poll time.Duration, waiting func(int)) runner.Role {
 	effects := tbl(db, "effects")
 	return runner.Role{
 		Name:       name,
@@ -27,6 +33,9 @@ func counterRole(db *pgtest.DB, name string, partitions int, target *atomic.Int6
 		Lead: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
 				if p.Position() >= target.Load() {
+					if waiting != nil {
+						waiting(p.Index)
+					}
 					if err := p.Wait(ctx); err != nil {
 						return nil
 					}
@@ -257,12 +266,20 @@ func TestWakeReachesThePartitionLeader(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	createEffects(t, db)
-	var target atomic.Int64
+	var (
+		target  atomic.Int64
+		waiting [2]atomic.Bool
+	)
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{},
-		func(r *runner.Runner) error { return r.RegisterRole(counterRole(db, "relay", 2, &target, time.Hour)) })
-	waitFor(t, 30*time.Second, "both partitions led", func() bool {
+		func(r *runner.Runner) error {
+			return r.RegisterRole(waitingCounterRole(db, "relay", 2, &target, time.Hour, func(p int) { waiting[p].Store(true) }))
+		})
+	// Both partitions led, and both leaders waiting (a leader that had not
+	// reached Wait yet would see the new target without a wake-up).
+	waitFor(t, 30*time.Second, "both partitions led and waiting", func() bool {
 		infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, "relay")
-		return err == nil && len(infos) == 2 && infos[0].Leading && infos[1].Leading
+		return err == nil && len(infos) == 2 && infos[0].Leading && infos[1].Leading &&
+			waiting[0].Load() && waiting[1].Load()
 	})
 	target.Store(1)
 	// Wake partition 1 only, in the transaction that "adds the work".

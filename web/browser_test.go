@@ -302,9 +302,20 @@ func TestStatusPageInBrowser(t *testing.T) {
 		t.Fatalf("manual runs of tick after one click: %+v; want one, succeeded", manual)
 	}
 
-	// The fleet page.
+	// The fleet page: a replica that stopped cleanly is told from one
+	// that went without a word.
+	if _, err := rg.db.Pool.Exec(dbctx, `INSERT INTO `+pgx.Identifier{rg.db.Schema, "pgfence_instances"}.Sanitize()+
+		` (id, started_at, heartbeat_at, expires_at, stopped_at) VALUES
+		('web-stopped', now() - interval '1 hour', now() - interval '1 minute', now() - interval '1 minute', now() - interval '1 minute'),
+		('web-crashed', now() - interval '1 hour', now() - interval '1 minute', now() - interval '30 seconds', NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	row := func(id string) string {
+		return `[...document.querySelectorAll("#instances tr")].find(r => r.querySelector("th")?.textContent === "` + id + `")?.querySelector(".badge")?.textContent`
+	}
 	err = chromedp.Do(ctx,
 		chromedp.Navigate(base+"fleet"),
+		until(row("web-stopped")+` === "stopped" && `+row("web-crashed")+` === "gone"`, withinRefresh),
 		until(`[...document.querySelectorAll("#instances th.name")].some(e => e.textContent === "app-1")`, withinRefresh),
 		until(`document.querySelectorAll("#terms tbody tr th").length > 0`, withinRefresh),
 		shoot(dir, "status-fleet"),
@@ -347,6 +358,9 @@ func TestStatusPageInBrowser(t *testing.T) {
 		chromedp.WaitVisible(chromedp.CSS("#job-facts")),
 		check(`document.querySelectorAll('#live svg.chart g.term').length === 3 && document.querySelectorAll('#live svg.chart g.fenced-mark').length === 1`,
 			"the leadership timeline does not draw the three terms and the fenced attempt"),
+		check(`[...document.querySelectorAll('#live svg.chart g.term title')].map(t => t.textContent.match(/held by (n\d)/)[1]).join() === "n1,n2,n3"`,
+			"the terms are not n1's, n2's and n3's, in that order"),
+		check(`document.querySelector('#shards span.warn')?.textContent === "4"`, "the job page does not count 4 failures in a row"),
 		shoot(dir, "job-page"),
 		// Paging: the older attempts, then back.
 		chromedp.Click(chromedp.CSS("#page-older")),
@@ -361,6 +375,7 @@ func TestStatusPageInBrowser(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	con.expect("status of 404") // the error page below
 	// Force release: the confirmation first, then the lease is free and
 	// its holder's lease ends.
 	err = chromedp.Do(ctx,
@@ -374,6 +389,16 @@ func TestStatusPageInBrowser(t *testing.T) {
 		chromedp.WaitVisible(chromedp.CSS("#notice")),
 		check(`document.querySelector("#notice").textContent.startsWith("Released lease")`, "the leases page does not confirm the release"),
 		until(`document.querySelector("#leases tr.st-free") !== null`, withinRefresh),
+		// Held (and expired, not released) leases first; no history column
+		// where every token is of the current history.
+		check(`document.querySelector("#leases tbody tr:last-child").classList.contains("st-free")`, "a free lease is listed before held ones"),
+		check(`![...document.querySelectorAll("th")].some(th => th.textContent === "Issued in")`, "the history column is shown with nothing to say"),
+		// Names wrap at word boundaries, not mid-word.
+		check(`getComputedStyle(document.querySelector("#leases th.name")).overflowWrap === "break-word"`, "names may break mid-word"),
+		// An error page's text reads as written.
+		chromedp.Navigate(base+"job?name=no-such-job"),
+		chromedp.WaitVisible(chromedp.CSS(".failure")),
+		check(`document.querySelector(".failure").textContent.startsWith('no job named "no-such-job"')`, "the error text is not shown as text"),
 	)
 	if err != nil {
 		t.Fatal(err)
