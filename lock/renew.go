@@ -3,6 +3,7 @@ package lock
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -95,13 +96,36 @@ type renewKey struct {
 // for one pass over the chunks and its own chunk's round trip.
 const renewChunk = 5000
 
-// renew renews batch on q, in statements of at most renewChunk leases.
-// Leases the database did not renew (taken over, freed, or expired there)
-// are lost.
+// renew renews batch on q, in statements of at most renewChunk leases,
+// the leases whose trust runs out first in the first statement (so that a
+// lease keeps its place from one pass to the next). Leases the database
+// did not renew (taken over, freed, or expired there) are lost; why is
+// read once every statement has been sent, so that the looks do not
+// hold back the other leases' renewals.
 func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease) error {
+	until := make(map[*Lease]time.Time, len(batch))
+	for _, l := range batch {
+		until[l] = l.TrustedUntil()
+	}
+	slices.SortFunc(batch, func(a, b *Lease) int { return until[a].Compare(until[b]) })
+	var missed []*Lease
+	defer func() {
+		if len(missed) == 0 {
+			return
+		}
+		ctx, cancel := context.WithTimeout(ctx, c.cfg.RenewInterval)
+		defer cancel()
+		for _, l := range missed {
+			if l.Err() == nil { // not released meanwhile (Close)
+				l.lose(c.whyNotRenewed(ctx, q, l))
+			}
+		}
+	}()
 	for len(batch) > 0 {
 		n := min(len(batch), renewChunk)
-		if err := c.renewStatement(ctx, q, batch[:n]); err != nil {
+		m, err := c.renewStatement(ctx, q, batch[:n])
+		missed = append(missed, m...)
+		if err != nil {
 			return err
 		}
 		batch = batch[n:]
@@ -109,8 +133,9 @@ func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease) error {
 	return nil
 }
 
-// renewStatement renews batch in one statement on q.
-func (c *Client) renewStatement(ctx context.Context, q fence.DB, batch []*Lease) error {
+// renewStatement renews batch in one statement on q, and returns the
+// leases the database did not renew.
+func (c *Client) renewStatement(ctx context.Context, q fence.DB, batch []*Lease) ([]*Lease, error) {
 	names := make([]string, len(batch))
 	tokens := make([]int64, len(batch))
 	secrets := make([][]byte, len(batch))
@@ -130,16 +155,17 @@ func (c *Client) renewStatement(ctx context.Context, q fence.DB, batch []*Lease)
 	sent := c.clock.Now() // the trust window counts from here
 	got, err := c.renewRows(ctx, q, names, tokens, secrets)
 	if err != nil {
-		return err
+		return nil, err
 	}
+	var missed []*Lease
 	for _, l := range batch {
 		if exp, ok := got[renewKey{l.name, l.token}]; ok {
 			l.renewed(sent, exp)
-		} else if l.Err() == nil { // not released meanwhile (Close)
-			l.lose(c.whyNotRenewed(ctx, q, l))
+		} else {
+			missed = append(missed, l)
 		}
 	}
-	return nil
+	return missed, nil
 }
 
 // whyNotRenewed reads the row of a lease the database did not renew, to
