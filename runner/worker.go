@@ -96,14 +96,18 @@ func (w *worker) singleLoop(ctx context.Context) {
 				return
 			}
 		}
-		w.campaign(ctx)
+		if err := w.campaign(ctx); err != nil {
+			return // the client is closed, or the runner stops on a permanent error
+		}
 	}
 }
 
 // campaign runs the job's election while this replica is preferred for it:
 // a campaign (a waiting Acquire) is cancelled as soon as the preference
-// moves away, a term is not (it ends at its next hand-over point).
-func (w *worker) campaign(ctx context.Context) {
+// moves away, a term is not (it ends at its next hand-over point). It
+// returns the election's error: lock.ErrClosed once the client is closed,
+// or a permanent error (which has stopped the runner).
+func (w *worker) campaign(ctx context.Context) error {
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var (
@@ -144,9 +148,11 @@ func (w *worker) campaign(ctx context.Context) {
 			}
 		}
 	}()
-	w.electionEnded(e.Run(cctx))
+	err := e.Run(cctx)
+	w.electionEnded(err)
 	cancel()
 	<-watched
+	return err
 }
 
 // electionEnded handles the end of the worker's election: an error other
@@ -329,9 +335,11 @@ func firstErr(a, b error) error {
 	return b
 }
 
-// watchStuck marks the job stuck here (stuckJobs) when the term's context
-// ends and its run has not returned a PollInterval later, and clears the
+// watchStuck marks the job stuck here (stuckJobs) when the term's lease is
+// lost and its run has not returned a PollInterval later, and clears the
 // mark once it does; the returned function is called when lead returns.
+// A term that ends otherwise (a shutdown, a hand-over) is not watched: its
+// replica is not holding the job back from the others.
 func (w *worker) watchStuck(ctx context.Context) func() {
 	var (
 		mu     sync.Mutex
@@ -340,6 +348,9 @@ func (w *worker) watchStuck(ctx context.Context) func() {
 		marked bool
 	)
 	stop := context.AfterFunc(ctx, func() {
+		if !errors.Is(context.Cause(ctx), lock.ErrLeaseLost) {
+			return
+		}
 		mu.Lock()
 		defer mu.Unlock()
 		if ended {
