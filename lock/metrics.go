@@ -52,7 +52,7 @@ func newMetrics(c *Client) (*metrics, error) {
 		metric.WithDescription("Leases lost, by pgfence.cause: expired, taken_over, released_by_operator, renew_failed, database_unreachable."))
 	keep(e)
 	ms.slowRenews, e = m.Int64Counter("pgfence.lease.renewals.slow", metric.WithUnit("{renewal}"),
-		metric.WithDescription("Renewals whose round trip took more than half of RenewInterval."))
+		metric.WithDescription("Renewal passes (all of a client's leases, in statements of up to 5,000) that took more than half of RenewInterval."))
 	keep(e)
 	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renew.duration", metric.WithUnit("s"),
 		metric.WithDescription("Round trip of a renewal statement (up to 5,000 of a client's leases at once)."))

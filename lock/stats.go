@@ -14,10 +14,11 @@ type Stats struct {
 	Renewals, RenewalFailures uint64
 	// LastRenewLatency is the round trip of the last successful renewal.
 	LastRenewLatency time.Duration
-	// SlowRenewals counts successful renewals whose round trip took more
-	// than half of RenewInterval (the client logs a warning when they
-	// start, and the metric pgfence.lease.renewals.slow counts them): a
-	// client holding more leases than its server renews in time.
+	// SlowRenewals counts successful renewal passes (every statement of
+	// one renewal of all the leases) that took more than half of
+	// RenewInterval (the client logs a warning when they start, and the
+	// metric pgfence.lease.renewals.slow counts them): a client holding
+	// more leases than its server renews in time.
 	SlowRenewals uint64
 	// ClockSkew estimates the database's clock minus this machine's, from
 	// the last successful renewal (server time against the midpoint of the
