@@ -148,7 +148,9 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 				}
 			}
 			if settling {
-				next = st.settle
+				// Look again once the view may have settled, or at a
+				// member's expiry if that comes first.
+				next = min(next, st.settle)
 			}
 		}
 		if err == nil && !announced {
