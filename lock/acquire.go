@@ -77,6 +77,12 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 	if err := c.verify(ctx); err != nil {
 		return nil, err
 	}
+	if err := c.behind.pass(ctx); err != nil {
+		return nil, fmt.Errorf("lock: acquire %q: %w: %w", name, ErrRenewalsBehind, err)
+	}
+	if c.isClosed() {
+		return nil, ErrClosed
+	}
 	var (
 		g    grant
 		held *HeldError
@@ -301,6 +307,9 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 				c.m.waitTime.Record(ctx, time.Since(began).Seconds())
 				return l, nil
 			case ctx.Err() != nil:
+				if errors.Is(err, ErrRenewalsBehind) {
+					return nil, err
+				}
 				if !errors.Is(err, ctx.Err()) {
 					last = err
 				}

@@ -54,6 +54,7 @@ type Client struct {
 	backoff  retry.Backoff // after transient errors
 	m        *metrics
 	failing  atomic.Bool // renewals are failing (for the cause of a loss)
+	behind   gate        // shut while renewals are late: acquisitions wait
 }
 
 // New returns a client that keeps leases in pool's database. It validates cfg
@@ -136,6 +137,7 @@ func (c *Client) close(ctx context.Context) error {
 		leases = append(leases, l)
 	}
 	c.mu.Unlock()
+	c.behind.open() // acquisitions waiting there see ErrClosed
 	first := c.releaseAll(ctx, leases)
 	c.poll.close()
 	c.bg.Stop() // cancel, then wait for every goroutine

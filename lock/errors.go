@@ -30,6 +30,17 @@ var (
 
 	// ErrClosed is returned by a Client after Close.
 	ErrClosed = errors.New("lock: client closed")
+	// ErrRenewalsBehind is returned, with the context's error, by an
+	// acquisition whose context ended while it waited for the client's
+	// renewals to catch up. A client whose renewals are late (a lease
+	// about to be renewed has less than RenewInterval of trust left)
+	// holds its acquisitions back until they have caught up, so that
+	// taking more leases does not cost the ones it holds. If it keeps
+	// happening, the client holds more leases than its server renews in
+	// time: hold fewer on this client, give it a longer TTL, or relieve
+	// the server (Stats.SlowRenewals, Stats.AcquisitionsHeldBack).
+	ErrRenewalsBehind = errors.New("lock: renewals are behind; this client holds more leases than its server renews in time " +
+		"(hold fewer on this client, give it a longer TTL, or relieve the server)")
 )
 
 // HeldError reports that a lease is held by someone else. It matches ErrHeld.

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -467,5 +468,92 @@ func TestSlowRenewalsWarnOnce(t *testing.T) {
 	}
 	if err := l.Check(ctx); err != nil {
 		t.Fatalf("the lease after a slow renewal (within its TTL): %v", err)
+	}
+}
+
+// A client whose renewals are late holds its acquisitions back until they
+// have caught up: a renewal that starts with less than RenewInterval of its
+// lease's trust window left shuts the gate, an acquisition then waits (or
+// ends with ErrRenewalsBehind when its context does), and it goes through
+// once the renewal is back. The client's clock is moved to make the renewal
+// late; the renewal is held at the database by a row lock meanwhile.
+func TestAcquisitionsWaitForLateRenewals(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	// The first renewal comes RenewInterval (5s) after the acquisition;
+	// the test sets everything up well before it.
+	rec := pgtest.NewLogs()
+	c := newClient(t, db, lock.Config{TTL: 30 * time.Second, RenewInterval: 5 * time.Second, Logger: slog.New(rec)})
+	fake := clock.NewFake(time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC))
+	c.SetClock(fake)
+	kept, err := c.TryAcquire(ctx, "kept")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// On time, nothing waits.
+	if _, err := c.TryAcquire(ctx, "on-time"); err != nil {
+		t.Fatal(err)
+	}
+	if n := c.Stats().AcquisitionsHeldBack; n != 0 {
+		t.Fatalf("%d acquisitions held back with the renewals on time", n)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	var pid int
+	if err := tx.QueryRow(ctx, "SELECT pg_backend_pid() FROM "+db.Schema+".pgfence_leases WHERE name = 'kept' FOR UPDATE").Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	// 2s of the trust window left: less than RenewInterval, so the next
+	// renewal is late.
+	fake.Advance(kept.TimeLeft() - 2*time.Second)
+	pgtest.Eventually(t, 30*time.Second, "the late renewal to wait for the row lock", func() bool {
+		var n int
+		_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, pid).Scan(&n)
+		return n > 0
+	})
+	short, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	_, err = c.TryAcquire(short, "impatient")
+	cancel()
+	if !errors.Is(err, lock.ErrRenewalsBehind) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("an acquisition whose context ended at the gate: %v; want ErrRenewalsBehind and DeadlineExceeded", err)
+	}
+	type result struct {
+		l   *lock.Lease
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		l, err := c.Acquire(ctx, "patient")
+		done <- result{l, err}
+	}()
+	pgtest.Eventually(t, 30*time.Second, "the second acquisition held back", func() bool { return c.Stats().AcquisitionsHeldBack >= 2 })
+	select {
+	case r := <-done:
+		t.Fatalf("an acquisition went through while the renewals were late: %v", r.err)
+	default:
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-done:
+		if r.err != nil {
+			t.Fatalf("the acquisition held back, once the renewal came back: %v", r.err)
+		}
+	case <-ctx.Done():
+		t.Fatal("the acquisition held back never went through")
+	}
+	if err := kept.Check(ctx); err != nil {
+		t.Fatalf("the late lease, renewed: %v", err)
+	}
+	if left := kept.TimeLeft(); left < 20*time.Second {
+		t.Fatalf("the late lease's trust window after its renewal: %v left, want about 27s", left)
+	}
+	if n := len(rec.Find(slog.LevelWarn, "renewals are late")); n != 1 {
+		t.Fatalf("%d warnings of late renewals, want 1", n)
 	}
 }

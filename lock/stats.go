@@ -20,6 +20,9 @@ type Stats struct {
 	// metric pgfence.lease.renewals.slow counts them): a client holding
 	// more leases than its server renews in time.
 	SlowRenewals uint64
+	// AcquisitionsHeldBack counts acquisitions that waited for late
+	// renewals before they were sent (see ErrRenewalsBehind).
+	AcquisitionsHeldBack uint64
 	// ClockSkew estimates the database's clock minus this machine's, from
 	// the last successful renewal (server time against the midpoint of the
 	// request), to within half of LastRenewLatency either way. pgfence
@@ -37,6 +40,7 @@ type stats struct {
 	skewed    atomic.Bool // leastSkew is past Config.SkewWarning
 	slow      atomic.Uint64
 	renewSlow atomic.Bool // the last renewal was slow
+	late      atomic.Bool // the last renewal pass was late (acquisitions waited)
 }
 
 // Stats returns the client's current lease health.
@@ -45,12 +49,13 @@ func (c *Client) Stats() Stats {
 	held := len(c.held)
 	c.mu.Unlock()
 	return Stats{
-		Held:             held,
-		Renewals:         c.stats.renewals.Load(),
-		RenewalFailures:  c.stats.failures.Load(),
-		LastRenewLatency: time.Duration(c.stats.latency.Load()),
-		SlowRenewals:     c.stats.slow.Load(),
-		ClockSkew:        time.Duration(c.stats.skew.Load()),
+		Held:                 held,
+		Renewals:             c.stats.renewals.Load(),
+		RenewalFailures:      c.stats.failures.Load(),
+		LastRenewLatency:     time.Duration(c.stats.latency.Load()),
+		SlowRenewals:         c.stats.slow.Load(),
+		AcquisitionsHeldBack: c.behind.waits.Load(),
+		ClockSkew:            time.Duration(c.stats.skew.Load()),
 	}
 }
 
