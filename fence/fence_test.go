@@ -789,7 +789,7 @@ func TestGuardWithoutSchemaUsesTheDefault(t *testing.T) {
 	g.Schema = "elsewhere"
 	err = g.RunTx(ctx, pool, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1"); return err })
 	var pg *pgconn.PgError
-	if !errors.As(err, &pg) || pg.Code != "42P01" || !strings.Contains(err.Error(), `schema "elsewhere"`) {
-		t.Fatalf("a Guard on a schema without pgfence: %v; want 42P01 (no pgfence_leases) naming schema \"elsewhere\"", err)
+	if !errors.As(err, &pg) || pg.Code != "42883" || !strings.Contains(err.Error(), `schema "elsewhere"`) {
+		t.Fatalf("a Guard on a schema without pgfence: %v; want 42883 naming schema \"elsewhere\"", err)
 	}
 }

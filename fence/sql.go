@@ -21,23 +21,9 @@ const idleBound = `CASE WHEN $3::bigint > 0 AND coalesce(nullif(extract(epoch FR
 	`current_setting('idle_in_transaction_session_timeout')::interval) * 1000, 0) > $3::bigint, true) ` +
 	`THEN set_config('idle_in_transaction_session_timeout', $3::bigint::text, true) END`
 
-// checkExpr is the lease check: the lease row's token, locked FOR KEY
-// SHARE, when it is $2; otherwise pgfence_check, which raises the refusal
-// (stale, never issued, no such lease). The common case reads the row in
-// the statement itself, where PL/pgSQL's call would cost about 5 µs of the
-// server's time a transaction (BENCHMARKS.md); only a refusal calls the
-// function. COALESCE evaluates the function only when the first argument
-// is NULL: the row is missing, or it holds another token (a takeover that
-// committed while the check waited for the row lock is seen here too: the
-// row is re-read after the wait and no longer matches).
-func (g Guard) checkExpr() string {
-	return "coalesce((SELECT l.token FROM " + ident.Table(g.Schema, "pgfence_leases") +
-		" l WHERE l.name = $1 AND l.token = $2 FOR KEY SHARE), " + ident.Table(g.Schema, "pgfence_check") + "($1, $2))"
-}
-
 // checkSQL is the lease check of Guard.Check, with the idle bound.
 func (g Guard) checkSQL() string {
-	return "SELECT " + g.checkExpr() + ", " + idleBound
+	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2), " + idleBound
 }
 
 // checkTxSQL is the check of a transaction RunTx runs: it also returns the
@@ -46,7 +32,7 @@ func (g Guard) checkSQL() string {
 // connection (outcome.Resolve), and sets the idle bound. The check comes first: on a
 // standby it fails before the timeline is read.
 func (g Guard) checkTxSQL() string {
-	return "SELECT " + g.checkExpr() + outcome.IDColumns(g.Schema) + ", " + idleBound
+	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2)" + outcome.IDColumns(g.Schema) + ", " + idleBound
 }
 
 // admitSQL raises a resource's high-water mark to a token, or refuses it,
