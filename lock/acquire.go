@@ -19,6 +19,8 @@ import (
 
 // TryAcquire acquires the lease name in one round trip if it is free, was
 // released, or has expired at the database; otherwise it returns a *HeldError.
+// While the client's renewals are late it first waits for them to catch up
+// (see ErrRenewalsBehind), so that a new lease does not cost held ones.
 // The new lease's token is greater than every token issued for name before.
 //
 // The client's first acquisition checks that the schema is migrated and
@@ -77,8 +79,11 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 	if err := c.verify(ctx); err != nil {
 		return nil, err
 	}
-	if err := c.behind.pass(ctx); err != nil {
-		return nil, fmt.Errorf("lock: acquire %q: %w: %w", name, ErrRenewalsBehind, err)
+	if waited, err := c.behind.pass(ctx); waited {
+		c.m.heldBack()
+		if err != nil {
+			return nil, fmt.Errorf("lock: acquire %q: %w: %w", name, ErrRenewalsBehind, err)
+		}
 	}
 	if c.isClosed() {
 		return nil, ErrClosed

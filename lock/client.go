@@ -55,6 +55,7 @@ type Client struct {
 	m        *metrics
 	failing  atomic.Bool // renewals are failing (for the cause of a loss)
 	behind   gate        // shut while renewals are late: acquisitions wait
+	lateness lateness    // the renewer's: logs when passes become late
 }
 
 // New returns a client that keeps leases in pool's database. It validates cfg
@@ -137,7 +138,7 @@ func (c *Client) close(ctx context.Context) error {
 		leases = append(leases, l)
 	}
 	c.mu.Unlock()
-	c.behind.open() // acquisitions waiting there see ErrClosed
+	c.behind.open() // acquisitions waiting there see ErrClosed (or wait for a pass in flight)
 	first := c.releaseAll(ctx, leases)
 	c.poll.close()
 	c.bg.Stop() // cancel, then wait for every goroutine

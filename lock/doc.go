@@ -51,6 +51,13 @@
 // per PollInterval (jittered) for every lease the client's Acquires wait
 // for, however many, and one just after the soonest of their expiries.
 //
+// A client renews every lease it holds, in statements of up to 5,000 at a
+// fixed rate. While a renewal pass is late (its leases' trust nearly out
+// when a statement would come back), the client's acquisitions, TryAcquire
+// included, wait until the pass ends: a client acquiring many leases on a
+// server that cannot renew and grant at once would otherwise lose the
+// ones it holds (ErrRenewalsBehind, Stats.AcquisitionsHeldBack).
+//
 // Election is the loop most programs want: campaign, lead with a context that
 // is cancelled on loss, release, campaign again.
 //

@@ -1,8 +1,11 @@
 package lock
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 )
@@ -33,7 +36,7 @@ func TestLate(t *testing.T) {
 		{"three statements, the last comes back late", at(1700*ms, 1800*ms, 1900*ms), 333 * ms, true},
 		{"nothing to send", nil, time.Second, false},
 	} {
-		if got := late(c.firsts, now, c.took, time.Second); got != c.want {
+		if got := late(c.firsts, now, c.took, time.Second); got != c.want { // slack 1s
 			t.Errorf("%s: late = %v, want %v", c.name, got, c.want)
 		}
 	}
@@ -45,14 +48,20 @@ func TestLate(t *testing.T) {
 func TestGate(t *testing.T) {
 	var g gate
 	ctx := context.Background()
-	if err := g.pass(ctx); err != nil || g.waits.Load() != 0 {
-		t.Fatalf("an open gate: %v, %d waits", err, g.waits.Load())
+	if waited, err := g.pass(ctx); waited || err != nil || g.waits.Load() != 0 {
+		t.Fatalf("an open gate: waited %v, %v, %d waits", waited, err, g.waits.Load())
 	}
 	g.shut()
 	g.shut() // shutting a shut gate changes nothing
 	done := make(chan error, 2)
 	for range 2 {
-		go func() { done <- g.pass(ctx) }()
+		go func() {
+			waited, err := g.pass(ctx)
+			if err == nil && !waited {
+				err = errors.New("passed a shut gate without waiting")
+			}
+			done <- err
+		}()
 	}
 	for g.waits.Load() < 2 {
 		time.Sleep(time.Millisecond)
@@ -72,10 +81,53 @@ func TestGate(t *testing.T) {
 	g.shut()
 	short, cancel := context.WithCancel(ctx)
 	cancel()
-	if err := g.pass(short); !errors.Is(err, context.Canceled) {
+	if _, err := g.pass(short); !errors.Is(err, context.Canceled) {
 		t.Fatalf("a shut gate, the context ended: %v", err)
 	}
 	if n := g.waits.Load(); n != 3 {
 		t.Fatalf("%d waits counted, want 3", n)
+	}
+}
+
+// The slack a renewal must leave is at most RenewInterval and at most half
+// of what a renewal on time leaves, so that no valid configuration is late
+// at every pass.
+func TestLateSlack(t *testing.T) {
+	for _, c := range []struct {
+		cfg  Config
+		want time.Duration
+	}{
+		{Config{TTL: 3 * time.Second}, 850 * time.Millisecond},   // on time: 1.7s left
+		{Config{TTL: 15 * time.Second}, 4250 * time.Millisecond}, // on time: 8.5s left
+		{Config{TTL: 30 * time.Second, RenewInterval: 2 * time.Second}, 2 * time.Second},
+		{Config{TTL: 10 * time.Second, RenewInterval: 5 * time.Second}, 2 * time.Second}, // on time: 4s left
+	} {
+		cfg := c.cfg.withDefaults()
+		if err := cfg.validate(); err != nil {
+			t.Fatal(err)
+		}
+		w := cfg.window()
+		if got := w.lateSlack(); got != c.want {
+			t.Errorf("TTL %v, RenewInterval %v: slack %v, want %v", cfg.TTL, cfg.RenewInterval, got, c.want)
+		}
+		onTime := cfg.TTL - cfg.SafetyMargin - cfg.RenewInterval
+		var sent time.Time // the last renewal's send
+		if late([]time.Time{w.until(sent)}, sent.Add(cfg.RenewInterval+onTime/4), 0, w.lateSlack()) {
+			t.Errorf("TTL %v, RenewInterval %v: a pass a quarter of its headroom behind is late", cfg.TTL, cfg.RenewInterval)
+		}
+	}
+}
+
+// A late period is logged once when it starts and once when the passes
+// have been on time onTimeAgain times in a row.
+func TestLatenessLogsOncePerPeriod(t *testing.T) {
+	var buf bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&buf, nil))
+	var l lateness
+	for _, late := range []bool{false, true, true, false, false, true, false, false, false, false, true} {
+		l.pass(log, late, 100000, time.Second, "h")
+	}
+	if w, i := strings.Count(buf.String(), "renewals are late"), strings.Count(buf.String(), "on time again"); w != 2 || i != 1 {
+		t.Fatalf("%d warnings and %d recoveries logged, want 2 and 1:\n%s", w, i, buf.String())
 	}
 }

@@ -3,6 +3,7 @@ package lock
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -31,10 +32,12 @@ import (
 func (c *Client) renewLoop(ctx context.Context) {
 	own := ownconn.New(c.pool)
 	defer own.Close()
-	defer c.behind.open() // no renewer, nothing to wait for
 	// A failed renewal is retried sooner: after a quarter interval, at most.
 	again := retry.Backoff{Base: c.cfg.RenewInterval / 4, Max: c.cfg.RenewInterval / 4}
 	var failing retry.Failing // logs once per failure period
+	// pace is the slowest statement of the last pass: how long each of
+	// the next pass's statements is expected to take (see late).
+	var pace time.Duration
 	t := time.NewTimer(c.cfg.RenewInterval)
 	defer t.Stop()
 	for {
@@ -55,7 +58,10 @@ func (c *Client) renewLoop(ctx context.Context) {
 			// On the group's context: an idle end (ctx) does not cut a
 			// renewal in flight; Close still cancels it.
 			sent := time.Now()
-			err := c.renew(c.bg.Context(), own, batch)
+			slowest, err := c.renew(c.bg.Context(), own, batch, pace)
+			if err == nil {
+				pace = slowest
+			}
 			took := time.Since(sent)
 			c.renewMu.Unlock()
 			if ctx.Err() != nil {
@@ -101,11 +107,13 @@ const renewChunk = 5000
 
 // renew renews batch on q, in statements of at most renewChunk leases,
 // the leases whose trust runs out first in the first statement (so that a
-// lease keeps its place from one pass to the next). Leases the database
-// did not renew (taken over, freed, or expired there) are lost; why is
-// read once every statement has been sent, so that the looks do not
-// hold back the other leases' renewals.
-func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease) (err error) {
+// lease keeps its place from one pass to the next), and returns the
+// slowest statement's round trip. Leases the database did not renew
+// (taken over, freed, or expired there) are lost; why is read once every
+// statement has been sent, so that the looks do not hold back the other
+// leases' renewals. pace is how long a statement is expected to take (the
+// last pass's slowest), to judge whether the pass is late.
+func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease, pace time.Duration) (slowest time.Duration, err error) {
 	leases := len(batch)
 	until := make(map[*Lease]time.Time, len(batch))
 	for _, l := range batch {
@@ -125,31 +133,24 @@ func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease) (err err
 			}
 		}
 	}()
-	// Acquisitions wait while the renewals are late (see gate), from the
-	// first statement found late to the end of the pass; a failed renewal
-	// lets them go, to fail or succeed on their own.
+	// Acquisitions wait while the pass is late (see gate), from the first
+	// statement found late to the end of the pass; a failed renewal lets
+	// them go, to fail or succeed on their own.
 	defer c.behind.open()
-	took := time.Duration(c.stats.latency.Load()) // the last statement's round trip
-	wasLate := c.stats.late.Load()
 	isLate := false
 	defer func() {
-		if err == nil && isLate != wasLate {
-			c.stats.late.Store(isLate)
-			if isLate {
-				c.cfg.Logger.Warn("pgfence: renewals are late; acquisitions wait for them to catch up. If this lasts, this client holds "+
-					"more leases than its server renews in time: hold fewer on this client, give it a longer TTL, or relieve the server",
-					"leases", leases, "renew_interval", c.cfg.RenewInterval, "holder", c.cfg.Holder)
-			} else {
-				c.cfg.Logger.Info("pgfence: renewals on time again; acquisitions no longer wait", "leases", leases, "holder", c.cfg.Holder)
-			}
+		if err == nil {
+			c.lateness.pass(c.cfg.Logger, isLate, leases, c.cfg.RenewInterval, c.cfg.Holder)
 		}
 	}()
+	slack := c.cfg.window().lateSlack()
+	took := pace
 	for len(batch) > 0 {
 		firsts := make([]time.Time, 0, (len(batch)+renewChunk-1)/renewChunk)
 		for i := 0; i < len(batch); i += renewChunk {
 			firsts = append(firsts, until[batch[i]])
 		}
-		if late(firsts, c.clock.Now(), took, c.cfg.RenewInterval) {
+		if late(firsts, c.clock.Now(), took, slack) {
 			isLate = true
 			c.behind.shut()
 		}
@@ -157,32 +158,62 @@ func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease) (err err
 		sent := time.Now()
 		var m []*Lease
 		m, err = c.renewStatement(ctx, q, batch[:n])
-		took = time.Since(sent)
 		missed = append(missed, m...)
 		if err != nil {
-			return err
+			return slowest, err
 		}
+		took = max(time.Since(sent), took)
+		slowest = max(slowest, time.Since(sent))
 		batch = batch[n:]
 	}
-	return nil
+	return slowest, nil
 }
 
 // late reports whether a renewal pass is late: whether one of its
 // statements still to send (firsts: each one's earliest trust deadline, in
 // the order they are sent), sent one after another and each taking took,
-// would come back with less than renewInterval of that trust left. A pass
-// on time leaves each lease about TTL - SafetyMargin - RenewInterval (with
-// the defaults, 1.7 RenewIntervals) at its renewal. A client holding many
-// leases falls behind when its server cannot renew them and take new ones
-// at once: the acquisitions take the server's time from the renewals.
-func late(firsts []time.Time, now time.Time, took, renewInterval time.Duration) bool {
+// would come back with less than slack of that trust left
+// (window.lateSlack). A client holding many leases falls behind when its
+// server cannot renew them and take new ones at once: the acquisitions
+// take the server's time from the renewals.
+func late(firsts []time.Time, now time.Time, took, slack time.Duration) bool {
 	for i, until := range firsts {
 		back := now.Add(time.Duration(i+1) * took)
-		if until.Sub(back) < renewInterval {
+		if until.Sub(back) < slack {
 			return true
 		}
 	}
 	return false
+}
+
+// lateness logs when renewal passes become late, and when they have been
+// on time again for onTimeAgain passes in a row (so that a client at the
+// edge, late and on time by turns, logs once, not at every pass). Only the
+// renewer uses it.
+type lateness struct {
+	late   bool
+	onTime int
+}
+
+// onTimeAgain is how many on-time passes in a row end a late period.
+const onTimeAgain = 3
+
+func (t *lateness) pass(log *slog.Logger, late bool, leases int, renewInterval time.Duration, holder string) {
+	switch {
+	case late && !t.late:
+		t.late = true
+		log.Warn("pgfence: renewals are late; acquisitions wait for them to catch up. If this lasts, the client holds "+
+			"more leases than its server renews in time: hold fewer on this client, give it a longer TTL, or relieve the server",
+			"leases", leases, "renew_interval", renewInterval, "holder", holder)
+	case late:
+		t.onTime = 0
+	case t.late:
+		t.onTime++
+		if t.onTime == onTimeAgain {
+			t.late, t.onTime = false, 0
+			log.Info("pgfence: renewals on time again; acquisitions no longer wait", "leases", leases, "holder", holder)
+		}
+	}
 }
 
 // gate holds acquisitions back while the renewals are late, so that a
@@ -215,20 +246,20 @@ func (g *gate) open() {
 	g.mu.Unlock()
 }
 
-// pass waits until g is open or ctx ends.
-func (g *gate) pass(ctx context.Context) error {
+// pass waits until g is open or ctx ends, and reports whether it waited.
+func (g *gate) pass(ctx context.Context) (waited bool, err error) {
 	g.mu.Lock()
 	ch := g.closed
 	g.mu.Unlock()
 	if ch == nil {
-		return nil
+		return false, nil
 	}
 	g.waits.Add(1)
 	select {
 	case <-ch:
-		return nil
+		return true, nil
 	case <-ctx.Done():
-		return ctx.Err()
+		return true, ctx.Err()
 	}
 }
 

@@ -40,7 +40,6 @@ type stats struct {
 	skewed    atomic.Bool // leastSkew is past Config.SkewWarning
 	slow      atomic.Uint64
 	renewSlow atomic.Bool // the last renewal was slow
-	late      atomic.Bool // the last renewal pass was late (acquisitions waited)
 }
 
 // Stats returns the client's current lease health.

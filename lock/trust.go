@@ -21,6 +21,12 @@ func (c Config) window() window {
 // until is the end of the trust window of a statement sent at sent.
 func (w window) until(sent time.Time) time.Time { return sent.Add(w.ttl - w.margin) }
 
+// lateSlack is how much of a lease's trust window a renewal must leave to
+// be on time (see late): a renewal on time leaves TTL - SafetyMargin -
+// RenewInterval (with the defaults, 1.7 RenewIntervals); one that leaves
+// less than half of that, or less than one RenewInterval, is late.
+func (w window) lateSlack() time.Duration { return min(w.renew, (w.ttl-w.margin-w.renew)/2) }
+
 // lateGrant reports whether an acquisition won by a statement sent at sent
 // leaves, at now, less than one RenewInterval of trust: it is renewed before
 // it is handed out, or its holder would start on a lease about to end (the
