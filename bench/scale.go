@@ -234,7 +234,7 @@ func (b *bench) singletons(ctx context.Context, out *bytes.Buffer, window time.D
 		"(`@every 1h`): with `Register`, and then with `RegisterSharded(job, 1)`. Once every job has its leader, for %s: what the "+
 		"replicas' pools sent (every statement: the leaders' renewals and heartbeats, the waiters' polls, if any), the server's CPU, and "+
 		"the connections they opened; with `Register`, once the jobs have moved to their preferred replicas (leadership held "+
-		"still for 10 s). Then, with `Register`: one replica leaves gracefully (its `Run` ends), and another is cut "+
+		"still for 10 s). Then, in both forms: one replica leaves gracefully (its `Run` ends), and another is cut "+
 		"off from the database (its connections terminated and no new ones allowed: it neither renews nor releases, as after a "+
 		"crash); the time until each one's jobs are led again, and the jobs led per remaining replica once leadership has held "+
 		"still for 10 s.\n\n| | `Register` | `RegisterSharded(job, 1)` |\n|---|---|---|\n", jobs, replicas, jobs, window)
@@ -280,9 +280,8 @@ func orDash(measured []float64, s func() string) string {
 	return s()
 }
 
-// fleetCost is what a fleet of runners sent while its jobs were led, and,
-// for singleton jobs, how leadership moved after a graceful leave and a
-// crash.
+// fleetCost is what a fleet of runners sent while its jobs were led, and
+// how leadership moved after a graceful leave and a crash.
 type fleetCost struct {
 	allLed          time.Duration // from the replicas' start until every job had a leader
 	led, perReplica []float64
@@ -463,9 +462,6 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 	c.server = "–"
 	if cpu >= 0 {
 		c.server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
-	}
-	if sharded {
-		return c, nil
 	}
 	ledBy := func(holder string) int {
 		var n int
