@@ -21,7 +21,8 @@ import (
 // background goroutines belong to one group; the first three run while
 // there is work for them (each a bg.Demand):
 //   - the renewer, while it holds leases (it stops after one RenewInterval
-//     without any), on a connection of its own;
+//     without any), on a connection of its own (two while it holds more
+//     than 5,000: its statements go out on both);
 //   - the release listener, while an Acquire waits or a Watch or Observe is
 //     open (it lingers briefly after the last one ends), on a connection
 //     taken out of the pool;

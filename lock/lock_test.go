@@ -1063,3 +1063,60 @@ func TestCloseReleasesManyLeasesInFewStatements(t *testing.T) {
 	}
 	t.Logf("Close released %d leases with %d statements", n, counter.total())
 }
+
+// A client holding more leases than one renewal statement carries renews
+// them in several statements on two connections of its own, and keeps them
+// all.
+func TestManyLeasesRenewedOnTwoConnections(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, 2*time.Minute)
+	const app = "renew-lanes"
+	pool := pgtest.NewPool(t, app)
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: 6 * time.Second, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(ctx)
+	const n, workers = 10001, 8 // three statements a pass
+	leases := make([]*lock.Lease, n)
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < n; i += workers {
+				l, err := c.TryAcquire(ctx, fmt.Sprintf("lanes-%05d", i))
+				if err != nil {
+					errs <- err
+					return
+				}
+				leases[i] = l
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		t.Fatal(err)
+	}
+	r0 := c.Stats().Renewals
+	pgtest.Eventually(t, time.Minute, "two passes of three statements", func() bool { return c.Stats().Renewals >= r0+6 })
+	var renewers int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(DISTINCT pid) FROM pg_stat_activity
+ WHERE application_name = $1 AND query LIKE '%unnest%' AND query LIKE '%expires_at > now()%'`, app).Scan(&renewers); err != nil {
+		t.Fatal(err)
+	}
+	if renewers < 2 { // a late acquisition's renewal on the pool could add one
+		t.Fatalf("the renewal statements ran on %d connection, want 2", renewers)
+	}
+	if st := c.Stats(); st.Held != n || st.RenewalFailures != 0 {
+		t.Fatalf("after two passes: %+v, want %d held and no failure", st, n)
+	}
+	for _, l := range leases {
+		if err := l.Err(); err != nil {
+			t.Fatalf("lease %q: %v", l.Name(), err)
+		}
+	}
+}

@@ -32,6 +32,10 @@ import (
 func (c *Client) renewLoop(ctx context.Context) {
 	own := ownconn.New(c.pool)
 	defer own.Close()
+	// A second connection, opened when a pass has more than one statement
+	// (more than renewChunk leases): see renew.
+	own2 := ownconn.New(c.pool)
+	defer own2.Close()
 	// A failed renewal is retried sooner: after a quarter interval, at most.
 	again := retry.Backoff{Base: c.cfg.RenewInterval / 4, Max: c.cfg.RenewInterval / 4}
 	var failing retry.Failing // logs once per failure period
@@ -58,7 +62,7 @@ func (c *Client) renewLoop(ctx context.Context) {
 			// On the group's context: an idle end (ctx) does not cut a
 			// renewal in flight; Close still cancels it.
 			sent := time.Now()
-			slowest, err := c.renew(c.bg.Context(), own, batch, pace)
+			slowest, err := c.renew(c.bg.Context(), own, own2, batch, pace)
 			if err == nil {
 				pace = slowest
 			}
@@ -97,15 +101,17 @@ type renewKey struct {
 }
 
 // renewChunk is the most leases one renewal statement renews. A client
-// holding more renews them in several statements, one after the other,
-// each lease's trust window counting from its own statement's send: with
+// holding more renews them in several statements, in order, on two
+// connections at once (q and q2 of renew), each lease's trust window
+// counting from its own statement's send: with
 // 100,000 leases one statement took 1.5 s on a 2-core machine, and at a
 // 3 s TTL a lease renewed back to back by such statements outlived its
 // trust window before the next one came back; in chunks, a lease waits
 // for one pass over the chunks and its own chunk's round trip.
 const renewChunk = 5000
 
-// renew renews batch on q, in statements of at most renewChunk leases,
+// renew renews batch on q and q2 (two lanes; q alone for one statement),
+// in statements of at most renewChunk leases,
 // the leases whose trust runs out first in the first statement (so that a
 // lease keeps its place from one pass to the next), and returns the
 // slowest statement's round trip. Leases the database did not renew
@@ -113,7 +119,7 @@ const renewChunk = 5000
 // statement has been sent, so that the looks do not hold back the other
 // leases' renewals. pace is how long a statement is expected to take (the
 // last pass's slowest), to judge whether the pass is late.
-func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease, pace time.Duration) (slowest time.Duration, err error) {
+func (c *Client) renew(ctx context.Context, q, q2 fence.DB, batch []*Lease, pace time.Duration) (slowest time.Duration, err error) {
 	leases := len(batch)
 	until := make(map[*Lease]time.Time, len(batch))
 	for _, l := range batch {
@@ -144,29 +150,62 @@ func (c *Client) renew(ctx context.Context, q fence.DB, batch []*Lease, pace tim
 		}
 	}()
 	slack := c.cfg.window().lateSlack()
-	took := pace
+	var chunks [][]*Lease
 	for len(batch) > 0 {
-		firsts := make([]time.Time, 0, (len(batch)+renewChunk-1)/renewChunk)
-		for i := 0; i < len(batch); i += renewChunk {
-			firsts = append(firsts, until[batch[i]])
-		}
-		if late(firsts, c.clock.Now(), took, slack) {
-			isLate = true
-			c.behind.shut()
-		}
 		n := min(len(batch), renewChunk)
-		sent := time.Now()
-		var m []*Lease
-		m, err = c.renewStatement(ctx, q, batch[:n])
-		missed = append(missed, m...)
-		if err != nil {
-			return slowest, err
-		}
-		took = max(time.Since(sent), took)
-		slowest = max(slowest, time.Since(sent))
-		batch = batch[n:]
+		chunks, batch = append(chunks, batch[:n]), batch[n:]
 	}
-	return slowest, nil
+	firsts := make([]time.Time, len(chunks))
+	for i, ch := range chunks {
+		firsts[i] = until[ch[0]]
+	}
+	lanes := []fence.DB{q}
+	if len(chunks) > 1 && q2 != nil {
+		lanes = append(lanes, q2)
+	}
+	// The lanes take the statements in order, each on its own connection:
+	// with two, a statement is sent while the other lane's is at the
+	// server (the server renews on two cores, and neither waits for the
+	// client to read the other's rows).
+	var (
+		mu    sync.Mutex
+		next  int
+		took  = pace
+		first error
+		wg    sync.WaitGroup
+	)
+	for _, lq := range lanes {
+		wg.Add(1)
+		go func() { // owned here: renew waits for its lanes
+			defer wg.Done()
+			for {
+				mu.Lock()
+				i := next
+				if i == len(chunks) || first != nil {
+					mu.Unlock()
+					return
+				}
+				next++
+				if late(firsts[i:], c.clock.Now(), took/time.Duration(len(lanes)), slack) {
+					isLate = true
+					c.behind.shut()
+				}
+				mu.Unlock()
+				sent := time.Now()
+				m, err := c.renewStatement(ctx, lq, chunks[i])
+				d := time.Since(sent)
+				mu.Lock()
+				missed = append(missed, m...)
+				if err != nil && first == nil {
+					first = err
+				}
+				took, slowest = max(d, took), max(d, slowest)
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return slowest, first
 }
 
 // late reports whether a renewal pass is late: whether one of its
