@@ -1021,29 +1021,8 @@ func TestCloseReleasesManyLeasesInFewStatements(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const n, workers = 10000, 8
-	leases := make([]*lock.Lease, n)
-	errs := make(chan error, workers)
-	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := w; i < n; i += workers {
-				l, err := c.TryAcquire(ctx, fmt.Sprintf("close-%05d", i))
-				if err != nil {
-					errs <- err
-					return
-				}
-				leases[i] = l
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	if err := <-errs; err != nil {
-		t.Fatal(err)
-	}
+	const n = 10000
+	leases := acquireMany(t, ctx, c, "close", n)
 	counter.reset()
 	if err := c.Close(ctx); err != nil {
 		t.Fatal(err)
@@ -1078,29 +1057,8 @@ func TestManyLeasesRenewedOnTwoConnections(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close(ctx)
-	const n, workers = 10001, 8 // three statements a pass
-	leases := make([]*lock.Lease, n)
-	var wg sync.WaitGroup
-	errs := make(chan error, workers)
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := w; i < n; i += workers {
-				l, err := c.TryAcquire(ctx, fmt.Sprintf("lanes-%05d", i))
-				if err != nil {
-					errs <- err
-					return
-				}
-				leases[i] = l
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	if err := <-errs; err != nil {
-		t.Fatal(err)
-	}
+	const n = 10001 // three statements a pass
+	leases := acquireMany(t, ctx, c, "lanes", n)
 	r0 := c.Stats().Renewals
 	pgtest.Eventually(t, time.Minute, "two passes of three statements", func() bool { return c.Stats().Renewals >= r0+6 })
 	var renewers int
@@ -1119,4 +1077,34 @@ func TestManyLeasesRenewedOnTwoConnections(t *testing.T) {
 			t.Fatalf("lease %q: %v", l.Name(), err)
 		}
 	}
+}
+
+// acquireMany acquires the leases prefix-00000 ... prefix-(n-1) on c, with
+// eight goroutines.
+func acquireMany(t *testing.T, ctx context.Context, c *lock.Client, prefix string, n int) []*lock.Lease {
+	t.Helper()
+	const workers = 8
+	leases := make([]*lock.Lease, n)
+	errs := make(chan error, workers)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := w; i < n; i += workers {
+				l, err := c.TryAcquire(ctx, fmt.Sprintf("%s-%05d", prefix, i))
+				if err != nil {
+					errs <- err
+					return
+				}
+				leases[i] = l
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		t.Fatal(err)
+	}
+	return leases
 }
