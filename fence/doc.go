@@ -43,11 +43,13 @@
 //
 //   - A resource that does not check the token is not protected.
 //   - A guarded transaction holds the lease row's KEY SHARE lock until it
-//     ends: while it is open, a takeover waits. The check bounds how long
-//     it may sit idle between statements (Guard.IdleTimeout: the server
-//     ends a transaction idle for longer, so a holder frozen inside one is
-//     replaced about TTL + PollInterval after it froze); a single long
-//     statement is bounded only by statement_timeout.
+//     ends: while it is open, a takeover waits. Once the lease has expired,
+//     a lock client's takeover ends the session of a guarded transaction
+//     that sits idle on the row (lock.Config.WaitForIdleHolders), so a
+//     holder frozen inside one is replaced about TTL + PollInterval after
+//     it froze; Guard.IdleTimeout bounds it at the server instead, for
+//     takers that wait. A single long statement is bounded only by
+//     statement_timeout.
 //   - With asynchronous replication, a standby promoted after a failover may
 //     lack the newest acquisitions and guarded writes. Data in the same
 //     database rolls back with them; effects outside the database do not.

@@ -329,9 +329,10 @@ func TestTakeoverWaitsForGuardedTransaction(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	// The guarded transaction below stays open for longer than the TTL on
-	// purpose: no idle bound, which would end it (TestFrozenHolderInGuardedTx).
-	holder := newClient(t, db, lock.Config{TTL: 3 * time.Second, GuardIdleTimeout: -1})
+	// The guarded transaction below stays open, idle, for longer than the
+	// TTL on purpose: no idle bound, and a taker that waits for it
+	// (TestFrozenHolderInGuardedTx has the others).
+	holder := newClient(t, db, lock.Config{TTL: 3 * time.Second})
 	taker, _, app := newTaker(t, db)
 
 	l, err := holder.TryAcquire(ctx, "wait")
@@ -660,7 +661,8 @@ func newTaker(t *testing.T, db *pgtest.DB) (*lock.Client, *pgxpool.Pool, string)
 	t.Helper()
 	app := pgtest.UniqueName("taker")
 	pool := pgtest.NewPool(t, app)
-	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet})
+	// It waits for the idle transactions the tests keep open on purpose.
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet, WaitForIdleHolders: true})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -81,22 +81,27 @@ func frozenHolder(spec string) int {
 
 // A holder frozen (SIGSTOP) inside an open guarded transaction keeps the
 // lease row locked, and every takeover and ForceRelease waits for that lock.
-// With the default idle bound (the TTL) the server ends the frozen
-// transaction, and the next holder gets the lease within TTL + PollInterval
-// + 1 s of the freeze; the frozen holder's late commit, after it is thawed,
-// is refused and nothing of its transaction is in the table. The control,
-// with the bound switched off, shows the takeover blocked for the whole
-// freeze, so the timing checked here is the bound's doing.
+// Once the lease has expired, the one waiting ends the session of a
+// transaction idle on the row (with no idle bound at the server), so the
+// next holder gets the lease within TTL + PollInterval + 1 s of the freeze;
+// the frozen holder's late commit, after it is thawed, is refused and
+// nothing of its transaction is in the table. With the holder's own idle
+// bound (GuardIdleTimeout) the server ends it instead, for a taker that
+// waits. The control, a taker that waits and no bound, shows the takeover
+// blocked for the whole freeze, so the timing checked here is the doing of
+// one of the two.
 func TestFrozenHolderInGuardedTx(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
 		name  string
-		idle  time.Duration
-		force bool // ForceRelease instead of a takeover
+		idle  time.Duration // the holder's GuardIdleTimeout (0: none)
+		wait  bool          // the taker's WaitForIdleHolders
+		force bool          // ForceRelease instead of a takeover
 	}{
-		{name: "takeover", idle: 0},
-		{name: "force release", idle: 0, force: true},
-		{name: "control: no idle bound", idle: -1},
+		{name: "takeover"},
+		{name: "force release", force: true},
+		{name: "takeover, server idle bound", idle: frozenTTL, wait: true},
+		{name: "control: a taker that waits, no idle bound", wait: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -162,7 +167,7 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 			// The next holder (or an operator) tries from the moment of the
 			// freeze; the bound is TTL + PollInterval + 1 s.
 			bound := frozenTTL + frozenPoll + time.Second
-			c := newClient(t, db, lock.Config{PollInterval: frozenPoll})
+			c := newClient(t, db, lock.Config{PollInterval: frozenPoll, WaitForIdleHolders: tc.wait})
 			type res struct {
 				tok fence.Token
 				err error
@@ -201,6 +206,7 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 				}
 				got <- res{tok, err}
 			}()
+			control := tc.wait && tc.idle == 0
 			var took time.Duration
 			select {
 			case r := <-got:
@@ -208,7 +214,7 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 				if r.err != nil {
 					t.Fatalf("after %v: %v", took, r.err)
 				}
-				if tc.idle < 0 {
+				if control {
 					t.Fatalf("control: the lease changed hands %v after the freeze with no idle bound: "+
 						"the test cannot tell the bound's effect", took)
 				}
@@ -217,7 +223,7 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 				}
 				t.Logf("%s %v after the freeze (bound %v)", tc.name, took, bound)
 			case <-time.After(bound):
-				if tc.idle >= 0 {
+				if !control {
 					t.Fatalf("%s still waiting %v after the holder froze in its guarded transaction", tc.name, bound)
 				}
 				t.Logf("control: still blocked %v after the freeze, as expected without the bound", bound)
@@ -240,7 +246,7 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if tc.idle < 0 {
+			if control {
 				// Without the bound the frozen transaction held the lease
 				// row all along, so it committed before any takeover: the
 				// fence is intact, only liveness was lost. The takeover

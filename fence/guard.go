@@ -23,9 +23,10 @@ import (
 // row FOR UPDATE before it raises the token, so it waits until the guarded
 // transaction ends, while renewals of the current holder (which only move the
 // expiry) are not blocked. A guarded transaction that stays open therefore
-// delays a takeover: keep guarded transactions short. The check bounds how
-// long one may sit idle between statements (IdleTimeout); bound single long
-// statements with statement_timeout.
+// delays a takeover: keep guarded transactions short. Once the lease has
+// expired, a taker ends the session of a guarded transaction that sits idle
+// on the row (lock.Config.WaitForIdleHolders), or the server does, past
+// IdleTimeout; bound single long statements with statement_timeout.
 //
 // A Guard is a value; the zero Schema means "pgfence", the default schema
 // everywhere in pgfence.
@@ -39,25 +40,25 @@ type Guard struct {
 	// Metrics records the guard's outcomes; nil uses the global
 	// MeterProvider's (see Metrics).
 	Metrics *Metrics
-	// IdleTimeout bounds how long a guarded transaction may sit idle
-	// between its statements while it holds the lease row's lock, which a
-	// takeover waits for: past it the server ends the transaction's
-	// session (idle_in_transaction_session_timeout, set for the
-	// transaction only, or the session's own setting where that is
-	// shorter). Without a bound, a holder frozen inside a guarded
-	// transaction (a GC pause, SIGSTOP, a stalled VM) keeps every other
-	// holder out for as long as it is frozen, whatever the TTL. The check
-	// sets it in its own round trip. 0 means DefaultIdleTimeout (so a
-	// Guard built by hand is bounded at 15 s, not at its lease's TTL);
-	// Lease.Guard sets the lease client's GuardIdleTimeout (its TTL by
-	// default); a negative value leaves the session's setting alone. A
-	// statement in progress (a long query, a COPY) is not idle: bound
-	// those with statement_timeout.
+	// IdleTimeout, if positive, bounds how long a guarded transaction may
+	// sit idle between its statements while it holds the lease row's
+	// lock, which a takeover waits for: past it the server ends the
+	// transaction's session (idle_in_transaction_session_timeout, set for
+	// the transaction only, in the check's own round trip, unless the
+	// session's own setting is shorter). Without a bound, a holder frozen
+	// inside a guarded transaction (a GC pause, SIGSTOP, a stalled VM)
+	// holds the row for as long as it is frozen, and the lease's takers
+	// end its session themselves once the lease has expired (see
+	// lock.Config.WaitForIdleHolders); the bound is for takers that do
+	// not. It costs a changed setting per transaction (BENCHMARKS.md).
+	// Lease.Guard sets the lease client's GuardIdleTimeout. 0 or negative:
+	// none. A statement in progress (a long query, a COPY) is not idle:
+	// bound those with statement_timeout.
 	IdleTimeout time.Duration
 }
 
-// DefaultIdleTimeout is a guard's IdleTimeout when it has none: lock's
-// default TTL.
+// DefaultIdleTimeout is a resource fence's IdleTimeout when it has none:
+// lock's default TTL.
 const DefaultIdleTimeout = 15 * time.Second
 
 // DB is the database handle pgfence's functions take: *pgxpool.Pool,
@@ -99,12 +100,9 @@ func (g Guard) Check(ctx context.Context, tx pgx.Tx) error {
 	if err := g.validate(); err != nil {
 		return err
 	}
-	var (
-		cur  int64
-		idle *string
-	)
+	f := g.fence(false)
 	start := time.Now()
-	err := tx.QueryRow(ctx, g.checkSQL(), g.Lease, int64(g.Token), g.idleMillis()).Scan(&cur, &idle)
+	err := tx.QueryRow(ctx, f.sql, f.args...).Scan(f.dest(nil)...)
 	m := g.metrics()
 	m.checked(ctx, start)
 	if err != nil {
@@ -128,7 +126,7 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 		return pgconn.CommandTag{}, err
 	}
 	// The same pipelining RunTx gives its function's first statement.
-	tag, err := (&guardedTx{Tx: tx, fence: g.txFence()}).Exec(ctx, sql, args...)
+	tag, err := (&guardedTx{Tx: tx, fence: g.fence(false)}).Exec(ctx, sql, args...)
 	if errors.Is(err, ErrFenced) {
 		g.metrics().outcome(ctx, err, false)
 	}
@@ -178,25 +176,37 @@ func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error
 	if err := g.validate(); err != nil {
 		return err
 	}
-	return runTx(ctx, db, g.txFence(), fn)
+	return runTx(ctx, db, g.fence(true), fn)
 }
 
-// txFence is the guard's check as the fence of a transaction RunTx runs.
-func (g Guard) txFence() *txFence {
-	return &txFence{
-		sql:       g.checkTxSQL(),
-		args:      []any{g.Lease, int64(g.Token), g.idleMillis()},
+// fence is the guard's check as the fence of a transaction: with id, of
+// one RunTx commits.
+func (g Guard) fence(id bool) *txFence {
+	f := &txFence{
+		args:      []any{g.Lease, int64(g.Token)},
+		id:        id,
 		translate: func(err error, tx pgx.Tx) error { return translateCheck(err, g, tx) },
 		schema:    g.Schema,
 		metrics:   g.metrics(),
 	}
+	if ms := g.idleMillis(); ms > 0 {
+		f.bound = true
+		f.args = append(f.args, ms)
+	}
+	f.sql = fenceSQL(g.Schema, "pgfence_check", f.id, f.bound)
+	return f
 }
 
 // idleMillis is the idle bound the check sets, in milliseconds (0: none).
-func (g Guard) idleMillis() int64 { return idleMillis(g.IdleTimeout) }
+func (g Guard) idleMillis() int64 {
+	if g.IdleTimeout <= 0 {
+		return 0
+	}
+	return idleMillis(g.IdleTimeout)
+}
 
-// idleMillis turns an IdleTimeout field into the check's parameter: the
-// default for 0, none (0) for a negative value, at least 1 ms, and at most
+// idleMillis turns a Resource's IdleTimeout into the admission's parameter:
+// the default for 0, none (0) for a negative value, at least 1 ms, and at most
 // what the server accepts (INT_MAX ms, about 24.8 days).
 func idleMillis(d time.Duration) int64 {
 	switch {

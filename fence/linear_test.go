@@ -50,7 +50,9 @@ func staleWriteAccepted(t *testing.T, db *pgtest.DB, check checkFn) bool {
 	tbl := table(db, "nc_writes")
 	mustExec(t, db, "CREATE TABLE IF NOT EXISTS "+tbl+" (token bigint)")
 	a := newClient(t, db, lock.Config{Holder: "A"})
-	b := newClient(t, db, lock.Config{Holder: "B"})
+	// B waits for A's open transaction, however long it idles: what is
+	// checked here is the order the fence imposes, not B ending A.
+	b := newClient(t, db, lock.Config{Holder: "B", WaitForIdleHolders: true})
 	name := pgtest.UniqueName("nc")
 	la, err := a.TryAcquire(ctx, name)
 	if err != nil {

@@ -63,12 +63,9 @@ func (r Resource) Admit(ctx context.Context, tx pgx.Tx, t Token) error {
 	if err := r.validate(t); err != nil {
 		return err
 	}
-	var (
-		cur  int64
-		idle *string
-	)
+	f := r.fence(t, false)
 	start := time.Now()
-	err := r.translate(tx.QueryRow(ctx, r.admitSQL(), r.Name, int64(t), idleMillis(r.IdleTimeout)).Scan(&cur, &idle), t, tx)
+	err := r.translate(tx.QueryRow(ctx, f.sql, f.args...).Scan(f.dest(nil)...), t, tx)
 	m := r.metrics()
 	m.checked(ctx, start)
 	if errors.Is(err, ErrFenced) {
@@ -91,7 +88,7 @@ func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args
 	if err := r.validate(t); err != nil {
 		return pgconn.CommandTag{}, err
 	}
-	tag, err := (&guardedTx{Tx: tx, fence: r.txFence(t)}).Exec(ctx, sql, args...)
+	tag, err := (&guardedTx{Tx: tx, fence: r.fence(t, false)}).Exec(ctx, sql, args...)
 	if errors.Is(err, ErrFenced) {
 		r.metrics().outcome(ctx, err, false)
 	}
@@ -114,18 +111,25 @@ func (r Resource) RunTx(ctx context.Context, db DB, t Token, fn func(tx pgx.Tx) 
 	if err := r.validate(t); err != nil {
 		return err
 	}
-	return runTx(ctx, db, r.txFence(t), fn)
+	return runTx(ctx, db, r.fence(t, true), fn)
 }
 
-// txFence is the resource's admission of t as the fence of a transaction.
-func (r Resource) txFence(t Token) *txFence {
-	return &txFence{
-		sql:       r.admitTxSQL(),
-		args:      []any{r.Name, int64(t), idleMillis(r.IdleTimeout)},
+// fence is the resource's admission of t as the fence of a transaction:
+// with id, of one RunTx commits.
+func (r Resource) fence(t Token, id bool) *txFence {
+	f := &txFence{
+		args:      []any{r.Name, int64(t)},
+		id:        id,
 		translate: func(err error, tx pgx.Tx) error { return r.translate(err, t, tx) },
 		schema:    r.Schema,
 		metrics:   r.metrics(),
 	}
+	if ms := idleMillis(r.IdleTimeout); ms > 0 {
+		f.bound = true
+		f.args = append(f.args, ms)
+	}
+	f.sql = fenceSQL(r.Schema, "pgfence_admit", f.id, f.bound)
+	return f
 }
 
 func (r Resource) metrics() *Metrics { return Guard{Metrics: r.Metrics}.metrics() }

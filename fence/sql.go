@@ -9,7 +9,7 @@ import (
 // migrations); the statements only call them.
 
 // idleBound sets idle_in_transaction_session_timeout for the rest of the
-// transaction to $3 milliseconds ($3 = 0: leave it), unless the session's
+// transaction to $3 milliseconds (positive), unless the session's
 // own setting is already that or shorter (and not 0). It costs no round
 // trip of its own: it rides in the fence's statement. set_config(..., true)
 // is SET LOCAL, so a pooled session (PgBouncer in transaction mode too)
@@ -17,34 +17,27 @@ import (
 // PostgreSQL 15 a transaction that changed a setting restores every
 // setting at its end: BENCHMARKS.md), which a role whose sessions have the
 // bound already does not pay.
-const idleBound = `CASE WHEN $3::bigint > 0 AND coalesce(nullif(extract(epoch FROM ` +
+const idleBound = `CASE WHEN coalesce(nullif(extract(epoch FROM ` +
 	`current_setting('idle_in_transaction_session_timeout')::interval) * 1000, 0) > $3::bigint, true) ` +
 	`THEN set_config('idle_in_transaction_session_timeout', $3::bigint::text, true) END`
 
-// checkSQL is the lease check of Guard.Check, with the idle bound.
-func (g Guard) checkSQL() string {
-	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2), " + idleBound
-}
-
-// checkTxSQL is the check of a transaction RunTx runs: it also returns the
-// transaction's id (the check's row lock has assigned one) and the server's
-// timeline, so that a COMMIT whose reply is lost can be looked up on another
-// connection (outcome.Resolve), and sets the idle bound. The check comes first: on a
-// standby it fails before the timeline is read.
-func (g Guard) checkTxSQL() string {
-	return "SELECT " + ident.Table(g.Schema, "pgfence_check") + "($1, $2)" + outcome.IDColumns(g.Schema) + ", " + idleBound
-}
-
-// admitSQL raises a resource's high-water mark to a token, or refuses it,
-// and sets the idle bound.
-func (r Resource) admitSQL() string {
-	return "SELECT " + ident.Table(r.Schema, "pgfence_admit") + "($1, $2), " + idleBound
-}
-
-// admitTxSQL is the admission of a transaction RunTx runs: as checkTxSQL,
-// it also returns the transaction's id and the server's timeline.
-func (r Resource) admitTxSQL() string {
-	return "SELECT " + ident.Table(r.Schema, "pgfence_admit") + "($1, $2)" + outcome.IDColumns(r.Schema) + ", " + idleBound
+// fenceSQL is a fence's statement: fn ($1, $2), pgfence_check or
+// pgfence_admit in schema; with id, the transaction's id and the server's
+// timeline and start (outcome.IDColumns), so that a COMMIT whose reply is
+// lost can be looked up on another connection, for a transaction RunTx
+// commits (the fence comes first: on a standby it fails before the
+// timeline is read); with bound, the idle bound ($3). Each part is sent
+// only where it is used: the bound's expression and the id's columns cost
+// server time in every transaction (BENCHMARKS.md).
+func fenceSQL(schema, fn string, id, bound bool) string {
+	sql := "SELECT " + ident.Table(schema, fn) + "($1, $2)"
+	if id {
+		sql += outcome.IDColumns(schema)
+	}
+	if bound {
+		sql += ", " + idleBound
+	}
+	return sql
 }
 
 // currentSQL reads a resource's high-water mark (0 if it has none).

@@ -39,6 +39,8 @@ type guardedTx struct {
 type txFence struct {
 	sql       string
 	args      []any
+	id        bool                             // sql returns the transaction's id (for RunTx's commit)
+	bound     bool                             // sql sets the idle bound (one more column)
 	translate func(err error, tx pgx.Tx) error // the fence's refusal as a typed error
 	schema    string                           // where pgfence_timeline lives, for outcome.Resolve
 	metrics   *Metrics
@@ -91,14 +93,25 @@ func (t *guardedTx) cancelAtServer() {
 // cancelTimeout bounds a cancel request (a new connection to the server).
 const cancelTimeout = 2 * time.Second
 
-// dest is where the fence's row is scanned: its value and the idle bound's
-// are not kept.
-func (t *guardedTx) dest() []any {
+// dest is where the fence's row is scanned.
+func (t *guardedTx) dest() []any { return t.fence.dest(&t.id) }
+
+// dest is where the fence's row is scanned: the transaction's id, if the
+// fence reads it, into id; the fence's value and the idle bound's are not
+// kept.
+func (f *txFence) dest(id *outcome.ID) []any {
 	var (
 		cur  int64
 		idle *string
 	)
-	return append(append([]any{&cur}, t.id.Dest()...), &idle)
+	d := []any{&cur}
+	if f.id {
+		d = append(d, id.Dest()...)
+	}
+	if f.bound {
+		d = append(d, &idle)
+	}
+	return d
 }
 
 // ensure sends the fence on its own, unless it has been sent.

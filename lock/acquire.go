@@ -216,7 +216,12 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 	}
 	defer conn.Release()
 	var notified bool // an observer was told
+	stop := func() {}
+	if !c.cfg.WaitForIdleHolders {
+		stop = watchIdleHolders(ctx, c.pool, c.q, req.name, c.reportIdleHolders(req.name))
+	}
 	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
+	stop()
 	switch {
 	case err == nil:
 		return casResult{won: true}, nil

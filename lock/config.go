@@ -49,19 +49,33 @@ type Config struct {
 	// to 10 x PollInterval). Default 1s; at least MinPollInterval.
 	PollInterval time.Duration
 
-	// GuardIdleTimeout bounds how long a transaction guarded by one of the
-	// client's leases (Lease.RunTx, Lease.Guard) may sit idle between its
-	// statements holding the lease row's lock, which every takeover and
-	// ForceRelease waits for: past it the server ends the transaction's
-	// session (fence.Guard.IdleTimeout). With it, a holder frozen inside
-	// a guarded transaction is replaced about TTL + PollInterval after it
-	// froze, as one frozen outside a transaction is; a guarded
-	// transaction that waits on something else (a remote call) between
-	// two statements for longer is ended. Default TTL; negative: leave
-	// the server's idle_in_transaction_session_timeout alone (with the
-	// server's default, 0, a frozen holder then blocks takeovers for as
-	// long as it is frozen).
+	// GuardIdleTimeout, if positive, bounds at the server how long a
+	// transaction guarded by one of the client's leases (Lease.RunTx,
+	// Lease.Guard) may sit idle between its statements: past it the server
+	// ends the transaction's session (fence.Guard.IdleTimeout). It is not
+	// needed for takeovers, which end a holder's session idle on the lease
+	// row past its expiry themselves (see WaitForIdleHolders); set it when
+	// the takers cannot (WaitForIdleHolders, or a role without the right to
+	// end the holder's sessions), at the price of changing a setting in
+	// every guarded transaction (about 2% of a one-row transaction on
+	// PostgreSQL 15: BENCHMARKS.md). Default 0: none; negative is invalid.
 	GuardIdleTimeout time.Duration
+
+	// WaitForIdleHolders makes the client's acquisitions wait, however
+	// long, for a transaction that sits idle holding the lease row of an
+	// expired or released lease: a holder frozen (a GC pause, SIGSTOP, a
+	// stalled VM) or cut off inside a guarded transaction. By default an
+	// acquisition that has waited on the row for 250 ms ends the session
+	// of each such transaction idle for 250 ms or more
+	// (pg_terminate_backend; the client's role needs the right to, as the
+	// holder's own role or through pg_signal_backend), logs it, and counts
+	// it in Stats.IdleHoldersEnded; the session's transaction aborts, so
+	// none of its writes commits, and the acquisition goes on. A frozen
+	// holder is then replaced about TTL + PollInterval after it froze, as
+	// one frozen outside a transaction is. A transaction running a
+	// statement is not idle and is waited for: bound those with
+	// statement_timeout.
+	WaitForIdleHolders bool
 
 	// Holder identifies this client in the leases table (for operators and
 	// HeldError). At most 255 bytes of UTF-8 without NUL.
@@ -155,9 +169,6 @@ func (c Config) withDefaults() Config {
 	if c.PollInterval == 0 {
 		c.PollInterval = time.Second
 	}
-	if c.GuardIdleTimeout == 0 {
-		c.GuardIdleTimeout = c.TTL
-	}
 	if c.Holder == "" {
 		c.Holder = defaultHolder()
 	}
@@ -185,6 +196,8 @@ func (c Config) validate() error {
 		return bad("RenewInterval", "must be positive, got %v", c.RenewInterval)
 	case c.SafetyMargin < 0:
 		return bad("SafetyMargin", "must not be negative, got %v", c.SafetyMargin)
+	case c.GuardIdleTimeout < 0:
+		return bad("GuardIdleTimeout", "must not be negative (0 means none), got %v", c.GuardIdleTimeout)
 	case c.PollInterval < MinPollInterval:
 		return bad("PollInterval", "must be at least %v, got %v", MinPollInterval, c.PollInterval)
 	case c.RenewInterval > c.TTL/2: // not 2*RenewInterval > TTL, which can overflow

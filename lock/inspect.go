@@ -156,7 +156,8 @@ func scanInfo(r pgx.CollectableRow) (Info, error) {
 // and the lease's current token, or ErrNoLease.
 //
 // Like a takeover, it waits for open guarded transactions that checked the
-// current token. Bound the wait with ctx: if ctx ends first, ForceRelease
+// current token, and once the lease has expired it ends the sessions of
+// those that sit idle (see Config.WaitForIdleHolders). Bound the wait with ctx: if ctx ends first, ForceRelease
 // gives up and returns a *BlockedError naming the sessions it waited for.
 // It takes a pool, not any executor: the statement runs on a connection of
 // its own, whose waiting it can cancel at the server.
@@ -198,10 +199,15 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 		r.err = conn.QueryRow(qctx, q.forceRelease, name).Scan(&r.token, &r.holder, &woke)
 		done <- r
 	}()
+	// As a takeover does, end the sessions idle in a transaction on the
+	// row once the lease has expired (idleholders.go).
+	stopWatch := watchIdleHolders(qctx, pool, q, name, func([]Backend, error) {})
+	defer stopWatch()
 	var r result
 	select {
 	case r = <-done:
 	case <-ctx.Done():
+		stopWatch()
 		bctx, bcancel := wait.Detached(ctx)
 		backends, berr := blockers(bctx, pool, q, pid)
 		// Cancel the statement at the server: closing the connection
@@ -234,15 +240,19 @@ func blockers(ctx context.Context, db fence.DB, q *queries, pid uint32) ([]Backe
 	if err != nil {
 		return nil, err
 	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Backend, error) {
-		var (
-			b  Backend
-			at *time.Time
-		)
-		err := r.Scan(&b.PID, &b.Application, &b.User, &b.State, &at, &b.Query)
-		if at != nil {
-			b.XactStart = *at
-		}
-		return b, err
-	})
+	return pgx.CollectRows(rows, scanBackend)
+}
+
+// scanBackend reads a session: pid, application, user, state, transaction
+// start (NULL: none) and query.
+func scanBackend(r pgx.CollectableRow) (Backend, error) {
+	var (
+		b  Backend
+		at *time.Time
+	)
+	err := r.Scan(&b.PID, &b.Application, &b.User, &b.State, &at, &b.Query)
+	if at != nil {
+		b.XactStart = *at
+	}
+	return b, err
 }

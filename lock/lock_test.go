@@ -644,12 +644,13 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 	// A TTL of 3 s: a renewal may be two seconds late on a loaded machine
 	// (a 1 s TTL lost the lease under load), and the test waits out two.
 	cfg := lock.Config{TTL: 3 * time.Second, RenewInterval: time.Second, SafetyMargin: 300 * time.Millisecond}
-	// The first holder's guarded transaction stays open past the TTL on
-	// purpose: without an idle bound, which would end it at the TTL.
-	fcfg := cfg
-	fcfg.GuardIdleTimeout = -1
-	first := newClient(t, db, fcfg)
-	c := newClient(t, db, cfg)
+	// The first holder's guarded transaction stays open, idle, past the
+	// TTL on purpose: without an idle bound, and for a taker that waits
+	// for it instead of ending it.
+	first := newClient(t, db, cfg)
+	wcfg := cfg
+	wcfg.WaitForIdleHolders = true
+	c := newClient(t, db, wcfg)
 	old, err := first.TryAcquire(ctx, "late")
 	if err != nil {
 		t.Fatal(err)

@@ -32,6 +32,7 @@ type queries struct {
 type leaseSQL struct {
 	acquire, heldBy, acquireNew, syncEpoch, renew, check                                  string
 	release, releaseDurable, releaseMany, releaseManyDurable, releaseSecret, backendAlive string
+	idleHolders, endSession                                                               string
 }
 
 type waitSQL struct {
@@ -121,6 +122,28 @@ func newLeaseSQL(schema string) leaseSQL {
    AND %[2]s
 RETURNING l.token, l.expires_at, CASE WHEN l.observers_until > now() THEN %[3]s(l.name) ELSE false END`,
 			t, ready, ident.Table(schema, "pgfence_wake_waiters")),
+
+		// The sessions idle in a transaction for at least $2 µs that block
+		// a statement waiting on the row of lease $1, if that lease has
+		// expired or is free: a holder frozen or cut off inside a guarded
+		// transaction (idleholders.go). A statement waiting on a row holds
+		// (or, behind another waiter, waits for) the row's tuple lock,
+		// which pg_locks shows by page and offset; pg_blocking_pids names
+		// what it waits for. Another waiter is not idle, so it is never
+		// returned. A blocking session whose state this role may not see
+		// (another role's, without pg_read_all_stats) is returned with the
+		// state '', to be reported, not ended.
+		idleHolders: fmt.Sprintf(`SELECT DISTINCT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
+       a.xact_start, left(coalesce(a.query, ''), 200)
+  FROM %[1]s l
+  JOIN pg_locks w ON w.locktype = 'tuple' AND w.relation = l.tableoid
+   AND w.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
+   AND w.page = (l.ctid::text::point)[0]::int AND w.tuple = (l.ctid::text::point)[1]::int
+  JOIN pg_stat_activity a ON a.pid = ANY (pg_blocking_pids(w.pid))
+ WHERE l.name = $1 AND (l.holder IS NULL OR l.expires_at <= now())
+   AND (a.state IS NULL OR a.state IN ('idle in transaction', 'idle in transaction (aborted)')
+        AND a.state_change <= now() - $2 * interval '1 microsecond')`, t),
+		endSession: `SELECT pg_terminate_backend($1)`,
 
 		// The row after the acquire statement (no row: the name's first
 		// acquisition), and whether it holds the caller's secret $2: after

@@ -23,6 +23,11 @@ type Stats struct {
 	// AcquisitionsHeldBack counts acquisitions that waited for late
 	// renewals before they were sent (see ErrRenewalsBehind).
 	AcquisitionsHeldBack uint64
+	// IdleHoldersEnded counts the sessions the client's acquisitions
+	// ended because they sat idle in a transaction on the row of an
+	// expired lease, blocking the acquisition (see
+	// Config.WaitForIdleHolders).
+	IdleHoldersEnded uint64
 	// ClockSkew estimates the database's clock minus this machine's, from
 	// the last successful renewal (server time against the midpoint of the
 	// request), to within half of LastRenewLatency either way. pgfence
@@ -40,6 +45,7 @@ type stats struct {
 	skewed    atomic.Bool // leastSkew is past Config.SkewWarning
 	slow      atomic.Uint64
 	renewSlow atomic.Bool // the last renewal was slow
+	idleEnded atomic.Uint64
 }
 
 // Stats returns the client's current lease health.
@@ -54,6 +60,7 @@ func (c *Client) Stats() Stats {
 		LastRenewLatency:     time.Duration(c.stats.latency.Load()),
 		SlowRenewals:         c.stats.slow.Load(),
 		AcquisitionsHeldBack: c.behind.waits.Load(),
+		IdleHoldersEnded:     c.stats.idleEnded.Load(),
 		ClockSkew:            time.Duration(c.stats.skew.Load()),
 	}
 }

@@ -3,7 +3,9 @@ package migrations_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -236,3 +238,97 @@ func TestLeastPrivilege(t *testing.T) {
 		t.Fatalf("TryAcquire as the operator: %v, want 42501", err)
 	}
 }
+
+// A takeover by the application role ends the idle guarded transaction of a
+// frozen holder of the same role, as it would in production. A holder whose
+// sessions it may not end (here a superuser's) is waited for, and the
+// client says why, once, with the grant that would let it.
+func TestApplicationRoleEndsIdleHolders(t *testing.T) {
+	ctx := pgtest.Context(t, time.Minute)
+	owner := pgtest.NewPool(t, "idle-owner")
+	schema := pgtest.Schema(t, "idle")
+	if _, err := migrations.Up(ctx, owner, schema); err != nil {
+		t.Fatal(err)
+	}
+	role := newRole(t, owner, "pgfence_idle")
+	if err := migrations.GrantApp(ctx, owner, schema, role); err != nil {
+		t.Fatal(err)
+	}
+	app := pgtest.NewPool(t, "idle-app", func(c *pgxpool.Config) { c.ConnConfig.User = role })
+	var logged strings.Builder
+	var mu sync.Mutex
+	logger := slog.New(slog.NewTextHandler(writerFunc(func(p []byte) (int, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		return logged.Write(p)
+	}), nil))
+	taker, err := lock.New(app, lock.Config{Schema: schema, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taker.Close(ctx)
+	expire := func(name string) {
+		t.Helper()
+		if _, err := owner.Exec(ctx, "UPDATE "+ident.Table(schema, "pgfence_leases")+
+			" SET expires_at = now() - interval '1 millisecond' WHERE name = $1", name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// frozen leaves a transaction of pool's role idle after checking a new
+	// lease's token, and expires the lease.
+	frozen := func(pool *pgxpool.Pool, name string) pgx.Tx {
+		t.Helper()
+		c, err := lock.New(pool, lock.Config{Schema: schema, Logger: pgtest.Quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close(context.Background()) })
+		l, err := c.TryAcquire(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+		if err := l.Guard().Check(ctx, tx); err != nil {
+			t.Fatal(err)
+		}
+		expire(name)
+		return tx
+	}
+
+	same := frozen(app, "same-role")
+	if _, err := taker.TryAcquire(ctx, "same-role"); err != nil {
+		t.Fatalf("takeover of a lease whose holder of the same role sits idle in a guarded transaction: %v", err)
+	}
+	if _, err := same.Exec(ctx, "SELECT 1"); err == nil {
+		t.Fatal("the idle holder's session is alive after the takeover")
+	}
+	if n := taker.Stats().IdleHoldersEnded; n != 1 {
+		t.Fatalf("IdleHoldersEnded = %d, want 1", n)
+	}
+
+	other := frozen(owner, "superuser")
+	actx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	_, err = taker.TryAcquire(actx, "superuser")
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("takeover behind a superuser's idle guarded transaction: %v, want it to wait until its context ends", err)
+	}
+	if _, err := other.Exec(ctx, "SELECT 1"); err != nil {
+		t.Fatalf("the superuser's session was ended: %v", err)
+	}
+	mu.Lock()
+	out := logged.String()
+	mu.Unlock()
+	if n := strings.Count(out, "could not end it"); n != 1 || !strings.Contains(out, "pg_signal_backend") {
+		t.Fatalf("want one warning naming pg_signal_backend, logged:\n%s", out)
+	}
+}
+
+// writerFunc is an io.Writer made of a function.
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
