@@ -218,7 +218,7 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 	var notified bool // an observer was told
 	stop := func() {}
 	if !c.cfg.WaitForIdleHolders {
-		stop = watchIdleHolders(ctx, c.pool, c.q, req.name, c.reportIdleHolders(req.name))
+		stop = c.watchIdleHolders(ctx, req.name, conn.Conn().PgConn().PID())
 	}
 	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
 	stop()

@@ -12,6 +12,7 @@ import (
 	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
+	"github.com/pgfence/pgfence/internal/ownconn"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -29,7 +30,10 @@ import (
 //   - the poller, while an Acquire waits;
 //   - one per Observe, until its context ends;
 //   - one per acquisition given up with its outcome unknown, which frees the
-//     lease once the server has let go of it (at most 5s).
+//     lease once the server has let go of it (at most 5s);
+//   - one per acquisition that has waited on a lease row for 250 ms, which
+//     looks for idle holders until the acquisition is done
+//     (Config.WaitForIdleHolders).
 //
 // Close stops them all and waits for them.
 type Client struct {
@@ -57,6 +61,7 @@ type Client struct {
 	failing  atomic.Bool // renewals are failing (for the cause of a loss)
 	behind   gate        // shut while renewals are late: acquisitions wait
 	lateness lateness    // the renewer's: logs when passes become late
+	idle     looker      // looks for idle holders that block acquisitions
 }
 
 // New returns a client that keeps leases in pool's database. It validates cfg
@@ -81,6 +86,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		bg:      bg.New(context.Background()),
 		clock:   clock.Real(),
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
+		idle:    looker{conn: ownconn.New(pool)},
 	}
 	c.renewer = c.bg.Demand(c.renewLoop, cfg.RenewInterval, clock.Real())
 	c.lis = newListener(c)
@@ -143,6 +149,7 @@ func (c *Client) close(ctx context.Context) error {
 	first := c.releaseAll(ctx, leases)
 	c.poll.close()
 	c.bg.Stop() // cancel, then wait for every goroutine
+	c.idle.close()
 	_ = c.m.observed.Unregister()
 	return first
 }

@@ -57,7 +57,7 @@ type Config struct {
 	// row past its expiry themselves (see WaitForIdleHolders); set it when
 	// the takers cannot (WaitForIdleHolders, or a role without the right to
 	// end the holder's sessions), at the price of changing a setting in
-	// every guarded transaction (about 2% of a one-row transaction on
+	// every guarded transaction (about 4% of a one-row transaction on
 	// PostgreSQL 15: BENCHMARKS.md). Default 0: none; negative is invalid.
 	GuardIdleTimeout time.Duration
 
@@ -67,14 +67,17 @@ type Config struct {
 	// stalled VM) or cut off inside a guarded transaction. By default an
 	// acquisition that has waited on the row for 250 ms ends the session
 	// of each such transaction idle for 250 ms or more
-	// (pg_terminate_backend; the client's role needs the right to, as the
-	// holder's own role or through pg_signal_backend), logs it, and counts
-	// it in Stats.IdleHoldersEnded; the session's transaction aborts, so
-	// none of its writes commits, and the acquisition goes on. A frozen
-	// holder is then replaced about TTL + PollInterval after it froze, as
-	// one frozen outside a transaction is. A transaction running a
+	// (pg_terminate_backend, on a connection of the client's own outside
+	// the pool), logs it, and counts it in Stats.IdleHoldersEnded. The
+	// session's transaction aborts, so none of its writes commits, and the
+	// acquisition goes on: a frozen holder is replaced about TTL +
+	// PollInterval + 250 ms after it froze. A transaction running a
 	// statement is not idle and is waited for: bound those with
-	// statement_timeout.
+	// statement_timeout. The client's role needs the right to end the
+	// session: the holder's own role has it; another needs
+	// pg_signal_backend, and pg_read_all_stats to see the session's state
+	// (only a superuser may end a superuser's session). Without it the
+	// acquisition waits, and the client logs why, once per acquisition.
 	WaitForIdleHolders bool
 
 	// Holder identifies this client in the leases table (for operators and

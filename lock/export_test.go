@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"sync/atomic"
 	"time"
 
 	"github.com/pgfence/pgfence/internal/clock"
@@ -35,3 +36,12 @@ func (c *Client) TryAcquireAs(ctx context.Context, name string, secret []byte, s
 // SetClock makes the client read the time and arm its trust-window timers
 // on clk; call it before the first acquisition.
 func (c *Client) SetClock(clk clock.Clock) { c.clock = clk }
+
+// IdleHolderLooks is how many looks for idle holders of lease name every
+// client has made.
+func IdleHolderLooks(name string) uint64 {
+	if n, ok := idleLooks.Load(name); ok {
+		return n.(*atomic.Uint64).Load()
+	}
+	return 0
+}

@@ -5,11 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ownconn"
 )
 
 // A holder frozen inside a guarded transaction (a GC pause, SIGSTOP, a
@@ -24,7 +26,7 @@ import (
 // Doing it here, on the rare takeover that waits, costs nothing per guarded
 // transaction. The other way, a server-side idle bound set in every guarded
 // transaction (fence.Guard.IdleTimeout), costs a changed setting per
-// transaction, about 2% of a one-row transaction on PostgreSQL 15
+// transaction, about 4% of a one-row transaction on PostgreSQL 15
 // (BENCHMARKS.md); it remains for takers that wait (WaitForIdleHolders).
 
 // idleHolderAfter is how long a statement waits on a lease row before it
@@ -35,14 +37,25 @@ const idleHolderAfter = 250 * time.Millisecond
 // idleHolderTimeout bounds one look (and the sessions it ends).
 const idleHolderTimeout = 5 * time.Second
 
-// watchIdleHolders looks for and ends the sessions idle in a transaction
-// that block a statement waiting on the row of lease name (endIdleHolders),
-// from idleHolderAfter on and every idleHolderAfter after that, until stop
-// is called; report hears each look that ended a session or failed. stop
-// cancels the looking and waits for the look in progress (calling it again
-// does nothing): the watcher's one owner is the statement's caller.
-func watchIdleHolders(ctx context.Context, db fence.DB, q *queries, name string,
-	report func(ended []Backend, err error)) (stop func()) {
+// idleLooks counts the looks for idle holders by lease name, of every
+// client (tests wait for them): name → *atomic.Uint64.
+var idleLooks sync.Map
+
+// looked counts a look for name.
+func looked(name string) {
+	n, _ := idleLooks.LoadOrStore(name, new(atomic.Uint64))
+	n.(*atomic.Uint64).Add(1)
+}
+
+// idleLook is one look: it ends the idle holders it finds and returns them.
+type idleLook func(ctx context.Context) ([]Backend, error)
+
+// watchIdleHolders runs look from idleHolderAfter on and every
+// idleHolderAfter after that, until stop is called; report hears each look
+// that ended a session or failed. stop cancels the looking and waits for
+// the look in progress (calling it again does nothing): the watcher's one
+// owner is the waiting statement's caller.
+func watchIdleHolders(ctx context.Context, name string, look idleLook, report func(ended []Backend, err error)) (stop func()) {
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	timer := time.AfterFunc(idleHolderAfter, func() {
@@ -56,8 +69,9 @@ func watchIdleHolders(ctx context.Context, db fence.DB, q *queries, name string,
 			case <-next.C:
 			}
 			lctx, lcancel := context.WithTimeout(ctx, idleHolderTimeout)
-			ended, err := endIdleHolders(lctx, db, q, name)
+			ended, err := look(lctx)
 			lcancel()
+			looked(name)
 			if ctx.Err() != nil {
 				// The statement is done (often because of what this
 				// look ended): a failure no longer matters, what was
@@ -78,18 +92,34 @@ func watchIdleHolders(ctx context.Context, db fence.DB, q *queries, name string,
 	})
 }
 
-// endIdleHolders ends, once, the sessions idle in a transaction for at
-// least idleHolderAfter that block a statement waiting on the row of lease
-// name, if that lease has expired or is free, and returns them. A session
-// it may not end (another role's, without pg_signal_backend) or whose state
-// it may not see is an error that names it; the others are ended all the
-// same.
-func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string) ([]Backend, error) {
-	rows, err := db.Query(ctx, q.idleHolders, name, idleHolderAfter.Microseconds())
+// endIdleHolders ends the sessions idle in a transaction for at least
+// idleHolderAfter that block the statement of backend waiter (or any
+// statement) waiting on the row of lease name, if that lease has expired
+// or is free, and returns them. A session it may not end (another role's,
+// without pg_signal_backend) or whose state it may not see is an error that
+// names it; the others are ended all the same. Once ctx has ended (the
+// waiting statement is done) it ends no more.
+func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, waiter uint32) ([]Backend, error) {
+	type found struct {
+		b     Backend
+		xid   *string
+		since *time.Time
+	}
+	rows, err := db.Query(ctx, q.idleHolders, name, idleHolderAfter.Microseconds(), int64(waiter))
 	if err != nil {
 		return nil, err
 	}
-	found, err := pgx.CollectRows(rows, scanBackend)
+	all, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (found, error) {
+		var (
+			f  found
+			at *time.Time
+		)
+		err := r.Scan(&f.b.PID, &f.b.Application, &f.b.User, &f.b.State, &at, &f.b.Query, &f.xid, &f.since)
+		if at != nil {
+			f.b.XactStart = *at
+		}
+		return f, err
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -102,40 +132,74 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string) (
 		ended []Backend
 		errs  []error
 	)
-	for _, b := range found {
-		if b.State == "" {
-			errs = append(errs, fmt.Errorf("session %d (user %q) blocks it, and this role may not see its state", b.PID, b.User))
+	for _, f := range all {
+		if f.b.State == "" || f.xid == nil || f.since == nil {
+			errs = append(errs, fmt.Errorf("session %d (user %q) blocks it, and this role may not see its state", f.b.PID, f.b.User))
 			continue
+		}
+		if ctx.Err() != nil {
+			break
 		}
 		var gone bool
-		if err := db.QueryRow(kctx, q.endSession, b.PID).Scan(&gone); err != nil {
-			errs = append(errs, fmt.Errorf("ending session %d (user %q): %w", b.PID, b.User, err))
-			continue
-		}
-		if gone {
-			ended = append(ended, b)
+		switch err := db.QueryRow(kctx, q.endSession, f.b.PID, *f.xid, *f.since).Scan(&gone); {
+		case errors.Is(err, pgx.ErrNoRows):
+			// It has moved on since the look: not ours to end.
+		case err != nil:
+			errs = append(errs, fmt.Errorf("ending session %d (user %q): %w", f.b.PID, f.b.User, err))
+		case gone:
+			ended = append(ended, f.b)
 		}
 	}
 	return ended, errors.Join(errs...)
 }
 
-// reportIdleHolders is the client's report for watchIdleHolders: each
-// ended session is logged and counted; the first failure of a watch is
-// logged with what would let the client end such sessions.
-func (c *Client) reportIdleHolders(name string) func([]Backend, error) {
+// looker runs a client's looks for idle holders, one at a time, on a
+// connection of its own: the statements waiting on lease rows may hold
+// every pooled connection. It is opened on the first look and closed with
+// the client.
+type looker struct {
+	mu     sync.Mutex
+	conn   *ownconn.Conn
+	closed bool
+}
+
+// look is one look for idle holders of lease name that block backend
+// waiter (see endIdleHolders).
+func (l *looker) look(ctx context.Context, q *queries, name string, waiter uint32) ([]Backend, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return nil, ErrClosed
+	}
+	return endIdleHolders(ctx, l.conn, q, name, waiter)
+}
+
+// close closes the connection; looks after it fail with ErrClosed.
+func (l *looker) close() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.closed = true
+	l.conn.Close()
+}
+
+// watchIdleHolders watches, for the client, the acquisition of lease name
+// on backend waiter: see Config.WaitForIdleHolders.
+func (c *Client) watchIdleHolders(ctx context.Context, name string, waiter uint32) (stop func()) {
+	look := func(ctx context.Context) ([]Backend, error) { return c.idle.look(ctx, c.q, name, waiter) }
 	warned := false
-	return func(ended []Backend, err error) {
+	return watchIdleHolders(ctx, name, look, func(ended []Backend, err error) {
 		for _, b := range ended {
 			c.stats.idleEnded.Add(1)
 			c.cfg.Logger.Warn("pgfence: ended a session idle in a transaction on an expired lease's row, which blocked its acquisition",
-				"lease", name, "pid", b.PID, "application", b.Application, "user", b.User, "state", b.State,
+				"lease", name, "pid", b.PID, "application", b.Application, "user", b.User,
 				"xact_start", b.XactStart, "query", b.Query)
 		}
-		if err != nil && !warned {
+		if err != nil && !warned && !errors.Is(err, ErrClosed) {
 			warned = true
 			c.cfg.Logger.Warn("pgfence: an acquisition waits for a session idle in a transaction on an expired lease's row, "+
-				"and could not end it; grant the client's role pg_signal_backend (and pg_read_all_stats to see other roles' "+
-				"sessions), or bound guarded transactions at the server (Config.GuardIdleTimeout)", "lease", name, "err", err)
+				"and could not end it (a role may end its own role's sessions, and others' with pg_signal_backend, seeing "+
+				"their state with pg_read_all_stats; or bound guarded transactions at the server: Config.GuardIdleTimeout)",
+				"lease", name, "err", err)
 		}
-	}
+	})
 }

@@ -3,6 +3,7 @@ package lock_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -14,19 +15,22 @@ import (
 
 // An acquisition that waits on the row of an expired lease ends the session
 // of a transaction idle there (a holder frozen inside a guarded
-// transaction), and the acquisition goes on. It ends nothing else: not a
-// guarded transaction running a statement (the acquisition waits for it),
-// not an idle transaction that blocks some other statement, and not an idle
-// guarded transaction of a lease that has not expired (ForceRelease waits
-// for it until its context ends). Each of these would be ended by a looser
-// rule, which this test would catch.
+// transaction), and the acquisition goes on, also when the row has moved
+// since it began to wait. It ends nothing else: not a guarded transaction
+// running a statement (the acquisition waits for it), not an idle
+// transaction that blocks a statement on another table's row at the same
+// position, and not an idle guarded transaction of a lease that has not
+// expired (ForceRelease waits for it until its context ends). Each check
+// waits for the watcher to have looked at least twice, so that a looser
+// rule would be caught.
 func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
-	ctx := ctxT(t, time.Minute)
+	ctx := ctxT(t, 2*time.Minute)
 	holder := newClient(t, db, lock.Config{})
 	taker := newClient(t, db, lock.Config{})
 	pool := pgtest.NewPool(t, pgtest.UniqueName("sessions"))
+	leases := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
 	begin := func() pgx.Tx {
 		t.Helper()
 		tx, err := pool.Begin(ctx)
@@ -54,80 +58,172 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 		_, err := tx.Exec(ctx, "SELECT 1")
 		return err == nil
 	}
-
-	// An idle transaction that blocks a statement on another table.
-	other := pgx.Identifier{db.Schema, "other"}.Sanitize()
-	if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+other+" (id int PRIMARY KEY); INSERT INTO "+other+" VALUES (1)"); err != nil {
-		t.Fatal(err)
+	// looks waits until the watcher has looked n more times at name.
+	looks := func(name string, n uint64) {
+		t.Helper()
+		from := lock.IdleHolderLooks(name)
+		pgtest.Eventually(t, time.Minute, fmt.Sprintf("%d looks for idle holders of %s", n, name), func() bool {
+			return lock.IdleHolderLooks(name) >= from+n
+		})
 	}
-	unrelated := begin()
-	if _, err := unrelated.Exec(ctx, "SELECT id FROM "+other+" WHERE id = 1 FOR UPDATE"); err != nil {
-		t.Fatal(err)
+	type result struct {
+		l   *lock.Lease
+		err error
 	}
-	blocked := make(chan error, 1)
-	go func() {
-		_, err := pool.Exec(ctx, "UPDATE "+other+" SET id = id WHERE id = 1")
-		blocked <- err
-	}()
+	acquire := func(name string) <-chan result {
+		got := make(chan result, 1)
+		go func() {
+			l, err := taker.TryAcquire(ctx, name)
+			got <- result{l, err}
+		}()
+		return got
+	}
 
 	// A lease that has not expired: ForceRelease waits for its idle
-	// guarded transaction, for four looks, and leaves it alone.
-	_, live := guarded("live")
-	fctx, cancel := context.WithTimeout(ctx, time.Second)
-	_, _, err := lock.ForceRelease(fctx, taker.Pool(), taker.Config().Schema, "live")
+	// guarded transaction and leaves it alone.
+	liveName := pgtest.UniqueName("live")
+	_, live := guarded(liveName)
+	fctx, cancel := context.WithCancel(ctx)
+	forced := make(chan error, 1)
+	go func() {
+		_, _, err := lock.ForceRelease(fctx, taker.Pool(), taker.Config().Schema, liveName)
+		forced <- err
+	}()
+	from := lock.IdleHolderLooks(liveName)
+	pgtest.Eventually(t, time.Minute, "two looks for idle holders of the live lease, or ForceRelease returning", func() bool {
+		return lock.IdleHolderLooks(liveName) >= from+2 || len(forced) > 0
+	})
 	cancel()
 	var be *lock.BlockedError
-	if !errors.As(err, &be) {
+	if err := <-forced; !errors.As(err, &be) {
 		t.Fatalf("ForceRelease of a live lease behind an idle guarded transaction: %v, want a BlockedError", err)
 	}
 	if !alive(live) {
 		t.Fatal("ForceRelease ended the idle guarded transaction of a lease that had not expired")
 	}
 
-	// An expired lease whose guarded transaction runs a statement: the
-	// acquisition waits for it.
-	_, busy := guarded("busy")
-	expire(t, db, "busy")
-	slept := make(chan time.Time, 1)
-	go func() {
-		if _, err := busy.Exec(ctx, "SELECT pg_sleep(1)"); err != nil {
-			t.Errorf("the running guarded statement failed: %v", err)
-		}
-		slept <- time.Now()
-	}()
-	pgtest.Eventually(t, 10*time.Second, "the guarded statement running", func() bool {
-		var running bool
-		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND query = 'SELECT pg_sleep(1)')").Scan(&running)
-		return err == nil && running
-	})
-	if _, err := taker.TryAcquire(ctx, "busy"); err != nil {
+	// An expired lease whose guarded transaction runs a statement (here
+	// one waiting for a lock the test holds): the acquisition waits for it.
+	busyName := pgtest.UniqueName("busy")
+	_, busy := guarded(busyName)
+	key := time.Now().UnixNano()
+	gate := begin()
+	if _, err := gate.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", key); err != nil {
 		t.Fatal(err)
 	}
-	acquired := time.Now()
-	if end := <-slept; acquired.Before(end) {
-		t.Fatalf("the acquisition returned %v before the running guarded statement did", end.Sub(acquired))
+	var busyPID int
+	if err := busy.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&busyPID); err != nil {
+		t.Fatal(err)
+	}
+	expire(t, db, busyName)
+	type stmt struct {
+		at  time.Time // server time when the statement ended
+		err error
+	}
+	ran := make(chan stmt, 1)
+	go func() {
+		var s stmt
+		s.err = busy.QueryRow(ctx, "SELECT clock_timestamp() FROM pg_advisory_lock($1)", key).Scan(&s.at)
+		ran <- s
+	}()
+	got := acquire(busyName)
+	looks(busyName, 2)
+	if err := gate.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s := <-ran
+	if s.err != nil {
+		t.Fatalf("the running guarded statement (backend %d) failed: %v", busyPID, s.err)
+	}
+	if r := <-got; r.err != nil {
+		t.Fatal(r.err)
+	}
+	var acquiredAt time.Time
+	if err := db.Pool.QueryRow(ctx, "SELECT acquired_at FROM "+leases+" WHERE name = $1", busyName).Scan(&acquiredAt); err != nil {
+		t.Fatal(err)
+	}
+	if acquiredAt.Before(s.at) {
+		t.Fatalf("acquired at %v, before the running guarded statement ended at %v", acquiredAt, s.at)
 	}
 	// Once the statement is done, the transaction idles on the row, and
 	// the acquisition may have ended it then; either way it is over.
 	_ = busy.Rollback(ctx)
 
 	// An expired lease whose guarded transaction sits idle (its holder
-	// frozen): the acquisition ends that session and goes on.
-	frozen, idle := guarded("frozen")
-	expire(t, db, "frozen")
-	ended := taker.Stats().IdleHoldersEnded
-	l, err := taker.TryAcquire(ctx, "frozen")
-	if err != nil {
+	// frozen): the acquisition ends that session and goes on. Beside it, an
+	// idle transaction blocks a statement on another table's row at the
+	// lease row's position: it is not ended.
+	frozenName := pgtest.UniqueName("frozen")
+	frozen, idle := guarded(frozenName)
+	expire(t, db, frozenName)
+	var page, offset int
+	if err := db.Pool.QueryRow(ctx, "SELECT (ctid::text::point)[0]::int, (ctid::text::point)[1]::int FROM "+leases+
+		" WHERE name = $1", frozenName).Scan(&page, &offset); err != nil {
 		t.Fatal(err)
 	}
-	if l.Token() <= frozen.Token() {
-		t.Fatalf("new token %d, frozen holder's %d", l.Token(), frozen.Token())
+	other := pgx.Identifier{db.Schema, "other"}.Sanitize()
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+other+" (id int PRIMARY KEY, pad text)"); err != nil {
+		t.Fatal(err)
+	}
+	// Rows until one sits at (page, offset).
+	var at string
+	for id := 1; at != fmt.Sprintf("(%d,%d)", page, offset); id++ {
+		if id > 10000 {
+			t.Fatalf("no row of the other table landed at (%d,%d)", page, offset)
+		}
+		if err := db.Pool.QueryRow(ctx, "INSERT INTO "+other+" VALUES ($1, repeat('x', 200)) RETURNING ctid::text", id).Scan(&at); err != nil {
+			t.Fatal(err)
+		}
+	}
+	unrelated := begin()
+	var unrelatedPID int
+	if err := unrelated.QueryRow(ctx, "SELECT pg_backend_pid() FROM "+other+" WHERE ctid = $1::tid FOR UPDATE", at).Scan(&unrelatedPID); err != nil {
+		t.Fatal(err)
+	}
+	blocked := make(chan error, 1)
+	go func() {
+		_, err := pool.Exec(ctx, "UPDATE "+other+" SET pad = 'y' WHERE ctid = $1::tid", at)
+		blocked <- err
+	}()
+	pgtest.Eventually(t, time.Minute, "the other table's statement waiting, its blocker idle for longer than a look needs", func() bool {
+		var ready bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'tuple' AND relation = $1::regclass)
+		   AND EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $2 AND state = 'idle in transaction'
+		               AND state_change < now() - interval '500 milliseconds')`, other, unrelatedPID).Scan(&ready)
+		return err == nil && ready
+	})
+	ended := taker.Stats().IdleHoldersEnded
+	if r := <-acquire(frozenName); r.err != nil || r.l.Token() <= frozen.Token() {
+		t.Fatalf("takeover behind an idle holder: %v (token %v, the frozen holder's %d)", r.err, r.l, frozen.Token())
 	}
 	if alive(idle) {
 		t.Fatal("the idle guarded transaction of the expired lease is still alive after the takeover")
 	}
 	if n := taker.Stats().IdleHoldersEnded - ended; n != 1 {
 		t.Fatalf("IdleHoldersEnded grew by %d, want 1", n)
+	}
+	_ = idle.Rollback(ctx) // its connection back to the pool
+
+	// The same, with the lease row moved after the acquisition began to
+	// wait: an update that leaves the key alone does not wait, and the
+	// acquisition waits on the version it found.
+	movedName := pgtest.UniqueName("moved")
+	_, idle = guarded(movedName)
+	expire(t, db, movedName)
+	var waiting int
+	got = acquire(movedName)
+	pgtest.Eventually(t, time.Minute, "the acquisition waiting on the lease row", func() bool {
+		err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'tuple' AND relation = $1::regclass", leases).Scan(&waiting)
+		return err == nil && waiting > 0
+	})
+	if _, err := db.Pool.Exec(ctx, "UPDATE "+leases+" SET observers_until = now() WHERE name = $1", movedName); err != nil {
+		t.Fatal(err)
+	}
+	if r := <-got; r.err != nil {
+		t.Fatal(r.err)
+	}
+	if alive(idle) {
+		t.Fatal("the idle guarded transaction of the moved lease row is still alive after the takeover")
 	}
 
 	// Nothing else was ended, and the unrelated statement still waits.

@@ -14,6 +14,7 @@ import (
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/ownconn"
 	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/wait"
 )
@@ -157,7 +158,9 @@ func scanInfo(r pgx.CollectableRow) (Info, error) {
 //
 // Like a takeover, it waits for open guarded transactions that checked the
 // current token, and once the lease has expired it ends the sessions of
-// those that sit idle (see Config.WaitForIdleHolders). Bound the wait with ctx: if ctx ends first, ForceRelease
+// those that sit idle, as a client's acquisition does by default (see
+// Config.WaitForIdleHolders; pool's role needs the same rights). Bound the
+// wait with ctx: if ctx ends first, ForceRelease
 // gives up and returns a *BlockedError naming the sessions it waited for.
 // It takes a pool, not any executor: the statement runs on a connection of
 // its own, whose waiting it can cancel at the server.
@@ -200,8 +203,13 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 		done <- r
 	}()
 	// As a takeover does, end the sessions idle in a transaction on the
-	// row once the lease has expired (idleholders.go).
-	stopWatch := watchIdleHolders(qctx, pool, q, name, func([]Backend, error) {})
+	// row once the lease has expired (idleholders.go), on a connection of
+	// its own.
+	own := ownconn.New(pool)
+	defer own.Close()
+	stopWatch := watchIdleHolders(qctx, name, func(ctx context.Context) ([]Backend, error) {
+		return endIdleHolders(ctx, own, q, name, pid)
+	}, func([]Backend, error) {})
 	defer stopWatch()
 	var r result
 	select {

@@ -126,24 +126,36 @@ RETURNING l.token, l.expires_at, CASE WHEN l.observers_until > now() THEN %[3]s(
 		// The sessions idle in a transaction for at least $2 µs that block
 		// a statement waiting on the row of lease $1, if that lease has
 		// expired or is free: a holder frozen or cut off inside a guarded
-		// transaction (idleholders.go). A statement waiting on a row holds
+		// transaction (idleholders.go). The waiting statement is found two
+		// ways. By its backend, $3, holding a lock on the table (the row
+		// may have moved since it began to wait: an update that leaves the
+		// key alone does not wait for the holder, and the statement waits
+		// on the version it found); behind PgBouncer $3 is not a backend's,
+		// and another way is needed: a statement waiting on a row holds
 		// (or, behind another waiter, waits for) the row's tuple lock,
-		// which pg_locks shows by page and offset; pg_blocking_pids names
+		// which pg_locks shows by page and offset. pg_blocking_pids names
 		// what it waits for. Another waiter is not idle, so it is never
-		// returned. A blocking session whose state this role may not see
-		// (another role's, without pg_read_all_stats) is returned with the
-		// state '', to be reported, not ended.
+		// returned; an aborted transaction has released its locks. A
+		// blocking session whose state this role may not see (another
+		// role's, without pg_read_all_stats) is returned with the state '',
+		// to be reported, not ended. The transaction id and the moment the
+		// session went idle pin what endSession may end.
 		idleHolders: fmt.Sprintf(`SELECT DISTINCT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
-       a.xact_start, left(coalesce(a.query, ''), 200)
+       a.xact_start, left(coalesce(a.query, ''), 200), a.backend_xid::text, a.state_change
   FROM %[1]s l
-  JOIN pg_locks w ON w.locktype = 'tuple' AND w.relation = l.tableoid
+  JOIN pg_locks w ON w.relation = l.tableoid
    AND w.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-   AND w.page = (l.ctid::text::point)[0]::int AND w.tuple = (l.ctid::text::point)[1]::int
+   AND (w.locktype = 'relation' AND w.pid = $3
+        OR w.locktype = 'tuple' AND w.page = (l.ctid::text::point)[0]::int AND w.tuple = (l.ctid::text::point)[1]::int)
   JOIN pg_stat_activity a ON a.pid = ANY (pg_blocking_pids(w.pid))
  WHERE l.name = $1 AND (l.holder IS NULL OR l.expires_at <= now())
-   AND (a.state IS NULL OR a.state IN ('idle in transaction', 'idle in transaction (aborted)')
-        AND a.state_change <= now() - $2 * interval '1 microsecond')`, t),
-		endSession: `SELECT pg_terminate_backend($1)`,
+   AND (a.state IS NULL OR a.state = 'idle in transaction' AND a.state_change <= now() - $2 * interval '1 microsecond')`, t),
+
+		// Ends session $1 if it is still idle in the transaction $2 that
+		// idleHolders saw, since $3: not a transaction it has begun since
+		// (behind PgBouncer, maybe another client's).
+		endSession: `SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a
+ WHERE a.pid = $1 AND a.backend_xid::text = $2 AND a.state = 'idle in transaction' AND a.state_change = $3`,
 
 		// The row after the acquire statement (no row: the name's first
 		// acquisition), and whether it holds the caller's secret $2: after
