@@ -32,6 +32,7 @@ import (
 	"os/signal"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -168,7 +169,7 @@ func runRelay(id, schema string, ttl time.Duration, unfenced bool) error {
 				}
 				say("READ partition %d: %d events after position %d", p.Index, len(batch), position)
 				if freeze.CompareAndSwap(true, false) {
-					say("FROZEN holding that batch")
+					say("FROZEN holding partition %d's batch after position %d", p.Index, position)
 					_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
 				}
 				time.Sleep(20 * time.Millisecond) // the sink takes a while
@@ -254,7 +255,11 @@ func orchestrate(schema string, ttl time.Duration, orders, events int, unfenced 
 		mu       sync.Mutex
 		refused  int
 		readers  = map[string]chan struct{}{} // relay id -> signalled when it has frozen itself
-		readLine = regexp.MustCompile(`^(\S+): FROZEN`)
+		readLine = regexp.MustCompile(`^(\S+): FROZEN holding partition (\d+)'s batch after position (\d+)`)
+		// The frozen relay's batch: its partition, and the position it
+		// was read after.
+		frozenPart int
+		frozenPos  int64
 	)
 	onLine := func(line string) {
 		fmt.Println(line)
@@ -265,6 +270,8 @@ func orchestrate(schema string, ttl time.Duration, orders, events int, unfenced 
 		}
 		if m := readLine.FindStringSubmatch(line); m != nil {
 			if ch, ok := readers[m[1]]; ok {
+				frozenPart, _ = strconv.Atoi(m[2])
+				frozenPos, _ = strconv.ParseInt(m[3], 10, 64)
 				close(ch)
 				delete(readers, m[1])
 			}
@@ -357,6 +364,22 @@ func orchestrate(schema string, ttl time.Duration, orders, events int, unfenced 
 		return err
 	}
 	took("freeze")
+	// It resumes once the partition's new leader has delivered past where
+	// the frozen batch was read: the frozen relay's delivery of that batch
+	// now can only repeat it (unfenced), or be refused (fenced).
+	mu.Lock()
+	part, pos := frozenPart, frozenPos
+	mu.Unlock()
+	if err := watch.until(60*time.Second, "the frozen batch delivered by the partition's new leader", func(s leaderState) bool {
+		for _, p := range s {
+			if p.Partition == part && p.Position > pos { // relay-1 is frozen: someone else
+				return true
+			}
+		}
+		return false
+	}); err != nil {
+		return err
+	}
 	_ = relays["relay-1"].cmd.Process.Signal(syscall.SIGCONT)
 	say("relay-1 resumed (SIGCONT): it still holds its batch and its old token")
 
