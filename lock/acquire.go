@@ -218,7 +218,12 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 	var notified bool // an observer was told
 	stop := func() {}
 	if !c.cfg.WaitForIdleHolders {
-		stop = c.watchIdleHolders(ctx, req.name, conn.Conn().PgConn().PID())
+		var waiter *int64 // the acquisition's backend, if the client knows it (verify)
+		if c.backendPIDs.Load() {
+			pid := int64(conn.Conn().PgConn().PID())
+			waiter = &pid
+		}
+		stop = c.watchIdleHolders(ctx, req.name, waiter)
 	}
 	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
 	stop()

@@ -12,7 +12,6 @@ import (
 	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
-	"github.com/pgfence/pgfence/internal/ownconn"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -61,7 +60,10 @@ type Client struct {
 	failing  atomic.Bool // renewals are failing (for the cause of a loss)
 	behind   gate        // shut while renewals are late: acquisitions wait
 	lateness lateness    // the renewer's: logs when passes become late
-	idle     looker      // looks for idle holders that block acquisitions
+	idle     *looker     // looks for idle holders that block acquisitions
+	// backendPIDs: the PID a pooled connection announced is its backend's
+	// (not behind PgBouncer); set by verify.
+	backendPIDs atomic.Bool
 }
 
 // New returns a client that keeps leases in pool's database. It validates cfg
@@ -86,7 +88,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		bg:      bg.New(context.Background()),
 		clock:   clock.Real(),
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
-		idle:    looker{conn: ownconn.New(pool)},
+		idle:    newLooker(pool),
 	}
 	c.renewer = c.bg.Demand(c.renewLoop, cfg.RenewInterval, clock.Real())
 	c.lis = newListener(c)
@@ -120,6 +122,12 @@ func (c *Client) verify(ctx context.Context) error {
 	if !synced {
 		return nil // a standby: the acquisition will say so, and this runs again
 	}
+	conn, err := c.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("lock: %w", c.explain(err))
+	}
+	c.backendPIDs.Store(backendPID(ctx, conn.Conn()) != nil)
+	conn.Release()
 	c.verified.Store(true)
 	return nil
 }

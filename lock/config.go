@@ -57,7 +57,7 @@ type Config struct {
 	// row past its expiry themselves (see WaitForIdleHolders); set it when
 	// the takers cannot (WaitForIdleHolders, or a role without the right to
 	// end the holder's sessions), at the price of changing a setting in
-	// every guarded transaction (about 4% of a one-row transaction on
+	// every guarded transaction (about 4-5% of a one-row transaction on
 	// PostgreSQL 15: BENCHMARKS.md). Default 0: none; negative is invalid.
 	GuardIdleTimeout time.Duration
 

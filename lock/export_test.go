@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -37,11 +38,30 @@ func (c *Client) TryAcquireAs(ctx context.Context, name string, secret []byte, s
 // on clk; call it before the first acquisition.
 func (c *Client) SetClock(clk clock.Clock) { c.clock = clk }
 
-// IdleHolderLooks is how many looks for idle holders of lease name every
-// client has made.
-func IdleHolderLooks(name string) uint64 {
-	if n, ok := idleLooks.Load(name); ok {
-		return n.(*atomic.Uint64).Load()
+// looks counts the looks for idle holders by lease name: name → *lookCount.
+var looks sync.Map
+
+type lookCount struct{ started, succeeded atomic.Uint64 }
+
+func init() {
+	h := func(name string, done bool, err error) {
+		n, _ := looks.LoadOrStore(name, new(lookCount))
+		switch c := n.(*lookCount); {
+		case !done:
+			c.started.Add(1)
+		case err == nil:
+			c.succeeded.Add(1)
+		}
 	}
-	return 0
+	lookHook.Store(&h)
+}
+
+// IdleHolderLooks is how many looks for idle holders of lease name every
+// client has made without error, and how many have started.
+func IdleHolderLooks(name string) (succeeded, started uint64) {
+	if n, ok := looks.Load(name); ok {
+		c := n.(*lookCount)
+		return c.succeeded.Load(), c.started.Load()
+	}
+	return 0, 0
 }

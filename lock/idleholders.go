@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ownconn"
@@ -26,7 +27,7 @@ import (
 // Doing it here, on the rare takeover that waits, costs nothing per guarded
 // transaction. The other way, a server-side idle bound set in every guarded
 // transaction (fence.Guard.IdleTimeout), costs a changed setting per
-// transaction, about 4% of a one-row transaction on PostgreSQL 15
+// transaction, about 4-5% of a one-row transaction on PostgreSQL 15
 // (BENCHMARKS.md); it remains for takers that wait (WaitForIdleHolders).
 
 // idleHolderAfter is how long a statement waits on a lease row before it
@@ -37,14 +38,16 @@ const idleHolderAfter = 250 * time.Millisecond
 // idleHolderTimeout bounds one look (and the sessions it ends).
 const idleHolderTimeout = 5 * time.Second
 
-// idleLooks counts the looks for idle holders by lease name, of every
-// client (tests wait for them): name → *atomic.Uint64.
-var idleLooks sync.Map
+// lookHook, when set (by tests), hears each look for idle holders of lease
+// name: when it starts (done false) and when it ends (done true, with its
+// error).
+var lookHook atomic.Pointer[func(name string, done bool, err error)]
 
-// looked counts a look for name.
-func looked(name string) {
-	n, _ := idleLooks.LoadOrStore(name, new(atomic.Uint64))
-	n.(*atomic.Uint64).Add(1)
+// hookLook calls lookHook if it is set.
+func hookLook(name string, done bool, err error) {
+	if h := lookHook.Load(); h != nil {
+		(*h)(name, done, err)
+	}
 }
 
 // idleLook is one look: it ends the idle holders it finds and returns them.
@@ -68,10 +71,11 @@ func watchIdleHolders(ctx context.Context, name string, look idleLook, report fu
 				return
 			case <-next.C:
 			}
+			hookLook(name, false, nil)
 			lctx, lcancel := context.WithTimeout(ctx, idleHolderTimeout)
 			ended, err := look(lctx)
 			lcancel()
-			looked(name)
+			hookLook(name, true, err)
 			if ctx.Err() != nil {
 				// The statement is done (often because of what this
 				// look ended): a failure no longer matters, what was
@@ -93,19 +97,20 @@ func watchIdleHolders(ctx context.Context, name string, look idleLook, report fu
 }
 
 // endIdleHolders ends the sessions idle in a transaction for at least
-// idleHolderAfter that block the statement of backend waiter (or any
-// statement) waiting on the row of lease name, if that lease has expired
+// idleHolderAfter that block the statement of backend waiter (nil: not
+// known, as behind PgBouncer) or any statement waiting on the row of lease
+// name, if that lease has expired
 // or is free, and returns them. A session it may not end (another role's,
 // without pg_signal_backend) or whose state it may not see is an error that
-// names it; the others are ended all the same. Once ctx has ended (the
-// waiting statement is done) it ends no more.
-func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, waiter uint32) ([]Backend, error) {
+// names it; the others are ended all the same, also once ctx has ended
+// (each was still idle in the transaction that held the row).
+func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, waiter *int64) ([]Backend, error) {
 	type found struct {
 		b     Backend
 		xid   *string
 		since *time.Time
 	}
-	rows, err := db.Query(ctx, q.idleHolders, name, idleHolderAfter.Microseconds(), int64(waiter))
+	rows, err := db.Query(ctx, q.idleHolders, name, idleHolderAfter.Microseconds(), waiter)
 	if err != nil {
 		return nil, err
 	}
@@ -137,9 +142,6 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, w
 			errs = append(errs, fmt.Errorf("session %d (user %q) blocks it, and this role may not see its state", f.b.PID, f.b.User))
 			continue
 		}
-		if ctx.Err() != nil {
-			break
-		}
 		var gone bool
 		switch err := db.QueryRow(kctx, q.endSession, f.b.PID, *f.xid, *f.since).Scan(&gone); {
 		case errors.Is(err, pgx.ErrNoRows):
@@ -158,33 +160,45 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, w
 // every pooled connection. It is opened on the first look and closed with
 // the client.
 type looker struct {
-	mu     sync.Mutex
+	turn   chan struct{} // holds one token: the right to use conn
 	conn   *ownconn.Conn
-	closed bool
+	closed bool // under turn
+}
+
+// newLooker returns a looker whose connection is opened from pool.
+func newLooker(pool *pgxpool.Pool) *looker {
+	l := &looker{turn: make(chan struct{}, 1), conn: ownconn.New(pool)}
+	l.turn <- struct{}{}
+	return l
 }
 
 // look is one look for idle holders of lease name that block backend
-// waiter (see endIdleHolders).
-func (l *looker) look(ctx context.Context, q *queries, name string, waiter uint32) ([]Backend, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
+// waiter (see endIdleHolders). It waits its turn only as long as ctx.
+func (l *looker) look(ctx context.Context, q *queries, name string, waiter *int64) ([]Backend, error) {
+	select {
+	case <-l.turn:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	defer func() { l.turn <- struct{}{} }()
 	if l.closed {
 		return nil, ErrClosed
 	}
 	return endIdleHolders(ctx, l.conn, q, name, waiter)
 }
 
-// close closes the connection; looks after it fail with ErrClosed.
+// close closes the connection, once the look in progress is done; looks
+// after it fail with ErrClosed.
 func (l *looker) close() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	<-l.turn
+	defer func() { l.turn <- struct{}{} }()
 	l.closed = true
 	l.conn.Close()
 }
 
 // watchIdleHolders watches, for the client, the acquisition of lease name
 // on backend waiter: see Config.WaitForIdleHolders.
-func (c *Client) watchIdleHolders(ctx context.Context, name string, waiter uint32) (stop func()) {
+func (c *Client) watchIdleHolders(ctx context.Context, name string, waiter *int64) (stop func()) {
 	look := func(ctx context.Context) ([]Backend, error) { return c.idle.look(ctx, c.q, name, waiter) }
 	warned := false
 	return watchIdleHolders(ctx, name, look, func(ended []Backend, err error) {
@@ -196,10 +210,23 @@ func (c *Client) watchIdleHolders(ctx context.Context, name string, waiter uint3
 		}
 		if err != nil && !warned && !errors.Is(err, ErrClosed) {
 			warned = true
-			c.cfg.Logger.Warn("pgfence: an acquisition waits for a session idle in a transaction on an expired lease's row, "+
-				"and could not end it (a role may end its own role's sessions, and others' with pg_signal_backend, seeing "+
-				"their state with pg_read_all_stats; or bound guarded transactions at the server: Config.GuardIdleTimeout)",
+			c.cfg.Logger.Warn("pgfence: an acquisition waits on an expired lease's row, and looking for sessions idle "+
+				"in a transaction there, to end them, failed (see err; if it is a matter of rights: a role may end its own "+
+				"role's sessions, and others' with pg_signal_backend, seeing their state with pg_read_all_stats; or bound "+
+				"guarded transactions at the server: Config.GuardIdleTimeout)",
 				"lease", name, "err", err)
 		}
 	})
+}
+
+// backendPID returns the PID of conn's backend if it is the one the server
+// announced when conn connected, or nil: behind PgBouncer the announced
+// one is the pooler's key, and the backend may change with each
+// transaction.
+func backendPID(ctx context.Context, conn *pgx.Conn) *int64 {
+	var pid int64
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil || pid != int64(conn.PgConn().PID()) {
+		return nil
+	}
+	return &pid
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
@@ -19,17 +20,17 @@ import (
 // since it began to wait. It ends nothing else: not a guarded transaction
 // running a statement (the acquisition waits for it), not an idle
 // transaction that blocks a statement on another table's row at the same
-// position, and not an idle guarded transaction of a lease that has not
-// expired (ForceRelease waits for it until its context ends). Each check
-// waits for the watcher to have looked at least twice, so that a looser
-// rule would be caught.
+// position, not one that holds a lock on the whole table, and not an idle
+// guarded transaction of a lease that has not expired (ForceRelease waits
+// for it until its context ends). Each check waits for the watcher to have
+// looked at least twice, so that a looser rule would be caught.
 func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, 2*time.Minute)
 	holder := newClient(t, db, lock.Config{})
 	taker := newClient(t, db, lock.Config{})
-	pool := pgtest.NewPool(t, pgtest.UniqueName("sessions"))
+	pool := pgtest.NewPool(t, pgtest.UniqueName("sessions"), func(c *pgxpool.Config) { c.MaxConns = 8 })
 	leases := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
 	begin := func() pgx.Tx {
 		t.Helper()
@@ -58,12 +59,17 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 		_, err := tx.Exec(ctx, "SELECT 1")
 		return err == nil
 	}
+	// looked is how many looks at name have run without error.
+	looked := func(name string) uint64 {
+		n, _ := lock.IdleHolderLooks(name)
+		return n
+	}
 	// looks waits until the watcher has looked n more times at name.
 	looks := func(name string, n uint64) {
 		t.Helper()
-		from := lock.IdleHolderLooks(name)
+		from := looked(name)
 		pgtest.Eventually(t, time.Minute, fmt.Sprintf("%d looks for idle holders of %s", n, name), func() bool {
-			return lock.IdleHolderLooks(name) >= from+n
+			return looked(name) >= from+n
 		})
 	}
 	type result struct {
@@ -89,9 +95,9 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 		_, _, err := lock.ForceRelease(fctx, taker.Pool(), taker.Config().Schema, liveName)
 		forced <- err
 	}()
-	from := lock.IdleHolderLooks(liveName)
+	from := looked(liveName)
 	pgtest.Eventually(t, time.Minute, "two looks for idle holders of the live lease, or ForceRelease returning", func() bool {
-		return lock.IdleHolderLooks(liveName) >= from+2 || len(forced) > 0
+		return looked(liveName) >= from+2 || len(forced) > 0
 	})
 	cancel()
 	var be *lock.BlockedError
@@ -126,6 +132,11 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 		s.err = busy.QueryRow(ctx, "SELECT clock_timestamp() FROM pg_advisory_lock($1)", key).Scan(&s.at)
 		ran <- s
 	}()
+	pgtest.Eventually(t, time.Minute, "the guarded statement waiting for the test's lock", func() bool {
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock')", busyPID).Scan(&waiting)
+		return err == nil && waiting
+	})
 	got := acquire(busyName)
 	looks(busyName, 2)
 	if err := gate.Rollback(ctx); err != nil {
@@ -205,25 +216,62 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 	_ = idle.Rollback(ctx) // its connection back to the pool
 
 	// The same, with the lease row moved after the acquisition began to
-	// wait: an update that leaves the key alone does not wait, and the
-	// acquisition waits on the version it found.
-	movedName := pgtest.UniqueName("moved")
-	_, idle = guarded(movedName)
-	expire(t, db, movedName)
-	var waiting int
-	got = acquire(movedName)
-	pgtest.Eventually(t, time.Minute, "the acquisition waiting on the lease row", func() bool {
-		err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'tuple' AND relation = $1::regclass", leases).Scan(&waiting)
-		return err == nil && waiting > 0
-	})
-	if _, err := db.Pool.Exec(ctx, "UPDATE "+leases+" SET observers_until = now() WHERE name = $1", movedName); err != nil {
+	// wait and before the first look: an update that leaves the key alone
+	// does not wait, and the acquisition waits on the version it found.
+	// On a machine so slow that a look came first, the round says nothing
+	// about the moved row, and runs again.
+	for round := 1; ; round++ {
+		movedName := pgtest.UniqueName("moved")
+		_, idle := guarded(movedName)
+		expire(t, db, movedName)
+		got = acquire(movedName)
+		pgtest.Eventually(t, time.Minute, "the acquisition waiting on the lease row", func() bool {
+			var waiting bool
+			err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'tuple' AND relation = $1::regclass)`, leases).Scan(&waiting)
+			return err == nil && waiting
+		})
+		if _, err := db.Pool.Exec(ctx, "UPDATE "+leases+" SET observers_until = now() WHERE name = $1", movedName); err != nil {
+			t.Fatal(err)
+		}
+		_, early := lock.IdleHolderLooks(movedName)
+		if r := <-got; r.err != nil {
+			t.Fatal(r.err)
+		}
+		if alive(idle) {
+			t.Fatal("the idle guarded transaction of the moved lease row is still alive after the takeover")
+		}
+		_ = idle.Rollback(ctx)
+		if early == 0 {
+			break
+		}
+		if round == 5 {
+			t.Fatal("in 5 rounds a look for idle holders always began before the lease row moved")
+		}
+		t.Logf("round %d: a look began before the lease row moved; again", round)
+	}
+
+	// An idle transaction that holds a lock on the whole table (an open
+	// migration, an operator in psql) is not ended, though the acquisition
+	// waits for it: what it holds is not the row.
+	lockedName := pgtest.UniqueName("locked")
+	if _, err := holder.TryAcquire(ctx, lockedName); err != nil {
+		t.Fatal(err)
+	}
+	expire(t, db, lockedName)
+	tableLock := begin()
+	if _, err := tableLock.Exec(ctx, "LOCK TABLE "+leases+" IN SHARE MODE; SELECT pg_current_xact_id()"); err != nil {
+		t.Fatal(err)
+	}
+	got = acquire(lockedName)
+	looks(lockedName, 2)
+	if !alive(tableLock) {
+		t.Fatal("the acquisition ended a transaction that held a lock on the table, not on the row")
+	}
+	if err := tableLock.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
 	if r := <-got; r.err != nil {
 		t.Fatal(r.err)
-	}
-	if alive(idle) {
-		t.Fatal("the idle guarded transaction of the moved lease row is still alive after the takeover")
 	}
 
 	// Nothing else was ended, and the unrelated statement still waits.

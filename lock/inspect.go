@@ -184,6 +184,7 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 	}
 	defer conn.Release()
 	pid := conn.Conn().PgConn().PID()
+	waiter := backendPID(ctx, conn.Conn()) // for the watcher below: nil behind PgBouncer
 	type result struct {
 		holder string
 		token  int64
@@ -208,7 +209,7 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 	own := ownconn.New(pool)
 	defer own.Close()
 	stopWatch := watchIdleHolders(qctx, name, func(ctx context.Context) ([]Backend, error) {
-		return endIdleHolders(ctx, own, q, name, pid)
+		return endIdleHolders(ctx, own, q, name, waiter)
 	}, func([]Backend, error) {})
 	defer stopWatch()
 	var r result

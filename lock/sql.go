@@ -130,12 +130,14 @@ RETURNING l.token, l.expires_at, CASE WHEN l.observers_until > now() THEN %[3]s(
 		// ways. By its backend, $3, holding a lock on the table (the row
 		// may have moved since it began to wait: an update that leaves the
 		// key alone does not wait for the holder, and the statement waits
-		// on the version it found); behind PgBouncer $3 is not a backend's,
-		// and another way is needed: a statement waiting on a row holds
+		// on the version it found); behind PgBouncer the client does not
+		// know its backend ($3 NULL), and only the other way is left: a statement waiting on a row holds
 		// (or, behind another waiter, waits for) the row's tuple lock,
 		// which pg_locks shows by page and offset. pg_blocking_pids names
-		// what it waits for. Another waiter is not idle, so it is never
-		// returned; an aborted transaction has released its locks. A
+		// what it waits for; of those, only the transaction it waits on
+		// (a row lock's holder, not a table lock's: an open migration).
+		// Another waiter is not idle, so it is never returned; an aborted
+		// transaction has released its locks. A
 		// blocking session whose state this role may not see (another
 		// role's, without pg_read_all_stats) is returned with the state '',
 		// to be reported, not ended. The transaction id and the moment the
@@ -145,11 +147,14 @@ RETURNING l.token, l.expires_at, CASE WHEN l.observers_until > now() THEN %[3]s(
   FROM %[1]s l
   JOIN pg_locks w ON w.relation = l.tableoid
    AND w.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-   AND (w.locktype = 'relation' AND w.pid = $3
+   AND (w.locktype = 'relation' AND w.pid::int8 = $3::int8
         OR w.locktype = 'tuple' AND w.page = (l.ctid::text::point)[0]::int AND w.tuple = (l.ctid::text::point)[1]::int)
   JOIN pg_stat_activity a ON a.pid = ANY (pg_blocking_pids(w.pid))
  WHERE l.name = $1 AND (l.holder IS NULL OR l.expires_at <= now())
-   AND (a.state IS NULL OR a.state = 'idle in transaction' AND a.state_change <= now() - $2 * interval '1 microsecond')`, t),
+   AND (a.state IS NULL
+        OR a.state = 'idle in transaction' AND a.state_change <= now() - $2 * interval '1 microsecond'
+           AND EXISTS (SELECT 1 FROM pg_locks x WHERE x.pid = w.pid AND NOT x.granted
+                          AND x.locktype = 'transactionid' AND x.transactionid = a.backend_xid))`, t),
 
 		// Ends session $1 if it is still idle in the transaction $2 that
 		// idleHolders saw, since $3: not a transaction it has begun since

@@ -323,7 +323,7 @@ func TestApplicationRoleEndsIdleHolders(t *testing.T) {
 		waited <- err
 	}()
 	pgtest.Eventually(t, time.Minute, "the warning", func() bool {
-		return strings.Contains(logs(), "could not end it") || len(waited) > 0
+		return strings.Contains(logs(), "to end them, failed") || len(waited) > 0
 	})
 	cancel()
 	if err := <-waited; !errors.Is(err, context.Canceled) {
@@ -332,7 +332,7 @@ func TestApplicationRoleEndsIdleHolders(t *testing.T) {
 	if _, err := other.Exec(ctx, "SELECT 1"); err != nil {
 		t.Fatalf("the superuser's session was ended: %v", err)
 	}
-	if out := logs(); strings.Count(out, "could not end it") != 1 || !strings.Contains(out, "pg_signal_backend") {
+	if out := logs(); strings.Count(out, "to end them, failed") != 1 || !strings.Contains(out, "pg_signal_backend") {
 		t.Fatalf("want one warning naming pg_signal_backend, logged:\n%s", out)
 	}
 }
