@@ -161,7 +161,8 @@ func scanInfo(r pgx.CollectableRow) (Info, error) {
 // those that sit idle, as a client's acquisition does by default (see
 // Config.WaitForIdleHolders; pool's role needs the same rights). Bound the
 // wait with ctx: if ctx ends first, ForceRelease
-// gives up and returns a *BlockedError naming the sessions it waited for.
+// gives up and returns a *BlockedError naming the sessions it waited for
+// (none behind PgBouncer, where it cannot tell which backend waited).
 // It takes a pool, not any executor: the statement runs on a connection of
 // its own, whose waiting it can cancel at the server.
 func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) (holder string, token fence.Token, err error) {
@@ -183,8 +184,7 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 		return "", 0, fmt.Errorf("lock: force release %q: %w", name, explainFor(pool, schema, err))
 	}
 	defer conn.Release()
-	pid := conn.Conn().PgConn().PID()
-	waiter := backendPID(ctx, conn.Conn()) // for the watcher below: nil behind PgBouncer
+	waiter := backendPID(ctx, conn.Conn()) // the statement's backend; nil behind PgBouncer
 	type result struct {
 		holder string
 		token  int64
@@ -218,7 +218,13 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 	case <-ctx.Done():
 		stopWatch()
 		bctx, bcancel := wait.Detached(ctx)
-		backends, berr := blockers(bctx, pool, q, pid)
+		var (
+			backends []Backend
+			berr     error
+		)
+		if waiter != nil { // behind PgBouncer the blocked backend is not known
+			backends, berr = blockers(bctx, pool, q, *waiter)
+		}
 		// Cancel the statement at the server: closing the connection
 		// (what cancelling its context does) would leave the backend
 		// waiting, and freeing the lease later, unasked.
@@ -244,8 +250,8 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 }
 
 // blockers lists the sessions that block backend pid.
-func blockers(ctx context.Context, db fence.DB, q *queries, pid uint32) ([]Backend, error) {
-	rows, err := db.Query(ctx, q.blockers, int64(pid))
+func blockers(ctx context.Context, db fence.DB, q *queries, pid int64) ([]Backend, error) {
+	rows, err := db.Query(ctx, q.blockers, pid)
 	if err != nil {
 		return nil, err
 	}

@@ -226,7 +226,7 @@ RETURNING %[2]s`, t, wake),
 RETURNING %[2]s`, t, wake),
 
 		// Whether backend $1 still exists.
-		backendAlive: `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)`,
+		backendAlive: `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1::int8)`, // int8: a pooler's key may not fit int4
 
 		check: fmt.Sprintf(`SELECT token, secret = $2 AND holder IS NOT NULL, expires_at > clock_timestamp(), expires_at
   FROM %[1]s WHERE name = $1`, t),
