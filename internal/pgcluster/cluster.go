@@ -228,6 +228,21 @@ func (c *Cluster) URL() string {
 	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", c.port)
 }
 
+// URLAt is the cluster's connection URL through another of the addresses
+// it listens on (a listen_addresses line given to New).
+func (c *Cluster) URLAt(host string) string {
+	return fmt.Sprintf("postgres://postgres@%s:%d/postgres?sslmode=disable", host, c.port)
+}
+
+// Trust lets clients from the addresses in cidr connect without a password,
+// as initdb's trust lets clients on 127.0.0.1, and reloads the server.
+func (c *Cluster) Trust(cidr string) error {
+	if err := c.appendFile("pg_hba.conf", "host all all "+cidr+" trust\n"); err != nil {
+		return err
+	}
+	return c.pg("pg_ctl", "-D", c.data(), "reload")
+}
+
 // Addr is the server's host:port.
 func (c *Cluster) Addr() string { return fmt.Sprintf("127.0.0.1:%d", c.port) }
 
