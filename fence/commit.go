@@ -82,7 +82,7 @@ func runOnce(ctx context.Context, db DB, f *txFence, fn func(tx pgx.Tx) error) a
 	failed := func(err error) attempt {
 		conn := tx.Conn()
 		lost := conn != nil && conn.IsClosed()
-		_ = tx.Rollback(context.WithoutCancel(ctx))
+		pgexec.Rollback(ctx, tx)
 		return attempt{err: err, lost: lost}
 	}
 	gtx := &guardedTx{Tx: tx, fence: f, bound: ctx}
@@ -105,5 +105,5 @@ func runOnce(ctx context.Context, db DB, f *txFence, fn func(tx pgx.Tx) error) a
 // else, pgx's SafeToRetry included, proves an abort) is resolved by asking
 // the server on another connection of db (outcome.Resolve).
 func commit(ctx context.Context, db DB, t *guardedTx) error {
-	return outcome.Commit(ctx, t.Tx, db, t.fence.schema, t.id)
+	return unknownOutcome(outcome.Commit(ctx, t.Tx, db, t.fence.schema, t.id))
 }

@@ -1,9 +1,11 @@
 package fence
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -66,8 +68,10 @@ var (
 	// already committed or rolled back. It is pgx.ErrTxClosed.
 	ErrTxClosed = pgx.ErrTxClosed
 
-	// ErrOutcomeUnknown is returned by RunTx when the connection failed
-	// during COMMIT: the transaction may or may not have committed. Read the
+	// ErrOutcomeUnknown is returned by RunTx when COMMIT failed without an
+	// answer and the server could not be asked within RunTx's context: the
+	// transaction may or may not have committed. The error is an
+	// *UnknownOutcomeError, whose Resolve asks again later; or read the
 	// data back before retrying anything with side effects.
 	ErrOutcomeUnknown = outcome.ErrUnknown
 
@@ -80,6 +84,69 @@ var (
 	// MaxAttempts times, unless its context ended.
 	ErrNotCommitted = outcome.ErrNotCommitted
 )
+
+// UnknownOutcomeError is RunTx's answer when it could not learn, within its
+// context, whether the transaction committed: COMMIT was sent and its
+// answer lost (a partition, a reset, a reply held past the deadline), and
+// the server could not be asked in time. It matches ErrOutcomeUnknown, and
+// names the transaction so that its outcome can be asked for once the
+// server can be reached again (Resolve).
+type UnknownOutcomeError struct {
+	// Xid is the transaction's id (xid8) on the server it ran on.
+	Xid string
+	// Timeline and ServerStarted name that server's history (its timeline
+	// and its postmaster's start time): a transaction id means nothing on
+	// another history, so Resolve answers only while they are the same.
+	Timeline      int64
+	ServerStarted time.Time
+	// Reason says why the outcome is not known.
+	Reason string
+	// Err is COMMIT's error.
+	Err error
+
+	schema string
+}
+
+// Error says that the outcome is unknown, and why.
+func (e *UnknownOutcomeError) Error() string {
+	return fmt.Sprintf("%v: %v (%s)", ErrOutcomeUnknown, e.Err, e.Reason)
+}
+
+// Is makes errors.Is(err, ErrOutcomeUnknown) true.
+func (e *UnknownOutcomeError) Is(target error) bool { return target == ErrOutcomeUnknown }
+
+// Unwrap returns COMMIT's error.
+func (e *UnknownOutcomeError) Unwrap() error { return e.Err }
+
+// Resolve asks the server, on db (a pool or a connection of the same
+// database), what became of the transaction, within ctx: nil if it
+// committed, an error matching ErrNotCommitted if it did not (nothing of it
+// took effect), and a new *UnknownOutcomeError if that still cannot be told
+// (ctx ended first, the server failed over or restarted since, or it no
+// longer knows the transaction). A transaction the server still has in
+// progress a second later (its client gone without the server knowing) has
+// its backend ended first, so that it gets an outcome.
+func (e *UnknownOutcomeError) Resolve(ctx context.Context, db DB) error {
+	if err := ctxcheck.NotNil(ctx, "fence: Resolve"); err != nil {
+		return err
+	}
+	if err := pgexec.NotNil(db, "fence: Resolve"); err != nil {
+		return err
+	}
+	id := outcome.ID{Xid: e.Xid, Timeline: e.Timeline, Started: e.ServerStarted}
+	return unknownOutcome(outcome.Resolved(ctx, db, e.schema, id, e.Err))
+}
+
+// unknownOutcome turns the internal unknown-outcome error into the
+// exported one, and returns every other error as it is.
+func unknownOutcome(err error) error {
+	var u *outcome.UnknownError
+	if !errors.As(err, &u) {
+		return err
+	}
+	return &UnknownOutcomeError{Xid: u.ID.Xid, Timeline: u.ID.Timeline, ServerStarted: u.ID.Started,
+		Reason: u.Why, Err: u.Err, schema: u.Schema}
+}
 
 // StaleTokenError says which token was presented and which one is current.
 // It matches ErrStaleToken with errors.Is.

@@ -49,49 +49,23 @@ type txFence struct {
 // bind returns a context that ends when ctx or t.bound ends, and the
 // function that releases it (call it when the statement is done).
 //
-// When t.bound ends first, the statement is cancelled at the server (a
-// cancel request) before its context is cancelled: pgx reacts to a cancelled
-// context by closing the connection, and a server backend whose client has
-// gone keeps running its statement (and holding the lease row's lock, which
-// delays the next holder) until the statement ends by itself.
+// When t.bound ends first, the statement's context is cancelled at once:
+// pgx then stops waiting on the socket, closes the connection, and sends
+// the server a cancel request from its own goroutine (bounded by pgx), so
+// the backend does not go on running the statement and holding the lease
+// row's lock. Nothing here waits on the network: the caller returns when
+// its bound ends, whatever the network does.
 func (t *guardedTx) bind(ctx context.Context) (context.Context, func()) {
 	if t.bound == nil || ctx == t.bound || t.bound.Done() == nil {
 		return ctx, func() {}
 	}
 	ctx, cancel := context.WithCancelCause(ctx)
-	fired := make(chan struct{})
-	stop := context.AfterFunc(t.bound, func() {
-		defer close(fired)
-		t.cancelAtServer()
-		cancel(context.Cause(t.bound))
-	})
+	stop := context.AfterFunc(t.bound, func() { cancel(context.Cause(t.bound)) })
 	return ctx, func() {
-		if !stop() {
-			// The cancel request is under way, maybe for a statement that
-			// has just finished. Nothing else may run on the connection
-			// until the server has it: it then finds the backend idle and
-			// ignores it, instead of cancelling whatever the connection
-			// (back in its pool) runs next.
-			<-fired
-		}
+		stop()
 		cancel(nil)
 	}
 }
-
-// cancelAtServer asks the server to cancel the statement running on the
-// transaction's connection.
-func (t *guardedTx) cancelAtServer() {
-	conn := t.Tx.Conn()
-	if conn == nil {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), cancelTimeout)
-	defer cancel()
-	_ = conn.PgConn().CancelRequest(ctx)
-}
-
-// cancelTimeout bounds a cancel request (a new connection to the server).
-const cancelTimeout = 2 * time.Second
 
 // dest is where the fence's row is scanned.
 func (t *guardedTx) dest() []any { return t.fence.dest(&t.id) }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -79,8 +80,26 @@ func judge(t *testing.T, db *pgtest.DB, tbl string, answers []answer) (mismatche
 		case n > 1:
 			mismatches = append(mismatches, fmt.Sprintf("%s: %d rows", a.id, n))
 		case errors.Is(a.err, fence.ErrOutcomeUnknown):
-			t.Logf("%s: %v", a.id, a.err)
+			// Asked again once the fault is gone, the server must tell
+			// the truth.
 			unknown++
+			var u *fence.UnknownOutcomeError
+			if !errors.As(a.err, &u) {
+				mismatches = append(mismatches, fmt.Sprintf("%s: %v is no *fence.UnknownOutcomeError", a.id, a.err))
+				break
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			err := u.Resolve(ctx, db.Pool)
+			cancel()
+			t.Logf("%s: %v; resolved: %v", a.id, a.err, err)
+			switch {
+			case err == nil && n != 1:
+				mismatches = append(mismatches, fmt.Sprintf("%s: resolved committed, no row", a.id))
+			case errors.Is(err, fence.ErrNotCommitted) && n != 0:
+				mismatches = append(mismatches, fmt.Sprintf("%s: resolved not committed, but committed", a.id))
+			case err != nil && !errors.Is(err, fence.ErrNotCommitted):
+				mismatches = append(mismatches, fmt.Sprintf("%s: not resolved once the fault was gone: %v", a.id, err))
+			}
 		case a.err == nil && n != 1:
 			mismatches = append(mismatches, fmt.Sprintf("%s: answered committed, no row", a.id))
 		case a.err != nil && n != 0:
@@ -148,12 +167,16 @@ func TestCommitUnderWireFaults(t *testing.T) {
 				armed.Store(&f)
 				a := answer{id: id}
 				tctx, cancel := context.WithTimeout(ctx, wireDeadline(fault))
+				deadline, _ := tctx.Deadline()
 				a.err = run(tctx, func(tx pgx.Tx) error {
 					a.attempts++
 					_, err := tx.Exec(tctx, "INSERT INTO "+tbl+" VALUES ($1, $2)", id, int64(l.Token()))
 					return err
 				})
 				cancel()
+				if late := time.Since(deadline); late > time.Second {
+					t.Errorf("%s: returned %v after its context's deadline", id, late.Round(time.Millisecond))
+				}
 				answers = append(answers, a)
 				byFault[fault] = append(byFault[fault], a.err)
 			}
@@ -164,8 +187,14 @@ func TestCommitUnderWireFaults(t *testing.T) {
 	for _, m := range mismatches {
 		t.Error(m)
 	}
-	if unknown > 0 {
-		t.Errorf("%d answers were ErrOutcomeUnknown although the server could be asked", unknown)
+	held := 0 // answers whose COMMIT reply was held past the caller's deadline
+	for _, a := range answers {
+		if strings.HasPrefix(a.id, faultproxy.HoldReply.String()+"/") || strings.HasPrefix(a.id, faultproxy.HalfOpen.String()+"/") {
+			held++
+		}
+	}
+	if unknown > held {
+		t.Errorf("%d answers were ErrOutcomeUnknown, %d of them although the server could be asked within the deadline", unknown, unknown-held)
 	}
 	for fault, errs := range byFault {
 		committed := 0

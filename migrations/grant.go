@@ -9,6 +9,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/pgexec"
 )
 
 // AppGrants returns the statements that give role exactly what an
@@ -66,7 +67,7 @@ func grant(ctx context.Context, db fence.DB, stmts func(string, string) ([]strin
 	if err != nil {
 		return fmt.Errorf("migrations: grant to %q: %w", role, err)
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer pgexec.Rollback(ctx, tx)
 	for _, st := range list {
 		if _, err := tx.Exec(ctx, st); err != nil {
 			return fmt.Errorf("migrations: grant to %q: %w", role, err)

@@ -124,7 +124,7 @@ func RunNow(ctx context.Context, db fence.DB, schema, job string, shard int, by 
 	if err != nil {
 		return nil, controlErr("run", schema, job, db, err)
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer pgexec.Rollback(ctx, tx)
 	// The transaction's id, to learn from the server whether it committed
 	// if COMMIT's answer is lost: a caller told "failed" would ask again,
 	// and the job would run twice.

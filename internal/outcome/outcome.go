@@ -39,22 +39,49 @@ var (
 
 // Commit commits tx and returns the truth about it: nil if it committed;
 // the server's own refusal (Refused) as it is; otherwise what the server,
-// asked on db (Resolve), says of the transaction id: nil, ErrNotCommitted
-// or ErrUnknown, wrapping COMMIT's error.
+// asked on db within ctx (Resolve), says of the transaction id: nil,
+// ErrNotCommitted, or an *UnknownError, wrapping COMMIT's error.
 func Commit(ctx context.Context, tx pgx.Tx, db DB, schema string, id ID) error {
 	err := tx.Commit(ctx)
 	if err == nil || Refused(err) {
 		return err
 	}
+	return Resolved(ctx, db, schema, id, err)
+}
+
+// Resolved asks the server on db what became of transaction id, whose
+// COMMIT failed with err, and returns nil if it committed, ErrNotCommitted
+// (wrapping err) if it did not, and an *UnknownError otherwise.
+func Resolved(ctx context.Context, db DB, schema string, id ID, err error) error {
 	switch status, why := Resolve(ctx, db, schema, id); status {
 	case Committed:
 		return nil
 	case Aborted:
 		return fmt.Errorf("%w: %w (the server reports transaction %s aborted)", ErrNotCommitted, err, id.Xid)
 	default:
-		return fmt.Errorf("%w: %w (%s)", ErrUnknown, err, why)
+		return &UnknownError{ID: id, Schema: schema, Why: why, Err: err}
 	}
 }
+
+// UnknownError is a COMMIT whose outcome could not be learnt: what names
+// the transaction, so that it can be asked about later (Resolved), why it
+// is not known, and COMMIT's error. It matches ErrUnknown.
+type UnknownError struct {
+	ID     ID
+	Schema string // where pgfence_timeline lives
+	Why    string
+	Err    error
+}
+
+func (e *UnknownError) Error() string {
+	return fmt.Sprintf("%v: %v (%s)", ErrUnknown, e.Err, e.Why)
+}
+
+// Is makes errors.Is(err, ErrUnknown) true.
+func (e *UnknownError) Is(target error) bool { return target == ErrUnknown }
+
+// Unwrap returns COMMIT's error.
+func (e *UnknownError) Unwrap() error { return e.Err }
 
 // DB is what Resolve asks on: a pool, a connection, a transaction.
 type DB interface {
@@ -152,12 +179,14 @@ const grace = time.Second
 // cannot ask. A transaction still in progress after grace has its backend
 // terminated (only while it is still in that transaction): the server then
 // finishes the commit it has begun, or aborts, and either answer is the
-// truth. Unknown comes with why: the id was not read, db is a closed
-// connection or a transaction, the server did not answer within
-// wait.CleanupTimeout, cannot be reached at all once ctx has ended (a
-// caller whose deadline or lease ended is not held for the whole cleanup
-// time by a network that is down), or it is not the server the transaction
-// ran on any more (ID).
+// truth.
+//
+// It asks within ctx, the caller's budget (and at most
+// wait.CleanupTimeout): a caller whose deadline has come is not held by a
+// network that does not answer, and is told Unknown, with what is needed
+// to ask again later. Unknown comes with why: the id was not read, db is a
+// closed connection or a transaction, ctx ended before the server answered,
+// or it is not the server the transaction ran on any more (ID).
 //
 // Committed means committed on that server. A COMMIT waiting for a
 // synchronous standby is reported committed once it is committed locally
@@ -175,9 +204,14 @@ func Resolve(ctx context.Context, db DB, schema string, id ID) (Status, string) 
 	if _, isTx := db.(pgx.Tx); isTx {
 		return Unknown, "a savepoint of a transaction whose connection broke: the outcome is that transaction's"
 	}
-	caller := ctx
-	ctx, cancel := wait.Detached(ctx)
+	ctx, cancel := context.WithTimeout(ctx, wait.CleanupTimeout)
 	defer cancel()
+	gaveUp := func(err error) string {
+		return fmt.Sprintf("the server did not answer before the caller's context ended (%v)", err)
+	}
+	if ctx.Err() != nil {
+		return Unknown, gaveUp(context.Cause(ctx))
+	}
 	ask := db
 	if pool, ok := db.(*pgxpool.Pool); ok {
 		own := ownconn.New(pool)
@@ -194,13 +228,9 @@ func Resolve(ctx context.Context, db DB, schema string, id ID) (Status, string) 
 			now    ID
 		)
 		err := ask.QueryRow(ctx, statusSQL, id.Xid).Scan(&status, &now.Timeline, &now.Started)
-		var unreachable *pgconn.ConnectError
 		switch {
-		case err != nil && errors.As(err, &unreachable) && caller.Err() != nil:
-			// The caller has given up (its deadline, its lease's end) and
-			// the server cannot even be reached: not worth holding the
-			// caller for the rest of the cleanup time.
-			return Unknown, "the server cannot be reached: " + err.Error()
+		case err != nil && ctx.Err() != nil:
+			return Unknown, gaveUp(err)
 		case err != nil && retry.Transient(err) && wait.Sleep(ctx, again.Wait(n)):
 			continue // the server restarting, a failover: ask again
 		case err != nil && ask != db:
@@ -230,7 +260,7 @@ func Resolve(ctx context.Context, db DB, schema string, id ID) (Status, string) 
 			terminated = true
 		}
 		if !wait.Sleep(ctx, poll) {
-			return Unknown, "the server still had the transaction in progress"
+			return Unknown, "the server still had the transaction in progress when the caller's context ended"
 		}
 	}
 }

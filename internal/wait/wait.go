@@ -40,3 +40,15 @@ func Cleanup(ctx context.Context) (context.Context, context.CancelFunc) {
 	}
 	return Detached(ctx)
 }
+
+// PastDeadline bounds what a call does after its caller's context has
+// ended to leave things tidy (cancel its statement at the server, name what
+// blocked it): a caller's deadline is its budget, and a call returns within
+// this much of it whatever the network does.
+const PastDeadline = 500 * time.Millisecond
+
+// Tidy returns a context for that work: ctx's values, ending PastDeadline
+// from now.
+func Tidy(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), PastDeadline)
+}
