@@ -122,13 +122,14 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		if err != nil {
 			// Ours at the database, but not trustworthy: free it now
 			// (synchronously, since a later attempt may use this secret).
-			rctx, cancel := wait.Detached(ctx)
-			if _, rerr := c.pool.Exec(rctx, c.q.releaseSecret, name, secret); rerr != nil {
+			if rerr := c.cleanup(ctx, fmt.Sprintf("free late acquisition %q", name), func(ctx context.Context) error {
+				_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
+				return err
+			}); rerr != nil {
 				// It then expires by the database clock, within the TTL.
 				c.cfg.Logger.Warn("pgfence: could not free a late acquisition; it expires within its TTL",
 					"lease", name, "token", g.token, "err", rerr)
 			}
-			cancel()
 			return nil, fmt.Errorf("lock: acquire %q: renew the late acquisition: %w", name, err)
 		}
 		exp, ok := got[renewKey{name, fence.Token(g.token)}]
@@ -141,7 +142,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 	l = newLease(c, name, fence.Token(g.token), secret, g.expiresAt, g.sent)
 	if !c.track(l) {
 		// Closed while acquiring: give it straight back.
-		_ = l.Release(context.WithoutCancel(ctx))
+		_ = l.Release(ctx)
 		return nil, ErrClosed
 	}
 	return l, nil

@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -42,13 +43,13 @@ type Client struct {
 	lis  *listener
 	poll *poller
 
-	mu      sync.Mutex
-	held    map[*Lease]struct{}
-	renewMu sync.Mutex // held while a renewal statement runs (releaseAll waits for it)
-	closed  bool
-	bg      *bg.Group   // every background goroutine
-	renewer *bg.Demand  // runs renewLoop while leases are held
-	clock   clock.Clock // trust windows; tests move it
+	mu       sync.Mutex
+	held     map[*Lease]struct{}
+	renewing chan struct{} // a semaphore held while a renewal statement runs (releaseAll waits for it)
+	closed   bool
+	bg       *bg.Group   // every background goroutine
+	renewer  *bg.Demand  // runs renewLoop while leases are held
+	clock    clock.Clock // trust windows; tests move it
 
 	closeOnce sync.Once
 	closeErr  error
@@ -81,14 +82,15 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		return nil, err
 	}
 	c := &Client{
-		pool:    pool,
-		cfg:     cfg,
-		q:       sqlFor(cfg.Schema),
-		held:    make(map[*Lease]struct{}),
-		bg:      bg.New(context.Background()),
-		clock:   clock.Real(),
-		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
-		idle:    newLooker(pool),
+		pool:     pool,
+		cfg:      cfg,
+		q:        sqlFor(cfg.Schema),
+		held:     make(map[*Lease]struct{}),
+		bg:       bg.New(context.Background()),
+		renewing: make(chan struct{}, 1),
+		clock:    clock.Real(),
+		backoff:  retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
+		idle:     newLooker(pool),
 	}
 	c.renewer = c.bg.Demand(c.renewLoop, cfg.RenewInterval, clock.Real())
 	c.lis = newListener(c)
@@ -133,10 +135,13 @@ func (c *Client) verify(ctx context.Context) error {
 }
 
 // Close releases every lease the client holds (their contexts are cancelled
-// with ErrReleased) and stops its goroutines, then waits for them. Later
-// acquisitions fail with ErrClosed. It returns the first release error. It
-// runs once: later and concurrent calls wait for the first and return its
-// result.
+// with ErrReleased) and stops its goroutines, then waits for them, until ctx
+// ends: it returns by ctx's deadline whatever the network does. What is
+// still under way then (the release statement, a goroutine ending its own
+// network call) finishes in the background within wait.CleanupTimeout
+// (5s), and Close returns an error that wraps ctx's. Later acquisitions fail
+// with ErrClosed. It returns the first release error. It runs once: later
+// and concurrent calls wait for the first and return its result.
 func (c *Client) Close(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Close"); err != nil {
 		return err
@@ -156,10 +161,20 @@ func (c *Client) close(ctx context.Context) error {
 	c.behind.open() // acquisitions waiting there see ErrClosed (or wait for a pass in flight)
 	first := c.releaseAll(ctx, leases)
 	c.poll.close()
-	c.bg.Stop() // cancel, then wait for every goroutine
-	c.idle.close()
-	_ = c.m.observed.Unregister()
-	return first
+	stopped := make(chan struct{})
+	go func() { // ends within the goroutines' own bounds (at most wait.CleanupTimeout)
+		defer close(stopped)
+		c.bg.Stop() // cancel, then wait for every goroutine
+		c.idle.close()
+		_ = c.m.observed.Unregister()
+	}()
+	select {
+	case <-stopped:
+		return first
+	case <-ctx.Done():
+		return errors.Join(first, fmt.Errorf("lock: Close: %w (its goroutines stop in the background, within %v)",
+			context.Cause(ctx), wait.CleanupTimeout))
+	}
 }
 
 // releaseAll ends leases and frees their rows in one statement. It waits
@@ -181,14 +196,58 @@ func (c *Client) releaseAll(ctx context.Context, leases []*Lease) error {
 	if c.cfg.DurableRelease {
 		sql = c.q.releaseManyDurable
 	}
-	c.renewMu.Lock()
-	defer c.renewMu.Unlock()
-	ctx, cancel := wait.Cleanup(ctx)
-	defer cancel()
-	if _, err := c.pool.Exec(ctx, sql, names, tokens, secrets); err != nil {
-		return fmt.Errorf("lock: release %d leases: %w", len(names), c.explain(err))
+	what := fmt.Sprintf("release %d leases", len(names))
+	return c.cleanup(ctx, what, func(ctx context.Context) error {
+		select {
+		case c.renewing <- struct{}{}:
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+		defer func() { <-c.renewing }()
+		_, err := c.pool.Exec(ctx, sql, names, tokens, secrets)
+		return err
+	})
+}
+
+// cleanup runs f, work that must be done even once the caller's context has
+// ended (freeing leases), without holding the caller past ctx's deadline:
+// under ctx while it is live (and at most wait.CleanupTimeout); otherwise in
+// the client's background group under wait.CleanupTimeout, waiting for it
+// only wait.PastDeadline. If the caller stops waiting first, the error says
+// so and wraps ctx's; the work goes on in the background (and a lease not
+// freed by it expires by its TTL).
+func (c *Client) cleanup(ctx context.Context, what string, f func(ctx context.Context) error) error {
+	if ctx.Err() == nil {
+		fctx, cancel := context.WithTimeout(ctx, wait.CleanupTimeout)
+		defer cancel()
+		if err := f(fctx); err != nil {
+			return fmt.Errorf("lock: %s: %w", what, c.explain(err))
+		}
+		return nil
 	}
-	return nil
+	done := make(chan error, 1)
+	run := func(context.Context) {
+		bctx, cancel := wait.Detached(ctx) // it must run even if Close has begun; Close waits for it
+		defer cancel()
+		done <- f(bctx)
+	}
+	if !c.bg.Go(run) {
+		tctx, cancel := wait.Tidy(ctx)
+		defer cancel()
+		done <- f(tctx)
+	}
+	tidy, cancel := wait.Tidy(ctx)
+	defer cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("lock: %s: %w", what, c.explain(err))
+		}
+		return nil
+	case <-tidy.Done():
+		return fmt.Errorf("lock: %s: %w (it goes on in the background, within %v; a lease it does not free expires by its TTL)",
+			what, context.Cause(ctx), wait.CleanupTimeout)
+	}
 }
 
 func (c *Client) isClosed() bool {

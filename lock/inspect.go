@@ -216,8 +216,14 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 	select {
 	case r = <-done:
 	case <-ctx.Done():
+		// Within wait.PastDeadline of the caller's deadline, whatever the
+		// network does: name the blockers, and cancel the statement at
+		// the server (closing the connection, what cancelling its context
+		// does, would leave the backend waiting, and freeing the lease
+		// later, unasked); then wait for its end only as long.
 		stopWatch()
-		bctx, bcancel := wait.Detached(ctx)
+		bctx, bcancel := wait.Tidy(ctx)
+		defer bcancel()
 		var (
 			backends []Backend
 			berr     error
@@ -225,17 +231,19 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 		if waiter != nil { // behind PgBouncer the blocked backend is not known
 			backends, berr = blockers(bctx, pool, q, *waiter)
 		}
-		// Cancel the statement at the server: closing the connection
-		// (what cancelling its context does) would leave the backend
-		// waiting, and freeing the lease later, unasked.
-		if err := conn.Conn().PgConn().CancelRequest(bctx); err != nil {
+		_ = conn.Conn().PgConn().CancelRequest(bctx)
+		select {
+		case r = <-done:
+		case <-bctx.Done():
 			cancel()
+			r = <-done // the statement's context is cancelled: pgx returns at once
+			berr = errors.Join(berr, errors.New("the server did not confirm the cancel in time: "+
+				"the lease may still be freed when it gets it"))
 		}
-		bcancel()
-		if r = <-done; r.err != nil {
+		if r.err != nil {
 			be := &BlockedError{Name: name, Backends: backends, Err: ctx.Err()}
 			if berr != nil {
-				return "", 0, fmt.Errorf("%w (looking up the blocking sessions failed: %v)", be, berr)
+				return "", 0, fmt.Errorf("%w (%v)", be, berr)
 			}
 			return "", 0, be
 		}

@@ -12,7 +12,6 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
-	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // Lease is a held lease: the right to act for a name, with the fencing token
@@ -202,12 +201,10 @@ func (l *Lease) Release(ctx context.Context) error {
 	if l.c.cfg.DurableRelease {
 		sql = l.c.q.releaseDurable
 	}
-	ctx, cancel := wait.Cleanup(ctx)
-	defer cancel()
-	if _, err := l.c.pool.Exec(ctx, sql, l.name, int64(l.token), l.secret); err != nil {
-		return fmt.Errorf("lock: release %q: %w", l.name, l.c.explain(err))
-	}
-	return nil
+	return l.c.cleanup(ctx, fmt.Sprintf("release %q", l.name), func(ctx context.Context) error {
+		_, err := l.c.pool.Exec(ctx, sql, l.name, int64(l.token), l.secret)
+		return err
+	})
 }
 
 // end ends the lease as released, before the row is freed: its context is

@@ -3,6 +3,7 @@ package lock
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"sync"
 	"time"
 
@@ -147,8 +148,24 @@ func (li *listener) listen(ctx context.Context, onReady func()) error {
 	onReady()
 	// A release may have happened while the connection was down.
 	li.wake("")
+	ttl := li.c.cfg.TTL
 	for {
-		n, err := conn.WaitForNotification(ctx)
+		// A connection whose peer is black-holed gets no notification
+		// and no error: after a TTL without a notification, a ping must
+		// come back within a TTL, or the connection is given up and
+		// opened anew (waiters poll meanwhile).
+		wctx, cancel := context.WithTimeout(ctx, ttl)
+		n, err := conn.WaitForNotification(wctx)
+		cancel()
+		if err != nil && ctx.Err() == nil && wctx.Err() != nil {
+			pctx, cancel := context.WithTimeout(ctx, ttl)
+			err = conn.Ping(pctx)
+			cancel()
+			if err != nil {
+				return fmt.Errorf("the listening connection did not answer a ping within %v: %w", ttl, err)
+			}
+			continue
+		}
 		if err != nil {
 			return err
 		}

@@ -136,7 +136,12 @@ func (p *poller) loop(ctx context.Context) {
 			// On the group's context: an idle end (ctx) waits for the
 			// statement, which cancelling would cut along with its pooled
 			// connection; Close still cancels it.
-			next, free, err = p.poll(p.c.bg.Context(), names)
+			// Bounded by a TTL, so that a black-holed connection does
+			// not stall the waiters' polling for the kernel's
+			// retransmission time.
+			pctx, cancel := context.WithTimeout(p.c.bg.Context(), p.c.cfg.TTL)
+			next, free, err = p.poll(pctx, names)
+			cancel()
 		}
 		if err != nil {
 			if ctx.Err() != nil {

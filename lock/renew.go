@@ -58,7 +58,7 @@ func (c *Client) renewLoop(ctx context.Context) {
 		c.mu.Unlock()
 		wait := c.cfg.RenewInterval
 		if len(batch) > 0 {
-			c.renewMu.Lock()
+			c.renewing <- struct{}{}
 			// On the group's context: an idle end (ctx) does not cut a
 			// renewal in flight; Close still cancels it.
 			sent := time.Now()
@@ -67,7 +67,7 @@ func (c *Client) renewLoop(ctx context.Context) {
 				pace = slowest
 			}
 			took := time.Since(sent)
-			c.renewMu.Unlock()
+			<-c.renewing
 			if ctx.Err() != nil {
 				return
 			}

@@ -20,7 +20,10 @@ type Config struct {
 
 	// ShutdownTimeout bounds how long Run waits, after its context ends,
 	// for running jobs to return once their contexts are cancelled.
-	// Default 10s.
+	// Releasing the leases of jobs that did not stop and recording the
+	// leave then take at most 5s more (wait.CleanupTimeout), whatever the
+	// network does: Run returns within ShutdownTimeout + 5s of its
+	// context's end. Default 10s.
 	ShutdownTimeout time.Duration
 
 	// Retention is how long finished runs stay in the ledger: every

@@ -284,12 +284,19 @@ func (r *Runner) Run(ctx context.Context) error {
 	stopWork(errShutdown)
 	done := make(chan struct{})
 	go func() { g.Stop(); close(done) }() // so that ShutdownTimeout can bound the wait
-	cctx, cancel := wait.Detached(context.Background())
-	defer cancel()
 	var err error
+	stopped := true
 	select {
 	case <-done:
 	case <-time.After(r.cfg.ShutdownTimeout):
+		stopped = false
+	}
+	// What follows the wait has wait.CleanupTimeout in all, whatever the
+	// network does: releasing the leases of jobs that did not stop, and
+	// recording the leave.
+	cctx, cancel := wait.Detached(context.Background())
+	defer cancel()
+	if !stopped {
 		stuck := &StopError{Jobs: r.heldJobs(), Timeout: r.cfg.ShutdownTimeout}
 		r.log.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway", "jobs", stuck.Jobs)
 		err = errors.Join(stuck, r.releaseHeld(cctx))
