@@ -11,8 +11,11 @@ import (
 const roleEnv = "CHAOS_ROLE"
 
 func TestMain(m *testing.M) {
-	if os.Getenv(roleEnv) == "worker" {
+	switch os.Getenv(roleEnv) {
+	case "worker":
 		os.Exit(workerMain())
+	case "partition":
+		os.Exit(partitionWorkerMain())
 	}
 	pgtest.Main(m) // the test database (TestWireFaults), and goleak
 }

@@ -1,0 +1,483 @@
+package chaos
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/internal/netns"
+	"github.com/pgfence/pgfence/internal/pgcluster"
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
+)
+
+// The network-partition nemesis: library calls run in a worker process
+// inside a network namespace of its own (internal/netns), against a private
+// server reached through the namespace's link, and the test cuts that link
+// with nftables rules at chosen moments (partition_worker_test.go says what
+// each scenario does). No proxy: the worker's kernel retransmits into a
+// black hole, or sees its answers lost, or its connections reset, as in a
+// real partition. Every call's return is checked against its deadline, and
+// every answer about a write against the table.
+
+// lateBound is how long after its context's deadline a call may return.
+const lateBound = time.Second
+
+// partitionRig is a private server that listens on a namespace's link.
+type partitionRig struct {
+	t       *testing.T
+	host    *netns.Host
+	cluster *pgcluster.Cluster
+	admin   *pgxpool.Pool
+	marker  atomic.Int64
+}
+
+func newPartitionRig(t *testing.T) *partitionRig {
+	t.Helper()
+	h, err := netns.New()
+	pgtest.NeedTool(t, err, netns.ErrUnavailable)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := h.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	c, err := pgcluster.New(fmt.Sprintf("listen_addresses = '127.0.0.1, %s'", h.Gateway))
+	pgtest.NeedTool(t, err, pgcluster.ErrNoServer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	if err := c.Trust(h.Addr.String() + "/32"); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	admin, err := pgxpool.New(ctx, c.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(admin.Close)
+	if _, err := migrations.Up(ctx, admin, "pgfence"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `CREATE SCHEMA data; CREATE TABLE data.partitioned (marker bigint NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	return &partitionRig{t: t, host: h, cluster: c, admin: admin}
+}
+
+func (r *partitionRig) cut(f netns.Fault) {
+	r.t.Helper()
+	if err := r.host.Cut(f); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+func (r *partitionRig) heal() {
+	r.t.Helper()
+	if err := r.host.Heal(); err != nil {
+		r.t.Fatal(err)
+	}
+}
+
+// client is a lock client of the test's own, outside the partition.
+func (r *partitionRig) client(ttl time.Duration) *lock.Client {
+	r.t.Helper()
+	c, err := lock.New(r.admin, lock.Config{Schema: "pgfence", TTL: ttl, RenewInterval: ttl / 4,
+		PollInterval: 50 * time.Millisecond, Holder: "outside", Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	r.t.Cleanup(func() { _ = c.Close(context.Background()) })
+	return c
+}
+
+// worker is a partition worker process and the test's side of its
+// conversation.
+type worker struct {
+	t      *testing.T
+	in     io.WriteCloser
+	lines  chan msg
+	stderr syncBuffer
+	exited chan struct{}
+}
+
+// start runs a scenario in a worker process inside the rig's namespace.
+func (r *partitionRig) start(scenario string, env ...string) *worker {
+	t := r.t
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := r.host.Command(exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), roleEnv+"=partition", "PART_SCENARIO="+scenario,
+		"PART_URL="+r.cluster.URLAt(r.host.Gateway.String()))
+	cmd.Env = append(cmd.Env, env...)
+	w := &worker{t: t, lines: make(chan msg, 16), exited: make(chan struct{})}
+	cmd.Stderr = &w.stderr
+	if w.in, err = cmd.StdinPipe(); err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		defer close(w.lines)
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			var m msg
+			if json.Unmarshal(sc.Bytes(), &m) == nil {
+				w.lines <- m
+			}
+		}
+	}()
+	go func() { _ = cmd.Wait(); close(w.exited) }()
+	t.Cleanup(func() {
+		_ = w.in.Close()
+		select {
+		case <-w.exited:
+		case <-time.After(15 * time.Second):
+			_ = cmd.Process.Kill()
+			<-w.exited
+		}
+	})
+	return w
+}
+
+// next waits for the worker's next step, which must be step.
+func (w *worker) next(step string) msg {
+	w.t.Helper()
+	select {
+	case m, ok := <-w.lines:
+		if !ok {
+			w.t.Fatalf("worker ended before %q:\n%s", step, w.stderr.String())
+		}
+		if m["step"] != step {
+			w.t.Fatalf("worker said %v, want step %q", m, step)
+		}
+		return m
+	case <-time.After(2 * time.Minute):
+		w.t.Fatalf("no step %q from the worker in 2 minutes:\n%s", step, w.stderr.String())
+	}
+	return nil
+}
+
+// ack lets the worker go on from an await.
+func (w *worker) ack() {
+	w.t.Helper()
+	if _, err := io.WriteString(w.in, "\n"); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// onTime fails the test if the call m reports returned more than lateBound
+// after its deadline.
+func onTime(t *testing.T, what string, m msg) {
+	t.Helper()
+	late := time.Duration(m["late_ms"].(float64) * float64(time.Millisecond))
+	t.Logf("%s: returned %v after its deadline (err: %v)", what, late.Round(time.Millisecond), m["err"])
+	if late > lateBound {
+		t.Errorf("%s returned %v after its context's deadline (at most %v): %v", what, late.Round(time.Millisecond), lateBound, m["err"])
+	}
+}
+
+// settle waits until the server has no session of the worker's left (its
+// connections closed, or reset, once the network healed), ending them
+// after a while, so that what the table holds is final.
+func (r *partitionRig) settle() {
+	r.t.Helper()
+	ctx := context.Background()
+	const q = `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'partition-worker'`
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		var n int
+		if err := r.admin.QueryRow(ctx, q).Scan(&n); err != nil {
+			r.t.Fatal(err)
+		}
+		if n == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			_, _ = r.admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'partition-worker'`)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// committed reports whether the marker's row is in the table.
+func (r *partitionRig) committed(marker int64) bool {
+	r.t.Helper()
+	var n int
+	if err := r.admin.QueryRow(context.Background(), `SELECT count(*) FROM data.partitioned WHERE marker = $1`, marker).Scan(&n); err != nil {
+		r.t.Fatal(err)
+	}
+	return n > 0
+}
+
+// TestPartitionedGuardedTx cuts a guarded transaction's network while its
+// function is inside it, under each fault, and ends the function each way:
+// its own error, a return into the partition (COMMIT sent into it), a
+// return after the heal, and a statement that cannot finish. RunTx must
+// return within a second of its deadline, and its answer must be true
+// against the table: nil only if the row committed, an outcome-unknown
+// error resolvable after the heal to the truth, anything else only if it
+// did not commit.
+func TestPartitionedGuardedTx(t *testing.T) {
+	rig := newPartitionRig(t)
+	ends := []string{"own-error", "commit", "after-heal", "blocked"}
+	for _, fault := range netns.Faults {
+		for _, end := range ends {
+			t.Run(fault.String()+"/"+end, func(t *testing.T) {
+				rig.t = t
+				marker := rig.marker.Add(1)
+				w := rig.start("tx", "PART_END="+end, fmt.Sprintf("PART_MARKER=%d", marker), "PART_BUDGET=3s")
+				w.next("inside")
+				rig.cut(fault)
+				cutAt := time.Now()
+				w.ack()
+				if end == "after-heal" {
+					w.next("partitioned")
+					// A partition of a second and a half, well inside the budget.
+					time.Sleep(time.Until(cutAt.Add(1500 * time.Millisecond)))
+					rig.heal()
+					w.ack()
+				}
+				res := w.next("returned")
+				onTime(t, "RunTx", res)
+				rig.heal()
+				w.ack()
+				var resolved msg
+				if res["unknown"] == true {
+					resolved = w.next("resolved")
+				}
+				w.next("bye")
+				rig.settle()
+				in := rig.committed(marker)
+				t.Logf("committed: %v; RunTx: ok=%v unknown=%v err=%v", in, res["ok"], res["unknown"], res["err"])
+				switch {
+				case res["ok"] == true && !in:
+					t.Errorf("RunTx returned nil, and the row is not in the table")
+				case res["unknown"] == true:
+					if resolved["ok"] == true && !in {
+						t.Errorf("the unknown outcome resolved to committed, and the row is not in the table")
+					}
+					if resolved["ok"] != true && resolved["unknown"] != true && in {
+						t.Errorf("the unknown outcome resolved to not committed (%v), and the row is in the table", resolved["err"])
+					}
+				case res["ok"] != true && in:
+					t.Errorf("RunTx returned %v (not committed), and the row is in the table", res["err"])
+				}
+				if end == "own-error" && res["own"] != true {
+					t.Errorf("RunTx returned %v, want the function's own error", res["err"])
+				}
+				if end == "own-error" && in {
+					t.Errorf("a transaction whose function returned an error committed")
+				}
+			})
+		}
+	}
+}
+
+// TestPartitionedHolder cuts a holder off under each fault while it holds
+// a lease: it must stop trusting the lease before anyone else is granted it
+// (no overlap of belief), the next holder must have it within the takeover
+// bound, and the old holder's guarded write after the heal must be
+// refused.
+func TestPartitionedHolder(t *testing.T) {
+	rig := newPartitionRig(t)
+	const ttl, poll = 2 * time.Second, 100 * time.Millisecond
+	for _, fault := range netns.Faults {
+		t.Run(fault.String(), func(t *testing.T) {
+			rig.t = t
+			if _, err := rig.admin.Exec(context.Background(), `UPDATE pgfence.pgfence_leases SET holder = NULL WHERE name = 'held'`); err != nil {
+				t.Fatal(err)
+			}
+			outside := rig.client(ttl)
+			w := rig.start("hold", "PART_TTL="+ttl.String(), "PART_POLL="+poll.String())
+			w.next("held")
+			rig.cut(fault)
+			cutAt := time.Now()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			l, err := outside.Acquire(ctx, "held")
+			if err != nil {
+				t.Fatal(err)
+			}
+			granted := time.Now()
+			lost := w.next("lost")
+			lostAt := time.Unix(0, int64(lost["at"].(float64)))
+			t.Logf("stopped trusting %v into the partition (%v), taken over %v into it, %v later",
+				lostAt.Sub(cutAt).Round(time.Millisecond), lost["err"], granted.Sub(cutAt).Round(time.Millisecond),
+				granted.Sub(lostAt).Round(time.Millisecond))
+			if !lostAt.Before(granted) {
+				t.Errorf("the partitioned holder still trusted its lease %v after the next holder was granted it", lostAt.Sub(granted))
+			}
+			// Its renewals may still reach the server when only the
+			// replies are lost: the lease then lasts a TTL past its
+			// holder's last one.
+			bound := ttl + poll + time.Second
+			if fault == netns.DropReplies {
+				bound += ttl
+			}
+			if took := granted.Sub(cutAt); took > bound {
+				t.Errorf("the next holder was granted the lease %v into the partition, more than %v", took, bound)
+			}
+			rig.heal()
+			w.ack()
+			write := w.next("write")
+			if write["fenced"] != true {
+				t.Errorf("the old holder's guarded write after the heal: %v, want refused (fence.ErrFenced)", write["err"])
+			}
+			w.next("bye")
+			_ = l.Release(ctx)
+		})
+	}
+}
+
+// TestPartitionedCalls makes each call that talks to the database from a
+// client cut off by a black hole (and by lost replies), with a 1 s deadline
+// or with a context that has already ended (a cleanup at shutdown), and a
+// ForceRelease already waiting at the server when the cut comes: each must
+// return within a second of its deadline.
+func TestPartitionedCalls(t *testing.T) {
+	rig := newPartitionRig(t)
+	outside := rig.client(10 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	held, err := outside.Acquire(ctx, "ops-root")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = held.Release(ctx) }()
+	for _, fault := range []netns.Fault{netns.DropBoth, netns.DropReplies} {
+		t.Run(fault.String(), func(t *testing.T) {
+			rig.t = t
+			// A guarded transaction open on the lease: a ForceRelease
+			// waits for it.
+			tx, err := rig.admin.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = tx.Rollback(ctx) }()
+			if err := held.Guard().Check(ctx, tx); err != nil {
+				t.Fatal(err)
+			}
+			w := rig.start("ops", "PART_BUDGET=1s")
+			w.next("held")
+			pgtest.Eventually(t, 30*time.Second, "the ForceRelease to wait at the server", func() bool {
+				var n int
+				err := rig.admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+					WHERE application_name = 'partition-worker' AND wait_event_type = 'Lock'`).Scan(&n)
+				return err == nil && n > 0
+			})
+			rig.cut(fault)
+			defer rig.heal()
+			w.ack()
+			for _, call := range []string{"release", "check", "acquire", "release-ended", "close-ended", "force-release"} {
+				onTime(t, call, w.next(call))
+			}
+			rig.heal()
+			w.next("bye")
+		})
+	}
+}
+
+// TestPartitionedListener cuts a waiting client off, black-holed: its
+// listening connection gets no notification and no error, and the client
+// must give it up within two TTLs (a ping after a TTL of quiet that does not
+// come back within a TTL). After the heal, a release must reach the waiter,
+// which polls only every 30 s, well before its next poll: through a
+// listening connection opened anew.
+func TestPartitionedListener(t *testing.T) {
+	rig := newPartitionRig(t)
+	const ttl = 2 * time.Second
+	outside := rig.client(ttl)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	held, err := outside.Acquire(ctx, "waited")
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := rig.start("listen", "PART_TTL="+ttl.String(), "PART_POLL=30s", "PART_LOG=1")
+	w.next("waiting")
+	const listening = `SELECT count(*) FROM pg_stat_activity WHERE application_name = 'partition-worker' AND query LIKE 'LISTEN%'`
+	count := func() int {
+		var n int
+		if err := rig.admin.QueryRow(ctx, listening).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	pgtest.Eventually(t, 30*time.Second, "the waiter's listening session", func() bool { return count() == 1 })
+	rig.cut(netns.DropBoth)
+	cutAt := time.Now()
+	const failed = "release listener failed"
+	bound := 2*ttl + time.Second
+	pgtest.Eventually(t, bound+5*time.Second, "the waiter to give its listening connection up", func() bool {
+		return strings.Contains(w.stderr.String(), failed)
+	})
+	noticed := time.Since(cutAt)
+	t.Logf("the listening connection was given up %v into the partition", noticed.Round(time.Millisecond))
+	if noticed > bound {
+		t.Errorf("the listening connection was given up %v into the partition, more than %v", noticed, bound)
+	}
+	rig.heal()
+	// The old session ends when the server next writes to it; the new one
+	// is what matters.
+	pgtest.Eventually(t, 30*time.Second, "a new listening session", func() bool {
+		return strings.Contains(w.stderr.String(), "release listener listening again")
+	})
+	released := time.Now()
+	if err := held.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got := w.next("acquired")
+	at := time.Unix(0, int64(got["at"].(float64)))
+	t.Logf("the waiter acquired the lease %v after its release (%v)", at.Sub(released).Round(time.Millisecond), got["err"])
+	if got["ok"] != true {
+		t.Fatalf("the waiter's Acquire: %v", got["err"])
+	}
+	// Its next poll is 30 s away: only the notification wakes it sooner
+	// (10 s leaves room for a loaded machine).
+	if d := at.Sub(released); d > 10*time.Second {
+		t.Errorf("the waiter acquired the lease %v after its release: the release notification did not reach it", d)
+	}
+	w.next("bye")
+}
+
+// syncBuffer is a worker's stderr, read while the worker writes it.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
+}
