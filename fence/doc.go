@@ -60,7 +60,8 @@
 //     commit and may be run again (a failover's failed connects and
 //     read-only errors among them).
 //   - RunTx's answer is the truth about the commit: nil only if it
-//     committed, ErrOutcomeUnknown only if the server cannot be asked, any
+//     committed, ErrOutcomeUnknown only if the server cannot be asked
+//     within its context (an *UnknownOutcomeError can ask again later), any
 //     other error only if nothing of it committed. A COMMIT that fails
 //     without the server's own ERROR or ROLLBACK (a connection reset right
 //     after COMMIT was written, which pgx reports as "conn closed" and

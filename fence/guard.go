@@ -163,10 +163,15 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // the cases above (the last such failure is ErrNotCommitted). A transaction
 // the server still has in progress a second later (its client gone without
 // the server knowing) has its backend ended first, so that the answer is
-// known. ErrOutcomeUnknown is left for when the server cannot be asked: db
-// is a single connection or a transaction, the server does not answer
-// within wait.CleanupTimeout (5s), or it has failed over or restarted
-// since. (With db a transaction, RunTx runs a savepoint of it: nil then
+// known. RunTx asks within ctx (and at most 5s): it returns by ctx's
+// deadline whatever the network does. ErrOutcomeUnknown, an
+// *UnknownOutcomeError whose Resolve asks again later, is left for when the
+// server cannot be asked in time: ctx ends first (a partition, a reply held
+// past the deadline), db is a single connection or a transaction, or the
+// server has failed over or restarted since. If fn returns an error, or ctx
+// or the lease ends before COMMIT, the ROLLBACK is sent under ctx, and not
+// at all once ctx has ended (the connection is then closed: the server
+// rolls back a transaction whose connection is gone). (With db a transaction, RunTx runs a savepoint of it: nil then
 // means the savepoint was released, and the outcome is that
 // transaction's.)
 func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error {

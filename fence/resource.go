@@ -101,7 +101,7 @@ func (r Resource) Exec(ctx context.Context, tx pgx.Tx, t Token, sql string, args
 // a *StaleTokenError with Resource set, is what that first call returns).
 // It answers as Guard.RunTx does, and with the same truth: nil only if the
 // transaction committed; ErrOutcomeUnknown only if the server cannot be
-// asked; any other error, nothing of it committed. Transactions that
+// asked within ctx; any other error, nothing of it committed. Transactions that
 // provably did not commit for a passing reason run again (fn included), up
 // to MaxAttempts times.
 func (r Resource) RunTx(ctx context.Context, db DB, t Token, fn func(tx pgx.Tx) error) error {

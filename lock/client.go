@@ -35,7 +35,7 @@ import (
 //     looks for idle holders until the acquisition is done
 //     (Config.WaitForIdleHolders).
 //
-// Close stops them all and waits for them.
+// Close stops them all and waits for them while its context allows.
 type Client struct {
 	pool *pgxpool.Pool
 	cfg  Config

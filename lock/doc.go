@@ -96,9 +96,23 @@
 // still be granted by the database: the client then frees that lease in the
 // background, by a secret only that acquisition knew, once the server has
 // finished the statement. Release still frees the lease when given a context
-// that has already ended (bounded by its own 5 s timeout). ForceRelease waits
+// that has already ended (in the background, within 5 s). ForceRelease waits
 // for open guarded transactions only as long as its context allows, then
 // returns a *BlockedError that names them.
+//
+// # Deadlines
+//
+// Every call returns by its context's deadline whatever the network does
+// (a partition that black-holes packets included), or within 500 ms of it
+// (wait.PastDeadline) when it must tidy up after it: Release and Close with
+// a context that has already ended, ForceRelease cancelling its waiting
+// statement. Work that must outlive the caller (freeing a lease, abandoning
+// an acquisition whose answer was lost) runs in the client's background
+// group within 5 s, and Close waits for it while its context allows. The
+// client's own connections notice a black-holed server: renewals are
+// bounded by the trust window, the release listener pings after a TTL
+// without a notification and gives the connection up if the ping is not
+// answered within a TTL, the poller's statement is bounded by a TTL.
 //
 // "No longer the holder" has one errors.Is target, fence.ErrFenced: it
 // matches ErrLeaseLost as well as the fence package's refusals.

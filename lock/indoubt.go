@@ -56,9 +56,7 @@ func inDoubt(err error) (pid uint32, ok bool) {
 // lease at the end of wait.CleanupTimeout anyway, and the lease's TTL covers
 // the rest. It runs in the background, owned by the client (Close waits).
 func (c *Client) abandon(name string, secret []byte, pid uint32) {
-	run := func() {
-		ctx, cancel := wait.Detached(context.Background())
-		defer cancel()
+	run := func(ctx context.Context) {
 		wctx, wcancel := context.WithTimeout(ctx, wait.CleanupTimeout*4/5)
 		_ = c.afterBackend(wctx, pid)
 		wcancel()
@@ -69,9 +67,17 @@ func (c *Client) abandon(name string, secret []byte, pid uint32) {
 		}
 	}
 	// It must run even if Close has begun (it frees a lease): it ignores
-	// the group's cancellation, and Close waits for it.
-	if !c.bg.Go(func(context.Context) { run() }) {
-		run()
+	// the group's cancellation, and Close waits for it. Once the group has
+	// stopped, the caller (an acquisition whose context has ended) gives
+	// it only wait.PastDeadline: the lease's TTL covers the rest.
+	if !c.bg.Go(func(context.Context) {
+		ctx, cancel := wait.Detached(context.Background())
+		defer cancel()
+		run(ctx)
+	}) {
+		ctx, cancel := wait.Tidy(context.Background())
+		defer cancel()
+		run(ctx)
 	}
 }
 

@@ -187,9 +187,12 @@ func (l *Lease) judge(token int64, ours, live bool, expiresAt time.Time) (LossCa
 // been taken by someone else. If the database cannot be reached the lease
 // still ends locally and the error is returned; the row then expires by TTL.
 //
-// A ctx that has already ended does not stop it: `defer lease.Release(ctx)`
-// at shutdown, when ctx is cancelled, still frees the lease, bounded by its
-// own timeout (5s).
+// It returns by ctx's deadline whatever the network does. A ctx that has
+// already ended does not stop it: `defer lease.Release(ctx)` at shutdown,
+// when ctx is cancelled, still frees the lease, in the client's background
+// within 5s (wait.CleanupTimeout); Release waits for that at most 500ms
+// (wait.PastDeadline), and if it is not done by then says so in an error
+// that wraps ctx's.
 func (l *Lease) Release(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Lease.Release"); err != nil {
 		return err

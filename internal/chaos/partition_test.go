@@ -381,7 +381,9 @@ func TestPartitionedCalls(t *testing.T) {
 			if err := held.Guard().Check(ctx, tx); err != nil {
 				t.Fatal(err)
 			}
-			w := rig.start("ops", "PART_BUDGET=1s")
+			// A TTL long enough that the leases are still held, locally,
+			// when the last call is made.
+			w := rig.start("ops", "PART_BUDGET=1s", "PART_TTL=1m", "PART_TAG="+fault.String())
 			w.next("held")
 			pgtest.Eventually(t, 30*time.Second, "the ForceRelease to wait at the server", func() bool {
 				var n int
@@ -392,7 +394,8 @@ func TestPartitionedCalls(t *testing.T) {
 			rig.cut(fault)
 			defer rig.heal()
 			w.ack()
-			for _, call := range []string{"release", "check", "acquire", "release-ended", "close-ended", "force-release"} {
+			for _, call := range []string{"release", "release-ended", "check", "acquire", "try-acquire", "observe", "inspect",
+				"leases", "run-now", "pause", "resume", "jobs", "grant-app", "migrate", "close-ended", "force-release"} {
 				onTime(t, call, w.next(call))
 			}
 			rig.heal()

@@ -18,6 +18,8 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/lock"
+	"github.com/pgfence/pgfence/migrations"
+	"github.com/pgfence/pgfence/runner"
 )
 
 // A partition worker runs one scenario inside a network namespace of its
@@ -233,8 +235,10 @@ func partitionedHolder(ctx context.Context, c *ctl, lc *lock.Client) error {
 // with a live deadline, some with a context that has already ended (a
 // shutdown's cleanup).
 func partitionedOps(ctx context.Context, c *ctl, lc *lock.Client, budget time.Duration) error {
+	pool := lc.Pool()
 	var held []*lock.Lease
-	for _, name := range []string{"ops-1", "ops-2", "ops-3"} {
+	tag := os.Getenv("PART_TAG") // a run's own lease names: an earlier run's may still be held
+	for _, name := range []string{"ops-1-" + tag, "ops-2-" + tag, "ops-3-" + tag} {
 		l, err := lc.Acquire(ctx, name)
 		if err != nil {
 			return err
@@ -261,12 +265,48 @@ func partitionedOps(ctx context.Context, c *ctl, lc *lock.Client, budget time.Du
 		f    func(ctx context.Context) error
 	}{
 		{"release", held[0].Release},
+		{"release-ended", ended(held[2].Release)},
 		{"check", held[1].Check},
 		{"acquire", func(ctx context.Context) error {
 			_, err := lc.Acquire(ctx, "ops-root") // the test holds it
 			return err
 		}},
-		{"release-ended", ended(held[2].Release)},
+		{"try-acquire", func(ctx context.Context) error {
+			_, err := lc.TryAcquire(ctx, "ops-free-"+tag)
+			return err
+		}},
+		{"observe", func(ctx context.Context) error {
+			ch, err := lc.Observe(ctx, "ops-root")
+			if err != nil {
+				return err
+			}
+			for range ch { // closed when ctx ends
+			}
+			return ctx.Err()
+		}},
+		{"inspect", func(ctx context.Context) error {
+			_, err := lock.Inspect(ctx, pool, "pgfence", "ops-root")
+			return err
+		}},
+		{"leases", func(ctx context.Context) error {
+			_, err := lock.Leases(ctx, pool, "pgfence")
+			return err
+		}},
+		{"run-now", func(ctx context.Context) error {
+			_, err := runner.RunNow(ctx, pool, "pgfence", "ops-job", 0, "partitioned")
+			return err
+		}},
+		{"pause", func(ctx context.Context) error { return runner.Pause(ctx, pool, "pgfence", "ops-job", "partitioned") }},
+		{"resume", func(ctx context.Context) error { return runner.Resume(ctx, pool, "pgfence", "ops-job") }},
+		{"jobs", func(ctx context.Context) error {
+			_, err := runner.Jobs(ctx, pool, "pgfence", "")
+			return err
+		}},
+		{"grant-app", func(ctx context.Context) error { return migrations.GrantApp(ctx, pool, "pgfence", "postgres") }},
+		{"migrate", func(ctx context.Context) error {
+			_, err := migrations.Up(ctx, pool, "pgfence")
+			return err
+		}},
 		{"close-ended", ended(lc.Close)},
 	}
 	for _, k := range calls {

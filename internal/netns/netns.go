@@ -205,15 +205,6 @@ func (h *Host) Heal() error {
 	return h.nft("flush chain inet pgfence in\nflush chain inet pgfence out")
 }
 
-// Forget destroys the test namespace's end of every TCP connection with
-// the host's port (ss -K): what a NAT or a firewall that drops a
-// connection's state does, seen from the host. With the host cut off, the
-// reset it sends is lost, and the host's end stays open, half-open, after
-// the heal.
-func (h *Host) Forget(port int) error {
-	return run("ss", "-K", "dst", h.Addr.String(), "dport", "=", strconv.Itoa(port))
-}
-
 // Close deletes the namespace and with it its link and rules. Processes
 // still running in it keep it alive until they end: stop them first.
 func (h *Host) Close() error {
