@@ -143,6 +143,10 @@ func partitionWorkerMain() int {
 		err = partitionedOps(ctx, c, lc, budget)
 	case "listen":
 		err = partitionedWaiter(ctx, c, lc)
+	case "leader":
+		err = partitionedLeader(ctx, c, lc)
+	case "many":
+		err = partitionedMany(ctx, c, lc)
 	default:
 		err = fmt.Errorf("unknown scenario %q", s)
 	}
@@ -334,5 +338,78 @@ func partitionedWaiter(ctx context.Context, c *ctl, lc *lock.Client) error {
 	}()
 	c.say("waiting", nil)
 	c.say("acquired", <-got)
+	return nil
+}
+
+// partitionedLeader leads a runner job whose run, once started, waits for
+// its lease to end (the test cuts the network meanwhile), reports it, and
+// after the test has healed the network tries to record the slot as done
+// with the run's fenced CommitTx, as a zombie leader would; then it stops.
+func partitionedLeader(ctx context.Context, c *ctl, lc *lock.Client) error {
+	r, err := runner.New(lc, runner.Config{RebalanceInterval: time.Second, ShutdownTimeout: 2 * time.Second})
+	if err != nil {
+		return err
+	}
+	finished := make(chan struct{})
+	var once sync.Once
+	err = r.Register(runner.Job{Name: "partitioned-job", Schedule: "@every 1h", Run: func(ctx context.Context, run *runner.Run) error {
+		c.say("running", msg{"slot": run.Slot.Format(time.RFC3339Nano), "token": run.Token.String()})
+		<-ctx.Done()
+		c.await("fenced", msg{"at": time.Now().UnixNano(), "err": context.Cause(ctx).Error()})
+		wctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		err := run.CommitTx(wctx, func(tx pgx.Tx) error {
+			_, err := tx.Exec(wctx, "INSERT INTO data.runs (slot, by) VALUES ($1, 'partitioned')", run.Slot)
+			return err
+		})
+		m := msg{}
+		describe(m, err)
+		c.say("commit", m)
+		once.Do(func() { close(finished) })
+		return err
+	}})
+	if err != nil {
+		return err
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	<-finished
+	cancel()
+	return <-done
+}
+
+// partitionedMany acquires PART_COUNT leases (8 goroutines), holds them
+// while the test cuts the network a few times, and reports how many it lost.
+func partitionedMany(ctx context.Context, c *ctl, lc *lock.Client) error {
+	n, _ := strconv.Atoi(os.Getenv("PART_COUNT"))
+	leases := make([]*lock.Lease, n)
+	errs := make(chan error, 8)
+	for g := range 8 {
+		go func() {
+			for i := g; i < n; i += 8 {
+				l, err := lc.TryAcquire(ctx, fmt.Sprintf("many-%d", i))
+				if err != nil {
+					errs <- err
+					return
+				}
+				leases[i] = l
+			}
+			errs <- nil
+		}()
+	}
+	for range 8 {
+		if err := <-errs; err != nil {
+			return err
+		}
+	}
+	c.await("held", nil)
+	lost := 0
+	for _, l := range leases {
+		if l.Err() != nil {
+			lost++
+		}
+	}
+	c.say("lost", msg{"lost": lost})
 	return nil
 }
