@@ -10,6 +10,8 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/pgfence/pgfence/internal/buckets"
 )
 
 // Metrics records what guards refuse and commit (README's "Metrics"). Build
@@ -31,7 +33,8 @@ func NewMetrics(mp metric.MeterProvider) (*Metrics, error) {
 		return nil, fmt.Errorf("fence: metrics: %w", err)
 	}
 	check, err := m.Float64Histogram("pgfence.guard.check.duration", metric.WithUnit("s"),
-		metric.WithDescription("Round trip of a fence check sent on its own (Guard.Check, Resource.Admit); a pipelined check rides with the first statement."))
+		metric.WithDescription("Round trip of a fence check sent on its own (Guard.Check, Resource.Admit); a pipelined check rides with the first statement."),
+		metric.WithExplicitBucketBoundaries(buckets.Latency...))
 	if err != nil {
 		return nil, fmt.Errorf("fence: metrics: %w", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/buckets"
 )
 
 // scope is the instrumentation scope of the lock package's metrics.
@@ -59,13 +60,16 @@ func newMetrics(c *Client) (*metrics, error) {
 		metric.WithDescription("Acquisitions that waited for late renewals before they were sent (Stats.AcquisitionsHeldBack)."))
 	keep(e)
 	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renew.duration", metric.WithUnit("s"),
-		metric.WithDescription("Round trip of a renewal statement (up to 5,000 of a client's leases at once)."))
+		metric.WithDescription("Round trip of a renewal statement (up to 5,000 of a client's leases at once)."),
+		metric.WithExplicitBucketBoundaries(buckets.Latency...))
 	keep(e)
 	ms.timeLeft, e = m.Float64Histogram("pgfence.lease.time_left", metric.WithUnit("s"),
-		metric.WithDescription("What was left of a lease's trust window when its renewal succeeded."))
+		metric.WithDescription("What was left of a lease's trust window when its renewal succeeded."),
+		metric.WithExplicitBucketBoundaries(buckets.TrustLeft...))
 	keep(e)
 	ms.waitTime, e = m.Float64Histogram("pgfence.lease.wait.duration", metric.WithUnit("s"),
-		metric.WithDescription("Time a blocking Acquire waited until it acquired."))
+		metric.WithDescription("Time a blocking Acquire waited until it acquired."),
+		metric.WithExplicitBucketBoundaries(buckets.Wait...))
 	keep(e)
 	held, e := m.Int64ObservableUpDownCounter("pgfence.lease.held", metric.WithUnit("{lease}"),
 		metric.WithDescription("Leases the client holds."))

@@ -8,6 +8,8 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/pgfence/pgfence/internal/buckets"
 )
 
 // metrics are a runner's instruments (README's "Metrics"). Attributes:
@@ -48,7 +50,8 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		metric.WithDescription("Finished attempts, by pgfence.job and pgfence.status: succeeded, failed, fenced, skipped (already done)."))
 	keep(e)
 	m.duration, e = m.meter.Float64Histogram("pgfence.runner.run.duration", metric.WithUnit("s"),
-		metric.WithDescription("Duration of an attempt, by pgfence.job and pgfence.status."))
+		metric.WithDescription("Duration of an attempt, by pgfence.job and pgfence.status."),
+		metric.WithExplicitBucketBoundaries(buckets.Wait...))
 	keep(e)
 	m.retries, e = m.meter.Int64Counter("pgfence.runner.retries", metric.WithUnit("{attempt}"),
 		metric.WithDescription("Attempts after the first at a slot, by pgfence.job."))
