@@ -11,6 +11,7 @@ import (
 	"github.com/pgfence/pgfence/internal/outcome"
 	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/retry"
+	"github.com/pgfence/pgfence/internal/txbound"
 )
 
 // Running a fenced transaction to a known end: begin, fence, fn, COMMIT, and
@@ -27,10 +28,20 @@ func runTx(ctx context.Context, db DB, f *txFence, fn func(tx pgx.Tx) error) err
 	if fn == nil {
 		return errors.New("fence: nil function")
 	}
+	// A lease's end bounds the transaction (txbound), not the question
+	// about a lost COMMIT answer, which has the caller's budget.
+	bound := ctx
+	if b, ok := txbound.From(ctx); ok {
+		var cancel context.CancelCauseFunc
+		bound, cancel = context.WithCancelCause(ctx)
+		defer cancel(nil)
+		stop := context.AfterFunc(b, func() { cancel(context.Cause(b)) })
+		defer stop()
+	}
 	var a attempt
 	for n := 1; n <= MaxAttempts; n++ {
-		a = runOnce(ctx, db, f, fn)
-		if !a.retryable() || ctx.Err() != nil {
+		a = runOnce(bound, ctx, db, f, fn)
+		if !a.retryable() || bound.Err() != nil {
 			break
 		}
 	}
@@ -72,8 +83,9 @@ func (a attempt) retryable() bool {
 	return a.lost || errors.Is(a.err, ErrNotCommitted)
 }
 
-// runOnce runs one attempt.
-func runOnce(ctx context.Context, db DB, f *txFence, fn func(tx pgx.Tx) error) attempt {
+// runOnce runs one attempt under ctx, and asks about a lost COMMIT answer
+// within budget (ctx, or the caller's context that ctx narrows).
+func runOnce(ctx, budget context.Context, db DB, f *txFence, fn func(tx pgx.Tx) error) attempt {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		// Nothing was sent for this transaction.
@@ -95,15 +107,20 @@ func runOnce(ctx context.Context, db DB, f *txFence, fn func(tx pgx.Tx) error) a
 	if err := ctx.Err(); err != nil {
 		return failed(context.Cause(ctx)) // not sent: rolled back, certainly
 	}
-	return attempt{err: commit(ctx, db, gtx), committing: true}
+	return attempt{err: commit(ctx, budget, db, gtx), committing: true}
 }
 
-// commit sends COMMIT and returns nil only if the transaction committed,
-// an error matching ErrNotCommitted, or the server's own refusal, only if it
-// did not, and ErrOutcomeUnknown when nobody can tell. A COMMIT that fails
-// without the server's ERROR or ROLLBACK (outcome.Refused says why nothing
-// else, pgx's SafeToRetry included, proves an abort) is resolved by asking
-// the server on another connection of db (outcome.Resolve).
-func commit(ctx context.Context, db DB, t *guardedTx) error {
-	return unknownOutcome(outcome.Commit(ctx, t.Tx, db, t.fence.schema, t.id))
+// commit sends COMMIT under ctx and returns nil only if the transaction
+// committed, an error matching ErrNotCommitted, or the server's own
+// refusal, only if it did not, and an *UnknownOutcomeError when nobody can
+// tell within budget. A COMMIT that fails without the server's ERROR or
+// ROLLBACK (outcome.Refused says why nothing else, pgx's SafeToRetry
+// included, proves an abort) is resolved by asking the server on another
+// connection of db (outcome.Resolve).
+func commit(ctx, budget context.Context, db DB, t *guardedTx) error {
+	err := t.Tx.Commit(ctx)
+	if err == nil || outcome.Refused(err) {
+		return err
+	}
+	return UnknownOutcome(outcome.Outcome(budget, db, t.fence.schema, t.id, err))
 }

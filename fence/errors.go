@@ -103,8 +103,8 @@ type UnknownOutcomeError struct {
 	Reason string
 	// Err is COMMIT's error.
 	Err error
-
-	schema string
+	// Schema is the pgfence schema whose functions Resolve uses.
+	Schema string
 }
 
 // Error says that the outcome is unknown, and why.
@@ -134,18 +134,20 @@ func (e *UnknownOutcomeError) Resolve(ctx context.Context, db DB) error {
 		return err
 	}
 	id := outcome.ID{Xid: e.Xid, Timeline: e.Timeline, Started: e.ServerStarted}
-	return unknownOutcome(outcome.Resolved(ctx, db, e.schema, id, e.Err))
+	return UnknownOutcome(outcome.Outcome(ctx, db, e.Schema, id, e.Err))
 }
 
-// unknownOutcome turns the internal unknown-outcome error into the
-// exported one, and returns every other error as it is.
-func unknownOutcome(err error) error {
+// UnknownOutcome returns err with the unknown outcome of a COMMIT, if it
+// has one, as an *UnknownOutcomeError, and every other error as it is. It
+// is for pgfence's own packages (the runner's operator writes), which
+// resolve lost COMMIT answers the same way RunTx does.
+func UnknownOutcome(err error) error {
 	var u *outcome.UnknownError
 	if !errors.As(err, &u) {
 		return err
 	}
 	return &UnknownOutcomeError{Xid: u.ID.Xid, Timeline: u.ID.Timeline, ServerStarted: u.ID.Started,
-		Reason: u.Why, Err: u.Err, schema: u.Schema}
+		Reason: u.Why, Err: u.Err, Schema: u.Schema}
 }
 
 // StaleTokenError says which token was presented and which one is current.

@@ -171,9 +171,11 @@ func (g Guard) Exec(ctx context.Context, tx pgx.Tx, sql string, args ...any) (pg
 // server has failed over or restarted since. If fn returns an error, or ctx
 // or the lease ends before COMMIT, the ROLLBACK is sent under ctx, and not
 // at all once ctx has ended (the connection is then closed: the server
-// rolls back a transaction whose connection is gone). (With db a transaction, RunTx runs a savepoint of it: nil then
-// means the savepoint was released, and the outcome is that
-// transaction's.)
+// rolls back a transaction whose connection is gone). (With db a
+// transaction, RunTx runs a savepoint of it: nil then means the savepoint
+// was released, and the outcome is that transaction's; a savepoint that
+// could not be rolled back has its connection closed, so that the
+// enclosing transaction cannot commit it.)
 func (g Guard) RunTx(ctx context.Context, db DB, fn func(tx pgx.Tx) error) error {
 	if err := ctxcheck.NotNil(ctx, "fence: Guard.RunTx"); err != nil {
 		return err

@@ -120,13 +120,18 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 		renewSent := c.clock.Now()
 		got, err := c.renewRows(ctx, c.pool, []string{name}, []int64{g.token}, [][]byte{secret})
 		if err != nil {
-			// Ours at the database, but not trustworthy: free it now
-			// (synchronously, since a later attempt may use this secret).
-			if rerr := c.cleanup(ctx, fmt.Sprintf("free late acquisition %q", name), func(ctx context.Context) error {
+			// Ours at the database, but not trustworthy: free it now,
+			// by its secret (this call's own: no later attempt uses it),
+			// in the background once ctx has ended. What is not freed
+			// expires by the database clock, within the TTL.
+			what := fmt.Sprintf("free late acquisition %q", name)
+			free := func(ctx context.Context) error {
 				_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
 				return err
-			}); rerr != nil {
-				// It then expires by the database clock, within the TTL.
+			}
+			if ctx.Err() != nil {
+				c.handOff(ctx, what, free)
+			} else if rerr := c.cleanup(ctx, what, free); rerr != nil {
 				c.cfg.Logger.Warn("pgfence: could not free a late acquisition; it expires within its TTL",
 					"lease", name, "token", g.token, "err", rerr)
 			}

@@ -51,9 +51,11 @@ type Client struct {
 	renewer  *bg.Demand  // runs renewLoop while leases are held
 	clock    clock.Clock // trust windows; tests move it
 
-	closeOnce sync.Once
-	closeErr  error
-	stats     stats
+	closeOnce   sync.Once
+	closeErr    error         // the release's, set once
+	stopped     chan struct{} // closed once Close's goroutines have all stopped
+	stopRenewal func()        // cancels the renewal statement in flight, if any (under mu)
+	stats       stats
 
 	verified atomic.Bool   // the schema version was checked
 	backoff  retry.Backoff // after transient errors
@@ -88,6 +90,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		held:     make(map[*Lease]struct{}),
 		bg:       bg.New(context.Background()),
 		renewing: make(chan struct{}, 1),
+		stopped:  make(chan struct{}),
 		clock:    clock.Real(),
 		backoff:  retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 		idle:     newLooker(pool),
@@ -139,17 +142,27 @@ func (c *Client) verify(ctx context.Context) error {
 // ends: it returns by ctx's deadline whatever the network does. What is
 // still under way then (the release statement, a goroutine ending its own
 // network call) finishes in the background within wait.CleanupTimeout
-// (5s), and Close returns an error that wraps ctx's. Later acquisitions fail
-// with ErrClosed. It returns the first release error. It runs once: later
-// and concurrent calls wait for the first and return its result.
+// (5s), and Close returns an error that wraps ctx's; close the pool only
+// once Close has returned nil (a later Close waits again). Later
+// acquisitions fail with ErrClosed. It returns the first release error.
+// It runs once: later and concurrent calls wait for the first to finish,
+// each as long as its own ctx allows, and return its result.
 func (c *Client) Close(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Close"); err != nil {
 		return err
 	}
 	c.closeOnce.Do(func() { c.closeErr = c.close(ctx) })
-	return c.closeErr
+	select {
+	case <-c.stopped:
+		return c.closeErr
+	case <-ctx.Done():
+		return errors.Join(c.closeErr, fmt.Errorf("lock: Close: %w (its goroutines stop in the background, within %v)",
+			context.Cause(ctx), wait.CleanupTimeout))
+	}
 }
 
+// close releases the leases and starts stopping the goroutines, whose end
+// closes c.stopped.
 func (c *Client) close(ctx context.Context) error {
 	c.mu.Lock()
 	c.closed = true
@@ -161,20 +174,13 @@ func (c *Client) close(ctx context.Context) error {
 	c.behind.open() // acquisitions waiting there see ErrClosed (or wait for a pass in flight)
 	first := c.releaseAll(ctx, leases)
 	c.poll.close()
-	stopped := make(chan struct{})
-	go func() { // ends within the goroutines' own bounds (at most wait.CleanupTimeout)
-		defer close(stopped)
-		c.bg.Stop() // cancel, then wait for every goroutine
+	go func() { // its end is c.stopped, which every Close waits on
+		defer close(c.stopped)
+		c.bg.Stop() // cancel, then wait for every goroutine (each within its own bound)
 		c.idle.close()
 		_ = c.m.observed.Unregister()
 	}()
-	select {
-	case <-stopped:
-		return first
-	case <-ctx.Done():
-		return errors.Join(first, fmt.Errorf("lock: Close: %w (its goroutines stop in the background, within %v)",
-			context.Cause(ctx), wait.CleanupTimeout))
-	}
+	return first
 }
 
 // releaseAll ends leases and frees their rows in one statement. It waits
@@ -196,6 +202,14 @@ func (c *Client) releaseAll(ctx context.Context, leases []*Lease) error {
 	if c.cfg.DurableRelease {
 		sql = c.q.releaseManyDurable
 	}
+	// The leases have ended: a renewal still in flight no longer matters
+	// (and may hang on a black-holed connection until its trust window
+	// ends), so it is cancelled rather than waited for.
+	c.mu.Lock()
+	if c.stopRenewal != nil && c.closed {
+		c.stopRenewal()
+	}
+	c.mu.Unlock()
 	what := fmt.Sprintf("release %d leases", len(names))
 	return c.cleanup(ctx, what, func(ctx context.Context) error {
 		select {
@@ -211,31 +225,25 @@ func (c *Client) releaseAll(ctx context.Context, leases []*Lease) error {
 
 // cleanup runs f, work that must be done even once the caller's context has
 // ended (freeing leases), without holding the caller past ctx's deadline:
-// under ctx while it is live (and at most wait.CleanupTimeout); otherwise in
-// the client's background group under wait.CleanupTimeout, waiting for it
-// only wait.PastDeadline. If the caller stops waiting first, the error says
-// so and wraps ctx's; the work goes on in the background (and a lease not
-// freed by it expires by its TTL).
+// under ctx while it is live (and at most wait.CleanupTimeout); if ctx has
+// ended, or ends while f runs, it hands f to the client's background group
+// (handOff) and waits for it only wait.PastDeadline. If the caller stops
+// waiting first, the error says so and wraps ctx's; the work goes on in the
+// background (and a lease not freed by it expires by its TTL). f must be
+// safe to run again (a release by secret is).
 func (c *Client) cleanup(ctx context.Context, what string, f func(ctx context.Context) error) error {
 	if ctx.Err() == nil {
 		fctx, cancel := context.WithTimeout(ctx, wait.CleanupTimeout)
-		defer cancel()
-		if err := f(fctx); err != nil {
+		err := f(fctx)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() == nil {
 			return fmt.Errorf("lock: %s: %w", what, c.explain(err))
 		}
-		return nil
 	}
-	done := make(chan error, 1)
-	run := func(context.Context) {
-		bctx, cancel := wait.Detached(ctx) // it must run even if Close has begun; Close waits for it
-		defer cancel()
-		done <- f(bctx)
-	}
-	if !c.bg.Go(run) {
-		tctx, cancel := wait.Tidy(ctx)
-		defer cancel()
-		done <- f(tctx)
-	}
+	done := c.handOff(ctx, what, f)
 	tidy, cancel := wait.Tidy(ctx)
 	defer cancel()
 	select {
@@ -248,6 +256,32 @@ func (c *Client) cleanup(ctx context.Context, what string, f func(ctx context.Co
 		return fmt.Errorf("lock: %s: %w (it goes on in the background, within %v; a lease it does not free expires by its TTL)",
 			what, context.Cause(ctx), wait.CleanupTimeout)
 	}
+}
+
+// handOff runs f in the client's background group under
+// wait.CleanupTimeout, even once Close has begun (Close waits for it), and
+// returns where its error arrives; a failure is also logged. Once the group
+// has stopped it runs f on the caller's goroutine, for wait.PastDeadline
+// at most.
+func (c *Client) handOff(ctx context.Context, what string, f func(ctx context.Context) error) <-chan error {
+	done := make(chan error, 1)
+	run := func(ctx context.Context) {
+		err := f(ctx)
+		if err != nil {
+			c.cfg.Logger.Warn("pgfence: cleanup failed; a lease it did not free expires by its TTL", "what", what, "err", err)
+		}
+		done <- err
+	}
+	if !c.bg.Go(func(context.Context) {
+		bctx, cancel := wait.Detached(ctx)
+		defer cancel()
+		run(bctx)
+	}) {
+		tctx, cancel := wait.Tidy(ctx)
+		defer cancel()
+		run(tctx)
+	}
+	return done
 }
 
 func (c *Client) isClosed() bool {

@@ -99,6 +99,6 @@ func (e *Election) term(ctx context.Context, l *Lease) error {
 			err = lost
 		}
 	}
-	_ = l.Release(ctx) // bounded by its own timeout once ctx has ended
+	_ = l.Release(ctx) // once ctx has ended, in the background (Release)
 	return err
 }

@@ -68,16 +68,14 @@ func (c *Client) abandon(name string, secret []byte, pid uint32) {
 	}
 	// It must run even if Close has begun (it frees a lease): it ignores
 	// the group's cancellation, and Close waits for it. Once the group has
-	// stopped, the caller (an acquisition whose context has ended) gives
-	// it only wait.PastDeadline: the lease's TTL covers the rest.
+	// stopped, the lease's TTL frees it: the caller (an acquisition whose
+	// context has ended) is not held.
 	if !c.bg.Go(func(context.Context) {
 		ctx, cancel := wait.Detached(context.Background())
 		defer cancel()
 		run(ctx)
 	}) {
-		ctx, cancel := wait.Tidy(context.Background())
-		defer cancel()
-		run(ctx)
+		c.cfg.Logger.Warn("pgfence: the client is closed: an acquisition whose outcome was unknown expires by its TTL", "lease", name)
 	}
 }
 

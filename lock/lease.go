@@ -12,6 +12,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
+	"github.com/pgfence/pgfence/internal/txbound"
 )
 
 // Lease is a held lease: the right to act for a name, with the fencing token
@@ -128,12 +129,11 @@ func (l *Lease) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	if err := l.Err(); err != nil {
 		return err
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	stop := context.AfterFunc(l.ctx, cancel)
-	defer stop()
-	err := l.Guard().RunTx(ctx, l.c.pool, fn)
-	if err != nil && l.ctx.Err() != nil && ctx.Err() != nil {
+	// The lease's end cancels the transaction's statements (and COMMIT is
+	// not sent after it); a lost COMMIT answer is still asked about within
+	// ctx.
+	err := l.Guard().RunTx(txbound.With(ctx, l.ctx), l.c.pool, fn)
+	if err != nil && l.ctx.Err() != nil {
 		return fmt.Errorf("%w (%w)", l.Err(), err)
 	}
 	return err

@@ -135,20 +135,26 @@ func (li *listener) loop(ctx context.Context) {
 }
 
 func (li *listener) listen(ctx context.Context, onReady func()) error {
-	pc, err := li.c.pool.Acquire(ctx)
+	ttl := li.c.cfg.TTL
+	// Connecting and LISTEN get a TTL, as the pings below: a black-holed
+	// server would otherwise hold the listener for the kernel's
+	// retransmission time.
+	sctx, cancel := context.WithTimeout(ctx, ttl)
+	defer cancel()
+	pc, err := li.c.pool.Acquire(sctx)
 	if err != nil {
 		return err
 	}
 	conn := pc.Hijack()
 	defer conn.Close(context.Background())
 	schema := li.c.cfg.Schema
-	if _, err := conn.Exec(ctx, listenSQL); err != nil {
+	if _, err := conn.Exec(sctx, listenSQL); err != nil {
 		return err
 	}
+	cancel()
 	onReady()
 	// A release may have happened while the connection was down.
 	li.wake("")
-	ttl := li.c.cfg.TTL
 	for {
 		// A connection whose peer is black-holed gets no notification
 		// and no error: after a TTL without a notification, a ping must

@@ -61,8 +61,16 @@ func (c *Client) renewLoop(ctx context.Context) {
 			c.renewing <- struct{}{}
 			// On the group's context: an idle end (ctx) does not cut a
 			// renewal in flight; Close still cancels it.
+			rctx, stop := context.WithCancel(c.bg.Context())
+			c.mu.Lock()
+			c.stopRenewal = stop
+			c.mu.Unlock()
 			sent := time.Now()
-			slowest, err := c.renew(c.bg.Context(), own, own2, batch, pace)
+			slowest, err := c.renew(rctx, own, own2, batch, pace)
+			c.mu.Lock()
+			c.stopRenewal = nil
+			c.mu.Unlock()
+			stop()
 			if err == nil {
 				pace = slowest
 			}

@@ -20,10 +20,11 @@ type Config struct {
 
 	// ShutdownTimeout bounds how long Run waits, after its context ends,
 	// for running jobs to return once their contexts are cancelled.
-	// Releasing the leases of jobs that did not stop and recording the
-	// leave then take at most 5s more (wait.CleanupTimeout), whatever the
-	// network does: Run returns within ShutdownTimeout + 5s of its
-	// context's end. Default 10s.
+	// Releasing the leases of jobs that did not stop (all at once) and
+	// recording the leave then take at most 5s more (wait.CleanupTimeout,
+	// and wait.PastDeadline, 500ms, for releases still unconfirmed then),
+	// whatever the network does: Run returns within ShutdownTimeout + 5.5s
+	// of its context's end. Default 10s.
 	ShutdownTimeout time.Duration
 
 	// Retention is how long finished runs stay in the ledger: every

@@ -93,7 +93,10 @@ func Resume(ctx context.Context, db fence.DB, schema, job string) error {
 // the next leader if its leader dies), even when asked from a replica that
 // does not lead or while leadership moves; it waits for a leader if there
 // is none. by says who asked. It returns the runs it asked for; WaitRun
-// waits for their outcome.
+// waits for their outcome. It returns by ctx's deadline; if COMMIT's answer
+// is lost and the server cannot be asked in time, the error is a
+// *fence.UnknownOutcomeError (the runs may have been asked for: Resolve
+// tells, or Runs lists them).
 func RunNow(ctx context.Context, db fence.DB, schema, job string, shard int, by string) ([]RunRef, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: RunNow"); err != nil {
 		return nil, err
@@ -141,7 +144,7 @@ func RunNow(ctx context.Context, db fence.DB, schema, job string, shard int, by 
 		}
 		refs = append(refs, ref)
 	}
-	if err := outcome.Commit(ctx, tx, db, ident.Schema(schema), id); err != nil {
+	if err := fence.UnknownOutcome(outcome.Commit(ctx, tx, db, ident.Schema(schema), id)); err != nil {
 		return nil, controlErr("run", schema, job, db, err)
 	}
 	return refs, nil

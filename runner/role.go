@@ -177,14 +177,20 @@ func (p *Partition) Commit(ctx context.Context, fn func(ctx context.Context, tx 
 	if err := ctx.Err(); err != nil { // a handover may have begun while waiting
 		return err
 	}
+	// fn runs under the lease's context with ctx's deadline; the question
+	// about a lost COMMIT answer, and the read-back below, have ctx's
+	// deadline alone (the lease's end does not shorten them).
+	budget := context.WithoutCancel(ctx)
 	tctx := p.lease.Context()
 	if dl, ok := ctx.Deadline(); ok {
 		var cancel context.CancelFunc
 		tctx, cancel = context.WithDeadline(tctx, dl)
 		defer cancel()
+		budget, cancel = context.WithDeadline(budget, dl)
+		defer cancel()
 	}
 	var next int64
-	err := p.lease.RunTx(tctx, func(tx pgx.Tx) error {
+	err := p.lease.RunTx(budget, func(tx pgx.Tx) error {
 		n, err := fn(tctx, tx)
 		if err != nil {
 			return err
@@ -210,7 +216,9 @@ func (p *Partition) Commit(ctx context.Context, fn func(ctx context.Context, tx 
 		// Learn the committed position, for the next call (best effort:
 		// Lead's next call reads it again anyway).
 		var pos int64
-		if p.w.r.pool.QueryRow(tctx, p.w.r.q.position, p.Role, p.Index).Scan(&pos) == nil {
+		rctx, cancel := context.WithTimeout(budget, wait.CleanupTimeout)
+		defer cancel()
+		if p.w.r.pool.QueryRow(rctx, p.w.r.q.position, p.Role, p.Index).Scan(&pos) == nil {
 			p.position = pos
 		}
 	}

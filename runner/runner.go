@@ -346,12 +346,14 @@ func (r *Runner) releaseHeld(ctx context.Context) error {
 		leases = append(leases, l)
 	}
 	r.heldMu.Unlock()
-	var errs []error
-	for _, l := range leases {
-		if err := l.Release(ctx); err != nil {
-			errs = append(errs, err)
-		}
+	// At once, so that they share ctx's budget instead of each taking it
+	// in turn.
+	errs := make([]error, len(leases))
+	var wg sync.WaitGroup
+	for i, l := range leases {
+		wg.Go(func() { errs[i] = l.Release(ctx) })
 	}
+	wg.Wait()
 	return errors.Join(errs...)
 }
 

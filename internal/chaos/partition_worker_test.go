@@ -51,11 +51,14 @@ func (c *ctl) say(step string, m msg) {
 }
 
 // await writes a step and waits for the test's go-ahead.
-func (c *ctl) await(step string, m msg) {
-	c.say(step, m)
+func (c *ctl) await(step string, m msg) { c.say(step, m); c.read() }
+
+// read returns the test's next line.
+func (c *ctl) read() string {
 	if !c.in.Scan() {
 		os.Exit(3) // the test is gone
 	}
+	return c.in.Text()
 }
 
 // call is one timed library call: when it started, its deadline, when it
@@ -380,7 +383,8 @@ func partitionedLeader(ctx context.Context, c *ctl, lc *lock.Client) error {
 }
 
 // partitionedMany acquires PART_COUNT leases (8 goroutines), holds them
-// while the test cuts the network a few times, and reports how many it lost.
+// while the test cuts the network a few times (telling the test when its
+// renewals have caught up after each heal), and reports how many it lost.
 func partitionedMany(ctx context.Context, c *ctl, lc *lock.Client) error {
 	n, _ := strconv.Atoi(os.Getenv("PART_COUNT"))
 	leases := make([]*lock.Lease, n)
@@ -403,7 +407,17 @@ func partitionedMany(ctx context.Context, c *ctl, lc *lock.Client) error {
 			return err
 		}
 	}
-	c.await("held", nil)
+	c.say("held", nil)
+	// "sync": wait for two renewals to succeed (after a heal); anything
+	// else: count the losses.
+	for c.read() == "sync" {
+		first := lc.Stats().Renewals
+		deadline := time.Now().Add(30 * time.Second)
+		for lc.Stats().Renewals < first+2 && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+		c.say("synced", msg{"renewals": lc.Stats().Renewals - first})
+	}
 	lost := 0
 	for _, l := range leases {
 		if l.Err() != nil {

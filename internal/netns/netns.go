@@ -33,6 +33,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -55,6 +56,7 @@ const (
 	Reset                     // the server's packets are refused with a reset: connections break
 )
 
+// String names the fault (drop-both, drop-requests, drop-replies, reset).
 func (f Fault) String() string {
 	switch f {
 	case DropBoth:
@@ -72,8 +74,12 @@ func (f Fault) String() string {
 // Faults are all the faults, for tests that try each.
 var Faults = []Fault{DropBoth, DropRequests, DropReplies, Reset}
 
-// prefix names every namespace the package makes: prefix + owner PID + "-" + n.
-const prefix = "pgfence-"
+// prefix names every namespace the package makes: prefix + owner PID + "-"
+// + n; linkPrefix its links: linkPrefix + owner PID in hex + "-" + n in hex.
+const (
+	prefix     = "pgfence-"
+	linkPrefix = "pgf"
+)
 
 // Host is a network namespace with a link to the test's namespace.
 type Host struct {
@@ -122,9 +128,10 @@ func New() (*Host, error) {
 	seqMu.Unlock()
 	pid := os.Getpid()
 	h := &Host{Name: fmt.Sprintf("%s%d-%d", prefix, pid, n)}
-	// Interface names have at most 15 bytes; the namespace end is renamed
-	// once it is inside its namespace.
-	outer := fmt.Sprintf("pgf%x", pid*256+n%256)
+	// Interface names have at most 15 bytes: "pgf", the PID (at most 6 hex
+	// digits: pid_max is 2^22), "-", n (4), and "n" for the namespace end,
+	// which is renamed once it is inside its namespace.
+	outer := fmt.Sprintf("%s%x-%x", linkPrefix, pid, n%(1<<16))
 	inner := outer + "n"
 
 	unlock, err := lockAddrs()
@@ -228,24 +235,39 @@ func (h *Host) nft(rules string) error {
 }
 
 // sweep deletes the namespaces of processes that are gone (a test killed
-// before its cleanup ran).
+// before its cleanup ran), and the links such a process made but never
+// moved into a namespace.
 func sweep() {
-	out, err := exec.Command("ip", "netns", "list").Output()
-	if err != nil {
-		return
+	if out, err := exec.Command("ip", "netns", "list").Output(); err == nil {
+		for _, line := range strings.Split(string(out), "\n") {
+			name, _, _ := strings.Cut(strings.TrimSpace(line), " ")
+			rest, ok := strings.CutPrefix(name, prefix)
+			if !ok {
+				continue
+			}
+			pidText, _, _ := strings.Cut(rest, "-")
+			if pid, err := strconv.Atoi(pidText); err == nil && !alive(pid) {
+				_ = run("ip", "netns", "del", name)
+			}
+		}
 	}
-	for _, line := range strings.Split(string(out), "\n") {
-		name, _, _ := strings.Cut(strings.TrimSpace(line), " ")
-		rest, ok := strings.CutPrefix(name, prefix)
-		if !ok {
-			continue
+	if out, err := exec.Command("ip", "-o", "link", "show", "type", "veth").Output(); err == nil {
+		for _, line := range strings.Split(string(out), "\n") {
+			// "7: pgf1a2b-1@if6: <...>"
+			f := strings.Fields(line)
+			if len(f) < 2 {
+				continue
+			}
+			name, _, _ := strings.Cut(strings.TrimSuffix(f[1], ":"), "@")
+			rest, ok := strings.CutPrefix(name, linkPrefix)
+			if !ok {
+				continue
+			}
+			pidText, _, _ := strings.Cut(rest, "-")
+			if pid, err := strconv.ParseInt(pidText, 16, 32); err == nil && !alive(int(pid)) {
+				_ = run("ip", "link", "del", name)
+			}
 		}
-		pidText, _, _ := strings.Cut(rest, "-")
-		pid, err := strconv.Atoi(pidText)
-		if err != nil || alive(pid) {
-			continue
-		}
-		_ = run("ip", "netns", "del", name)
 	}
 }
 
@@ -258,17 +280,22 @@ func alive(pid int) bool {
 // base is the range hosts' subnets are taken from.
 var base = netip.MustParsePrefix("10.213.0.0/16")
 
-// freeSubnet returns the two usable addresses of a /30 of base that no
-// interface of the test's namespace has.
+// freeSubnet returns the two usable addresses of a /30 of base that
+// overlaps no address and no route of the test's namespace (a VPN's or a
+// container network's route into the range included).
 func freeSubnet() (gw, addr netip.Addr, err error) {
-	out, err := exec.Command("ip", "-o", "-4", "addr", "show").Output()
-	if err != nil {
-		return gw, addr, fmt.Errorf("netns: ip addr show: %w", err)
-	}
-	used := map[netip.Addr]bool{}
-	for _, f := range strings.Fields(string(out)) {
-		if p, err := netip.ParsePrefix(f); err == nil && base.Contains(p.Addr()) {
-			used[p.Masked().Addr()] = true
+	var used []netip.Prefix
+	for _, args := range [][]string{{"-o", "-4", "addr", "show"}, {"-4", "route", "show", "table", "all"}} {
+		out, err := exec.Command("ip", args...).Output()
+		if err != nil {
+			return gw, addr, fmt.Errorf("netns: ip %s: %w", strings.Join(args, " "), err)
+		}
+		for _, f := range strings.Fields(string(out)) {
+			if p, err := netip.ParsePrefix(f); err == nil && p.Addr().Is4() {
+				used = append(used, p.Masked())
+			} else if a, err := netip.ParseAddr(f); err == nil && a.Is4() {
+				used = append(used, netip.PrefixFrom(a, 32))
+			}
 		}
 	}
 	start := base.Addr().As4()
@@ -279,9 +306,9 @@ func freeSubnet() (gw, addr netip.Addr, err error) {
 		b := start
 		b[2] = byte(k >> 6)
 		b[3] = byte(k&63) << 2
-		net := netip.AddrFrom4(b)
-		if !used[net] {
-			gw = net.Next()
+		cand := netip.PrefixFrom(netip.AddrFrom4(b), 30)
+		if !slices.ContainsFunc(used, cand.Overlaps) {
+			gw = cand.Addr().Next()
 			return gw, gw.Next(), nil
 		}
 	}

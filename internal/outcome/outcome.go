@@ -46,13 +46,14 @@ func Commit(ctx context.Context, tx pgx.Tx, db DB, schema string, id ID) error {
 	if err == nil || Refused(err) {
 		return err
 	}
-	return Resolved(ctx, db, schema, id, err)
+	return Outcome(ctx, db, schema, id, err)
 }
 
-// Resolved asks the server on db what became of transaction id, whose
-// COMMIT failed with err, and returns nil if it committed, ErrNotCommitted
-// (wrapping err) if it did not, and an *UnknownError otherwise.
-func Resolved(ctx context.Context, db DB, schema string, id ID, err error) error {
+// Outcome asks the server on db (Resolve) what became of transaction id,
+// whose COMMIT failed with err, and returns nil if it committed,
+// ErrNotCommitted (wrapping err) if it did not, and an *UnknownError
+// otherwise.
+func Outcome(ctx context.Context, db DB, schema string, id ID, err error) error {
 	switch status, why := Resolve(ctx, db, schema, id); status {
 	case Committed:
 		return nil
@@ -65,7 +66,8 @@ func Resolved(ctx context.Context, db DB, schema string, id ID, err error) error
 
 // UnknownError is a COMMIT whose outcome could not be learnt: what names
 // the transaction, so that it can be asked about later (Resolved), why it
-// is not known, and COMMIT's error. It matches ErrUnknown.
+// is not known, and COMMIT's error. It matches ErrUnknown. Package fence
+// turns it into its exported *fence.UnknownOutcomeError.
 type UnknownError struct {
 	ID     ID
 	Schema string // where pgfence_timeline lives
@@ -73,6 +75,7 @@ type UnknownError struct {
 	Err    error
 }
 
+// Error says that the outcome is unknown, and why.
 func (e *UnknownError) Error() string {
 	return fmt.Sprintf("%v: %v (%s)", ErrUnknown, e.Err, e.Why)
 }
@@ -207,7 +210,7 @@ func Resolve(ctx context.Context, db DB, schema string, id ID) (Status, string) 
 	ctx, cancel := context.WithTimeout(ctx, wait.CleanupTimeout)
 	defer cancel()
 	gaveUp := func(err error) string {
-		return fmt.Sprintf("the server did not answer before the caller's context ended (%v)", err)
+		return fmt.Sprintf("the server did not answer within the caller's context (at most %v): %v", wait.CleanupTimeout, err)
 	}
 	if ctx.Err() != nil {
 		return Unknown, gaveUp(context.Cause(ctx))
@@ -260,7 +263,7 @@ func Resolve(ctx context.Context, db DB, schema string, id ID) (Status, string) 
 			terminated = true
 		}
 		if !wait.Sleep(ctx, poll) {
-			return Unknown, "the server still had the transaction in progress when the caller's context ended"
+			return Unknown, "the server still had the transaction in progress when the caller's context (at most " + wait.CleanupTimeout.String() + ") ended"
 		}
 	}
 }

@@ -57,6 +57,14 @@ func BinDir() (string, error) {
 // New initialises a cluster in a new temporary directory and starts it.
 // extraConf lines are appended to postgresql.conf.
 func New(extraConf ...string) (*Cluster, error) {
+	return NewTrusting(nil, extraConf...)
+}
+
+// NewTrusting is New for a server that also lets clients from the
+// addresses in cidrs connect without a password (as initdb's trust lets
+// clients on 127.0.0.1), from its start on; give it a listen_addresses
+// line that covers them.
+func NewTrusting(cidrs []string, extraConf ...string) (*Cluster, error) {
 	c, err := prepare()
 	if err != nil {
 		return nil, err
@@ -64,6 +72,12 @@ func New(extraConf ...string) (*Cluster, error) {
 	if err := c.pg("initdb", "-D", c.data(), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"); err != nil {
 		_ = os.RemoveAll(c.dir)
 		return nil, err
+	}
+	for _, cidr := range cidrs {
+		if err := c.appendFile("pg_hba.conf", "host all all "+cidr+" trust\n"); err != nil {
+			_ = os.RemoveAll(c.dir)
+			return nil, err
+		}
 	}
 	return c.configureAndStart(extraConf)
 }
@@ -232,15 +246,6 @@ func (c *Cluster) URL() string {
 // it listens on (a listen_addresses line given to New).
 func (c *Cluster) URLAt(host string) string {
 	return fmt.Sprintf("postgres://postgres@%s:%d/postgres?sslmode=disable", host, c.port)
-}
-
-// Trust lets clients from the addresses in cidr connect without a password,
-// as initdb's trust lets clients on 127.0.0.1, and reloads the server.
-func (c *Cluster) Trust(cidr string) error {
-	if err := c.appendFile("pg_hba.conf", "host all all "+cidr+" trust\n"); err != nil {
-		return err
-	}
-	return c.pg("pg_ctl", "-D", c.data(), "reload")
 }
 
 // Addr is the server's host:port.

@@ -58,7 +58,9 @@ func Rollback(ctx context.Context, tx pgx.Tx) {
 }
 
 // closeNow closes conn without waiting on the network: pgx writes its
-// goodbye under an already-ended context, so nothing blocks.
+// goodbye under an already-ended context, so nothing blocks. (A failed
+// ROLLBACK of a whole transaction already closes its connection in pgx;
+// this is for a savepoint's, where pgx leaves it open.)
 func closeNow(conn *pgx.Conn) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()

@@ -31,16 +31,6 @@ func Detached(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(ctx), CleanupTimeout)
 }
 
-// Cleanup returns ctx while it is live; once it has ended, a context that
-// keeps its values but not its cancellation and ends after CleanupTimeout.
-// Call the returned cancel function when done.
-func Cleanup(ctx context.Context) (context.Context, context.CancelFunc) {
-	if ctx.Err() == nil {
-		return ctx, func() {}
-	}
-	return Detached(ctx)
-}
-
 // PastDeadline bounds what a call does after its caller's context has
 // ended to leave things tidy (cancel its statement at the server, name what
 // blocked it): a caller's deadline is its budget, and a call returns within

@@ -7,8 +7,8 @@ import (
 )
 
 // Detached keeps ctx's values, not its cancellation, and ends after
-// CleanupTimeout; Cleanup is ctx while it lives, and Detached after.
-func TestDetachedAndCleanup(t *testing.T) {
+// CleanupTimeout; Tidy likewise, after PastDeadline.
+func TestDetachedAndTidy(t *testing.T) {
 	type key struct{}
 	parent, cancel := context.WithCancel(context.WithValue(context.Background(), key{}, "v"))
 	d, dcancel := Detached(parent)
@@ -20,15 +20,12 @@ func TestDetachedAndCleanup(t *testing.T) {
 	if dl, ok := d.Deadline(); !ok || time.Until(dl) > CleanupTimeout || time.Until(dl) < CleanupTimeout-time.Second {
 		t.Fatalf("Detached's deadline %v, want about CleanupTimeout from now", dl)
 	}
-	live := context.Background()
-	if c, cc := Cleanup(live); c != live {
-		t.Fatal("Cleanup of a live context is not that context")
-	} else {
-		cc()
+	tidy, tcancel := Tidy(parent)
+	defer tcancel()
+	if tidy.Err() != nil || tidy.Value(key{}) != "v" {
+		t.Fatalf("Tidy after its parent's cancellation: err %v, value %v", tidy.Err(), tidy.Value(key{}))
 	}
-	c, cc := Cleanup(parent)
-	defer cc()
-	if c.Err() != nil || c.Value(key{}) != "v" {
-		t.Fatalf("Cleanup of an ended context: err %v", c.Err())
+	if dl, ok := tidy.Deadline(); !ok || time.Until(dl) > PastDeadline {
+		t.Fatalf("Tidy's deadline %v, want at most PastDeadline from now", dl)
 	}
 }
