@@ -53,7 +53,7 @@ func appGrantSQL(schema, s, r string) []string {
 		"REVOKE UPDATE ON " + t("pgfence_fences") + " FROM " + r,
 		"GRANT UPDATE (token, updated_at) ON " + t("pgfence_fences") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
-		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_jobs") + " TO " + r,
+		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_jobs") + ", " + t("pgfence_roles") + " TO " + r,
 		// Not the key of a position: the trigger refuses that anyway.
 		// A position row is created with its key only: a row inserted with
 		// a token of the application's choosing would refuse every leader.
@@ -74,7 +74,7 @@ func operatorGrantSQL(schema, s, r string) []string {
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
 			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_positions") + ", " + t("pgfence_epoch") + ", " +
-			t(VersionTable) + " TO " + r,
+			t("pgfence_roles") + ", " + t(VersionTable) + " TO " + r,
 		"GRANT UPDATE ON " + t("pgfence_jobs") + " TO " + r,
 		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
 		// pgfence_timeline: RunNow reads its transaction's id and timeline,

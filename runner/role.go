@@ -41,8 +41,11 @@ type Role struct {
 	// Name identifies the role in the schema; it shares the namespace of
 	// the runner's jobs. Required.
 	Name string
-	// Partitions is how many partitions the role has: 1 to 65536. Every
-	// replica registering the role must give the same number.
+	// Partitions is how many partitions the role has: 1 to 65536. The
+	// first runner to register the role records it in the schema; a
+	// runner that gives another number does not start (Run returns a
+	// *PartitionCountError), so that no partition is left without a
+	// leader.
 	Partitions int
 	// Lead does one partition's work while this instance leads it. Its
 	// context ends when the lease is lost, when a rebalance moves the
@@ -61,6 +64,38 @@ type Role struct {
 	// (behind PgBouncer in transaction mode). Default 1s.
 	Poll time.Duration
 }
+
+// ErrPartitionCount is matched by the *PartitionCountError that Run returns
+// when a role's partition count differs from the one registered in the
+// schema (by the first runner that registered the role).
+var ErrPartitionCount = errors.New("runner: the role's partition count differs from the registered one")
+
+// PartitionCountError is Run's refusal to start a role with another
+// partition count than the schema's. Replicas that disagree on the count
+// would leave partitions without a leader (the others hand this replica
+// partitions it does not know of), so the replica does not start at all:
+// every replica of a role must give the registered count. It matches
+// ErrPartitionCount.
+type PartitionCountError struct {
+	// Role is the role's name.
+	Role string
+	// Registered is the count in the schema; Given this runner's.
+	Registered, Given int
+	// RegisteredBy is the instance that registered the role, and
+	// RegisteredAt when.
+	RegisteredBy string
+	RegisteredAt time.Time
+}
+
+// Error says which counts differ, and where the registered one comes from.
+func (e *PartitionCountError) Error() string {
+	return fmt.Sprintf("runner: role %q has %d partitions in the schema (registered by %s at %s); this runner gives %d: "+
+		"every replica of a role must give the registered count", e.Role, e.Registered, e.RegisteredBy,
+		e.RegisteredAt.UTC().Format(time.RFC3339), e.Given)
+}
+
+// Is makes errors.Is(err, ErrPartitionCount) true.
+func (e *PartitionCountError) Is(target error) bool { return target == ErrPartitionCount }
 
 // ErrPositionBackwards is returned by Partition.Commit when its function
 // returns a position below the partition's current one; nothing commits.

@@ -1,8 +1,12 @@
 package runner_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"log/slog"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -387,4 +391,89 @@ func TestCommitRefusesAMovedPosition(t *testing.T) {
 	if n := queryInt(t, db, "SELECT count(*) FROM "+effects); n != 0 {
 		t.Fatalf("%d effects of the refused Commit committed", n)
 	}
+}
+
+// A replica that gives a role another partition count than the one
+// registered does not start: Run returns a *PartitionCountError at once,
+// logged as an ERROR, and the replicas that agree keep a leader for every
+// partition (before the count was in the schema, a replica with 4 of 8 was
+// handed partitions 4-7 it never took, and they stayed without a leader).
+func TestPartitionCountMismatchRefused(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	var target atomic.Int64
+	const ttl, poll = time.Second, 50 * time.Millisecond
+	lcfg := func(who string) lock.Config {
+		return lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: poll}
+	}
+	rcfg := runner.Config{RebalanceInterval: 200 * time.Millisecond}
+	for _, who := range []string{"a", "b"} {
+		start(t, db.Pool, lcfg(who), rcfg, func(r *runner.Runner) error {
+			return r.RegisterRole(counterRole(db, "relay", 8, &target, poll))
+		})
+	}
+	ctx := pgtest.Context(t, time.Minute)
+	allLed := func() bool {
+		infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+		if err != nil {
+			t.Fatal(err)
+		}
+		led := 0
+		for _, in := range infos {
+			if in.Leading {
+				led++
+			}
+		}
+		return led == 8
+	}
+	waitFor(t, 30*time.Second, "a leader for each of the 8 partitions", allLed)
+
+	var logged syncBuffer
+	cfg := lcfg("c")
+	cfg.Logger = slog.New(slog.NewTextHandler(&logged, nil))
+	r, err := runner.New(lockClient(t, db.Pool, cfg), rcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.RegisterRole(counterRole(db, "relay", 4, &target, poll)); err != nil {
+		t.Fatal(err)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	began := time.Now()
+	err = r.Run(rctx)
+	var pc *runner.PartitionCountError
+	if !errors.As(err, &pc) || !errors.Is(err, runner.ErrPartitionCount) || pc.Registered != 8 || pc.Given != 4 || pc.Role != "relay" {
+		t.Fatalf("Run with 4 partitions of a role registered with 8: %v (after %v), want a *PartitionCountError 8/4", err, time.Since(began))
+	}
+	t.Logf("refused after %v: %v", time.Since(began).Round(time.Millisecond), err)
+	if !strings.Contains(logged.String(), "level=ERROR") || !strings.Contains(logged.String(), "partition count") {
+		t.Errorf("no ERROR line about the partition count in the refused replica's log:\n%s", logged.String())
+	}
+	// For a TTL and more after the refusal, every partition still has a
+	// leader.
+	for end := time.Now().Add(ttl + 10*poll); time.Now().Before(end); time.Sleep(poll) {
+		if !allLed() {
+			t.Fatal("a partition lost its leader after a replica with another count was refused")
+		}
+	}
+}
+
+// syncBuffer is a log written by a runner's goroutines and read by the test.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }

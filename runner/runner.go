@@ -214,8 +214,10 @@ func (e *StopError) Is(target error) bool { return target == ErrNotStopped }
 // nil after a clean stop, only.
 //
 // Run first checks that the schema is migrated (a
-// *migrations.NotMigratedError if not); if ctx ends before that check
-// completes, Run returns nil. A permanent database error later
+// *migrations.NotMigratedError if not) and registers the jobs and roles (a
+// *PartitionCountError for a role whose partition count differs from the
+// registered one: nothing starts); if ctx ends before that completes, Run
+// returns nil. A permanent database error later
 // (a dropped table, revoked privileges: see package lock for the
 // classification) stops every job the same graceful way and is returned;
 // transient errors are retried.
@@ -364,10 +366,15 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 	var (
 		names, schedules []string
 		shards, attempts []int
+		roles            []string
+		partitions       []int
 	)
 	for _, j := range jobs {
 		if j.role != nil {
-			continue // a role has no schedule nor ledger: pgfence_positions
+			// A role has no schedule nor ledger (pgfence_positions); its
+			// partition count is registered apart.
+			roles, partitions = append(roles, j.Name), append(partitions, j.shards)
+			continue
 		}
 		names, schedules = append(names, j.Name), append(schedules, j.Schedule)
 		shards, attempts = append(shards, j.shards), append(attempts, j.Retry.MaxAttempts)
@@ -379,6 +386,15 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 		if err == nil {
 			if _, err = r.pool.Exec(ctx, r.q.register, names, schedules, shards, attempts, r.lcfg.Holder); err != nil {
 				err = fmt.Errorf("register the jobs: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
+			}
+		}
+		if err == nil && len(roles) > 0 {
+			var mismatch error
+			mismatch, err = r.registerRoles(ctx, roles, partitions)
+			if mismatch != nil {
+				r.log.Error("pgfence runner: not starting: a role's partition count differs from the registered one",
+					"err", mismatch)
+				return mismatch
 			}
 		}
 		if err == nil || !retry.Transient(err) {
@@ -393,6 +409,38 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 			return ctx.Err()
 		}
 	}
+}
+
+// registerRoles registers the roles' partition counts and returns a
+// *PartitionCountError for the first role whose registered count is not
+// the one given (as mismatch), or the statement's error.
+func (r *Runner) registerRoles(ctx context.Context, roles []string, partitions []int) (mismatch, err error) {
+	rows, err := r.pool.Query(ctx, r.q.registerRoles, roles, partitions, r.lcfg.Holder)
+	if err != nil {
+		return nil, fmt.Errorf("register the roles: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
+	}
+	given := make(map[string]int, len(roles))
+	for i, ro := range roles {
+		given[ro] = partitions[i]
+	}
+	var bad []*PartitionCountError
+	for rows.Next() {
+		e := &PartitionCountError{}
+		if err := rows.Scan(&e.Role, &e.Registered, &e.RegisteredAt, &e.RegisteredBy); err != nil {
+			rows.Close()
+			return nil, fmt.Errorf("register the roles: %w", err)
+		}
+		if e.Given = given[e.Role]; e.Given != e.Registered {
+			bad = append(bad, e)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("register the roles: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
+	}
+	if len(bad) > 0 {
+		return bad[0], nil
+	}
+	return nil, nil
 }
 
 // permanent reports a database error that retrying will not fix.

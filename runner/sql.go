@@ -35,7 +35,7 @@ type ledgerSQL struct {
 }
 
 type fleetSQL struct {
-	register, heartbeat, announce, leave, holders, instances, terms string
+	register, registerRoles, heartbeat, announce, leave, holders, instances, terms string
 }
 
 type roleSQL struct {
@@ -62,7 +62,7 @@ func sqlFor(schema string) *queries {
 
 // tables are schema's tables and functions, quoted.
 type tables struct {
-	runs, jobs, inst, leases, wake, positions string
+	runs, jobs, inst, leases, wake, positions, roles string
 }
 
 func tablesOf(schema string) tables {
@@ -73,6 +73,7 @@ func tablesOf(schema string) tables {
 		leases:    ident.Table(schema, "pgfence_leases"),
 		wake:      ident.Table(schema, "pgfence_wake_waiters"),
 		positions: ident.Table(schema, "pgfence_positions"),
+		roles:     ident.Table(schema, "pgfence_roles"),
 	}
 }
 
@@ -218,7 +219,7 @@ SELECT attempt, status FROM took UNION ALL SELECT attempt, status FROM ins`
 // operators' view of them.
 func newFleetSQL(schema string) fleetSQL {
 	t := tablesOf(schema)
-	runs, jobs, inst, leases, wake := t.runs, t.jobs, t.inst, t.leases, t.wake
+	runs, jobs, inst, leases, wake, roles := t.runs, t.jobs, t.inst, t.leases, t.wake, t.roles
 	return fleetSQL{
 		// Registers this instance's jobs ($1 names, $2 schedules, $3 shard
 		// counts, $4 max attempts, by $5), keeping a pause.
@@ -226,6 +227,16 @@ func newFleetSQL(schema string) fleetSQL {
 SELECT j, s, n, a, now(), $5 FROM unnest($1::text[], $2::text[], $3::int[], $4::int[]) AS t(j, s, n, a)
 ON CONFLICT (job) DO UPDATE SET schedule = EXCLUDED.schedule, shards = EXCLUDED.shards,
    max_attempts = EXCLUDED.max_attempts, registered_at = now(), registered_by = EXCLUDED.registered_by`,
+
+		// Registers this instance's roles ($1 names, $2 partition counts,
+		// by $3): the first registration sets a role's count; each row
+		// comes back with the count registered (the no-op update locks
+		// and returns the committed row, also when another instance
+		// registered it concurrently).
+		registerRoles: `INSERT INTO ` + roles + ` AS r (role, partitions, registered_at, registered_by)
+SELECT n, p, now(), $3 FROM unnest($1::text[], $2::int[]) AS t(n, p)
+ON CONFLICT (role) DO UPDATE SET partitions = r.partitions
+RETURNING role, partitions, registered_at, registered_by`,
 
 		// Renews this instance's row (with the jobs it runs),
 		// deletes rows of instances dead for longer than $4, and returns

@@ -340,6 +340,14 @@ CREATE TABLE pgfence.pgfence_positions (
     CONSTRAINT pgfence_positions_token_check CHECK ((token >= 0))
 );
 
+CREATE TABLE pgfence.pgfence_roles (
+    role text NOT NULL,
+    partitions integer NOT NULL,
+    registered_at timestamp with time zone NOT NULL,
+    registered_by text NOT NULL,
+    CONSTRAINT pgfence_roles_partitions_check CHECK (((partitions >= 1) AND (partitions <= 65536)))
+);
+
 CREATE TABLE pgfence.pgfence_runs (
     job text NOT NULL,
     shard integer NOT NULL,
@@ -381,6 +389,9 @@ ALTER TABLE ONLY pgfence.pgfence_leases
 
 ALTER TABLE ONLY pgfence.pgfence_positions
     ADD CONSTRAINT pgfence_positions_pkey PRIMARY KEY (role, partition);
+
+ALTER TABLE ONLY pgfence.pgfence_roles
+    ADD CONSTRAINT pgfence_roles_pkey PRIMARY KEY (role);
 
 ALTER TABLE ONLY pgfence.pgfence_runs
     ADD CONSTRAINT pgfence_runs_pkey PRIMARY KEY (job, shard, kind, slot, attempt);
