@@ -75,7 +75,7 @@ func operatorGrantSQL(schema, s, r string) []string {
 		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
 			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_positions") + ", " + t("pgfence_epoch") + ", " +
 			t("pgfence_roles") + ", " + t(VersionTable) + " TO " + r,
-		"GRANT UPDATE ON " + t("pgfence_jobs") + " TO " + r,
+		"GRANT UPDATE ON " + t("pgfence_jobs") + ", " + t("pgfence_roles") + " TO " + r,
 		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
 		// pgfence_timeline: RunNow reads its transaction's id and timeline,
 		// to learn whether it committed if COMMIT's answer is lost.

@@ -477,3 +477,63 @@ func (b *syncBuffer) String() string {
 	defer b.mu.Unlock()
 	return b.b.String()
 }
+
+// SetPartitions changes a role's count only while no replica runs it (the
+// error names those that do); then replicas with the new count run it, and
+// one with the old count is refused.
+func TestSetPartitions(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	var target atomic.Int64
+	const poll = 50 * time.Millisecond
+	lcfg := func(who string) lock.Config {
+		return lock.Config{Schema: db.Schema, Holder: who, TTL: time.Second, PollInterval: poll}
+	}
+	rcfg := runner.Config{RebalanceInterval: 200 * time.Millisecond}
+	ctx := pgtest.Context(t, time.Minute)
+	led := func(n int) func() bool {
+		return func() bool {
+			infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+			if err != nil {
+				t.Fatal(err)
+			}
+			count := 0
+			for _, in := range infos {
+				if in.Leading && in.Partition < n {
+					count++
+				}
+			}
+			return count == n
+		}
+	}
+	if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op"); !errors.Is(err, runner.ErrUnknownJob) {
+		t.Fatalf("SetPartitions of a role never registered: %v, want ErrUnknownJob", err)
+	}
+	a := start(t, db.Pool, lcfg("a"), rcfg, func(r *runner.Runner) error {
+		return r.RegisterRole(counterRole(db, "relay", 8, &target, poll))
+	})
+	waitFor(t, 30*time.Second, "a leader for each of the 8 partitions", led(8))
+	if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op"); !errors.Is(err, runner.ErrRoleRunning) || !strings.Contains(err.Error(), "run by a") {
+		t.Fatalf("SetPartitions while replica a runs the role: %v, want ErrRoleRunning naming a", err)
+	}
+	a.stop(t)
+	before, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op")
+	if err != nil || before != 8 {
+		t.Fatalf("SetPartitions once every replica stopped: %d, %v; want 8, nil", before, err)
+	}
+	start(t, db.Pool, lcfg("c"), rcfg, func(r *runner.Runner) error {
+		return r.RegisterRole(counterRole(db, "relay", 4, &target, poll))
+	})
+	waitFor(t, 30*time.Second, "a leader for each of the 4 partitions", led(4))
+	r, err := runner.New(lockClient(t, db.Pool, lcfg("d")), rcfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.RegisterRole(counterRole(db, "relay", 8, &target, poll)); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Run(ctx); !errors.Is(err, runner.ErrPartitionCount) {
+		t.Fatalf("Run with the old count after the change: %v, want ErrPartitionCount", err)
+	}
+}

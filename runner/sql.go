@@ -43,7 +43,7 @@ type roleSQL struct {
 }
 
 type controlSQL struct {
-	prune, runs, pause, resume, jobShards, request, waitRun, jobs string
+	prune, runs, pause, resume, jobShards, request, waitRun, jobs, setPartitions string
 }
 
 // built holds each schema's statements, built on first use: operators'
@@ -301,6 +301,18 @@ func newControlSQL(schema string) controlSQL {
 	t := tablesOf(schema)
 	runs, jobs, leases, wake := t.runs, t.jobs, t.leases, t.wake
 	return controlSQL{
+		// Sets role $1's partition count to $2 (by $3) if no live
+		// instance runs it ($4: its member name), and returns the count
+		// before, whether the role is registered, and the live
+		// instances that run it (then nothing is changed). The row is
+		// locked first, so a replica registering the role meanwhile waits.
+		setPartitions: `WITH role AS (SELECT partitions FROM ` + t.roles + ` WHERE role = $1 FOR UPDATE),
+live AS (SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids FROM ` + t.inst + `
+    WHERE expires_at > now() AND stopped_at IS NULL AND $4 = ANY(jobs)),
+upd AS (UPDATE ` + t.roles + ` SET partitions = $2, registered_at = now(), registered_by = $3
+    WHERE role = $1 AND (SELECT cardinality(ids) FROM live) = 0 RETURNING role)
+SELECT (SELECT partitions FROM role), EXISTS (SELECT 1 FROM role), (SELECT ids FROM live)`,
+
 		// Finished attempts that started before $1, except those of the
 		// latest scheduled slot of each job and shard (a new leader
 		// resumes from it).
