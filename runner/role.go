@@ -453,10 +453,14 @@ type PartitionInfo struct {
 	// advanced), and Committer the instance that made it.
 	Token     fence.Token `json:"token"`
 	Committer string      `json:"committer"`
-	// AdvancedAt is when the position last advanced (database clock; zero
-	// if never), and Commits how many times it has.
+	// AdvancedAt is when the position last moved (database clock; zero if
+	// never): a Commit that returns the same position leaves it. A
+	// consumer stuck on an item shows here as a time that grows.
 	AdvancedAt time.Time `json:"advanced_at"`
-	Commits    int64     `json:"commits"`
+	// CommittedAt is when the last Commit committed, whether the position
+	// moved or not (zero if never), and Commits how many have.
+	CommittedAt time.Time `json:"committed_at"`
+	Commits     int64     `json:"commits"`
 	// Leader is the instance holding the partition's lease now, "" if none
 	// (Leading false), with LeaderToken its token.
 	Leader      string      `json:"leader"`
@@ -490,15 +494,18 @@ func Partitions(ctx context.Context, db fence.DB, schema, role string) ([]Partit
 	}
 	infos, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (PartitionInfo, error) {
 		var (
-			p          PartitionInfo
-			tok, ltok  int64
-			advancedAt *time.Time
+			p                       PartitionInfo
+			tok, ltok               int64
+			advancedAt, committedAt *time.Time
 		)
-		err := row.Scan(&p.Role, &p.Partition, &p.Position, &tok, &p.Committer, &advancedAt, &p.Commits,
+		err := row.Scan(&p.Role, &p.Partition, &p.Position, &tok, &p.Committer, &advancedAt, &committedAt, &p.Commits,
 			&p.Leader, &ltok, &p.Leading, &p.Now)
 		p.Token, p.LeaderToken = fence.Token(tok), fence.Token(ltok)
 		if advancedAt != nil {
 			p.AdvancedAt = *advancedAt
+		}
+		if committedAt != nil {
+			p.CommittedAt = *committedAt
 		}
 		if !p.Leading {
 			p.Leader, p.LeaderToken = "", 0

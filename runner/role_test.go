@@ -537,3 +537,40 @@ func TestSetPartitions(t *testing.T) {
 		t.Fatalf("Run with the old count after the change: %v, want ErrPartitionCount", err)
 	}
 }
+
+// A Commit that returns the same position counts as a commit and sets
+// CommittedAt, but leaves AdvancedAt: a consumer stuck on an item does not
+// look as if it were moving.
+func TestAdvancedAtOnlyWhenThePositionMoves(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	done := make(chan struct{})
+	var once sync.Once
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{}, func(r *runner.Runner) error {
+		return r.RegisterRole(runner.Role{Name: "stuck", Partitions: 1, Lead: func(ctx context.Context, p *runner.Partition) error {
+			for _, next := range []int64{1, 1} {
+				if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return next, nil }); err != nil {
+					return err
+				}
+			}
+			once.Do(func() { close(done) })
+			<-ctx.Done()
+			return nil
+		}})
+	})
+	select {
+	case <-done:
+	case <-ctx.Done():
+		t.Fatal("the role's two commits did not happen")
+	}
+	infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "stuck")
+	if err != nil || len(infos) != 1 {
+		t.Fatalf("Partitions: %v, %v", infos, err)
+	}
+	p := infos[0]
+	if p.Position != 1 || p.Commits != 2 || p.AdvancedAt.IsZero() || !p.CommittedAt.After(p.AdvancedAt) {
+		t.Errorf("after a commit to 1 and one that stayed at 1: position %d, commits %d, advanced at %v, committed at %v; "+
+			"want 1, 2, the first commit's time, and the second's (later)", p.Position, p.Commits, p.AdvancedAt, p.CommittedAt)
+	}
+}

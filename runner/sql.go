@@ -89,18 +89,20 @@ func newRoleSQL(schema string) roleSQL {
 SELECT position FROM ins UNION ALL SELECT position FROM ` + t.positions + ` WHERE role = $1 AND partition = $2`,
 
 		// Advances a partition's position from $6 to $3 inside its
-		// leader's guarded transaction (token $4, holder $5): a
+		// leader's guarded transaction (token $4, holder $5), with when it
+		// last moved (advanced_at, only if it does) and was committed: a
 		// compare-and-set, so a position that moved (an earlier commit
 		// whose answer was lost did commit) is not advanced twice. The
 		// guard has checked the token and holds the lease row until the
 		// end of the transaction; the token condition and the trigger
 		// refuse a token going down.
-		advance: `UPDATE ` + t.positions + ` SET position = $3, token = $4, holder = $5, advanced_at = now(), commits = commits + 1
+		advance: `UPDATE ` + t.positions + ` SET position = $3, token = $4, holder = $5,
+    advanced_at = CASE WHEN position <> $3 THEN now() ELSE advanced_at END, committed_at = now(), commits = commits + 1
  WHERE role = $1 AND partition = $2 AND token <= $4 AND position = $6`,
 
 		// Every partition that has had a leader (of role $2, or of all
 		// when $2 is ''), with its lease ($1 the role lease prefix).
-		partitions: `SELECT p.role, p.partition, p.position, p.token, coalesce(p.holder, ''), p.advanced_at, p.commits,
+		partitions: `SELECT p.role, p.partition, p.position, p.token, coalesce(p.holder, ''), p.advanced_at, p.committed_at, p.commits,
        coalesce(l.holder, ''), coalesce(l.token, 0), coalesce(l.holder IS NOT NULL AND l.expires_at > now(), false), now()
   FROM ` + t.positions + ` p
   LEFT JOIN ` + t.leases + ` l ON l.name = $1 || p.role || '/' || p.partition

@@ -336,6 +336,7 @@ CREATE TABLE pgfence.pgfence_positions (
     holder text,
     advanced_at timestamp with time zone,
     commits bigint DEFAULT 0 NOT NULL,
+    committed_at timestamp with time zone,
     CONSTRAINT pgfence_positions_partition_check CHECK ((partition >= 0)),
     CONSTRAINT pgfence_positions_token_check CHECK ((token >= 0))
 );

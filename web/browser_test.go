@@ -318,6 +318,11 @@ func TestStatusPageInBrowser(t *testing.T) {
 		until(row("web-stopped")+` === "stopped" && `+row("web-crashed")+` === "gone"`, withinRefresh),
 		until(`[...document.querySelectorAll("#instances th.name")].some(e => e.textContent === "app-1")`, withinRefresh),
 		until(`document.querySelectorAll("#terms tbody tr th").length > 0`, withinRefresh),
+		// The role partitions table's columns line up: as many cells as
+		// headers in every row (the role and its partition had shared one).
+		until(`document.querySelectorAll("#partitions tbody tr th.name").length >= 2`, withinRefresh),
+		check(`[...document.querySelectorAll("#partitions tbody tr")].every(r => r.children.length === document.querySelectorAll("#partitions thead th").length)`,
+			"a row of the role partitions table has not as many cells as it has headers"),
 		shoot(dir, "status-fleet"),
 	)
 	if err != nil {

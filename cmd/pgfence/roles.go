@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"text/tabwriter"
+	"time"
 
 	"github.com/pgfence/pgfence/internal/printable"
 	"github.com/pgfence/pgfence/runner"
@@ -50,18 +51,20 @@ func cmdRoles(ctx context.Context, e *env, args []string) error {
 		return writeJSON(e.stdout, parts)
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "ROLE\tPARTITION\tLEADER\tTOKEN\tPOSITION\tADVANCED\tCOMMITS")
+	fmt.Fprintln(w, "ROLE\tPARTITION\tLEADER\tTOKEN\tPOSITION\tMOVED\tCOMMITTED\tCOMMITS")
 	for _, p := range parts {
 		leader, token := "(none)", "-"
 		if p.Leading {
 			leader, token = printable.String(p.Leader), p.LeaderToken.String()
 		}
-		advanced := "never"
-		if !p.AdvancedAt.IsZero() {
-			advanced = round(p.Now.Sub(p.AdvancedAt)).String() + " ago"
+		ago := func(at time.Time) string {
+			if at.IsZero() {
+				return "never"
+			}
+			return round(p.Now.Sub(at)).String() + " ago"
 		}
-		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%d\n", printable.String(p.Role), p.Partition, leader, token,
-			strconv.FormatInt(p.Position, 10), advanced, p.Commits)
+		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%d\n", printable.String(p.Role), p.Partition, leader, token,
+			strconv.FormatInt(p.Position, 10), ago(p.AdvancedAt), ago(p.CommittedAt), p.Commits)
 	}
 	return w.Flush()
 }

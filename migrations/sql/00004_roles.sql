@@ -1,7 +1,9 @@
 -- The roles runners have registered, with their partition count: the
 -- first runner to register a role sets it, and a runner that gives
 -- another count is refused (runner.ErrPartitionCount) instead of leaving
--- the partitions it does not know of without a leader.
+-- the partitions it does not know of without a leader. A position's
+-- advanced_at moves only when the position does; committed_at is its last
+-- Commit, moved or not.
 
 -- +goose Up
 CREATE TABLE pgfence_roles (
@@ -10,6 +12,8 @@ CREATE TABLE pgfence_roles (
     registered_at timestamptz NOT NULL,
     registered_by text        NOT NULL
 );
+ALTER TABLE pgfence_positions ADD COLUMN committed_at timestamptz;
 
 -- +goose Down
+ALTER TABLE pgfence_positions DROP COLUMN committed_at;
 DROP TABLE pgfence_roles;
