@@ -95,7 +95,7 @@ func ExampleRunner_RegisterRole() {
 	var delivered atomic.Int64
 	err = r.RegisterRole(runner.Role{
 		Name:       "outbox-relay",
-		Partitions: 2, // every replica registers the same; each partition has one leader
+		Partitions: 2, // recorded in the schema by the first replica; each partition has one leader
 		Lead: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
 				// In one statement (one snapshot): deliver the events of up to
