@@ -48,11 +48,29 @@ func cmdJobsStatus(ctx context.Context, e *env, args []string) error {
 	if job != "" && len(jobs) == 0 {
 		return fail(exitNoJob, "no job %q in schema %s (runners register their jobs when they start)", job, e.schemaName())
 	}
+	// A job without a leader runs nowhere: say so in the exit code, after
+	// the listing, for scripts and health checks.
+	var leaderless []string
+	for _, j := range jobs {
+		if j.Leader == "" {
+			name := printable.String(j.Job)
+			if j.Shards > 0 {
+				name += "#" + strconv.Itoa(j.Shard)
+			}
+			leaderless = append(leaderless, name)
+		}
+	}
+	noLeader := func(err error) error {
+		if err != nil || len(leaderless) == 0 {
+			return err
+		}
+		return fail(exitNoLeader, "%d without a leader (running nowhere): %s", len(leaderless), strings.Join(leaderless, ", "))
+	}
 	if asJSON {
 		if jobs == nil {
 			jobs = []runner.JobInfo{}
 		}
-		return writeJSON(e.stdout, jobs)
+		return noLeader(writeJSON(e.stdout, jobs))
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "JOB\tSHARD\tLEADER\tTOKEN\tSINCE\tLAST SLOT\tSTATUS\tATTEMPT\tDURATION\tNEXT\tMISSED\tPENDING\tPAUSED")
@@ -82,7 +100,7 @@ func cmdJobsStatus(ctx context.Context, e *env, args []string) error {
 		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%s\n", printable.String(j.Job), j.Shard, leader, token, since,
 			last, status, attempt, dur, next, j.Missed, j.Pending, paused)
 	}
-	return w.Flush()
+	return noLeader(w.Flush())
 }
 
 func cmdJobsRun(ctx context.Context, e *env, args []string) error {

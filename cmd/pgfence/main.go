@@ -47,6 +47,7 @@
 //	3   no such lease (release)
 //	4   no such job or shard (jobs status, run, pause, resume), or role (roles)
 //	5   the run failed or panicked (jobs run --wait)
+//	6   a job (or shard) listed has no leader (jobs status): it runs nowhere
 //	75  the lease is held elsewhere (run without --wait)
 //	76  the lease was lost while the command ran; the command was terminated
 //	other: run passes its command's exit code through (128+N if killed by signal N)
@@ -82,8 +83,10 @@ const (
 	exitNoJob   = 4 // no such job or shard (jobs status, run, pause, resume)
 	// exitRunFailed: jobs run --wait saw the run fail or panic.
 	exitRunFailed = 5
-	exitHeld      = 75
-	exitLost      = 76
+	// exitNoLeader: jobs status listed a job (or shard) without a leader.
+	exitNoLeader = 6
+	exitHeld     = 75
+	exitLost     = 76
 )
 
 // exitError carries an exit code with a message for stderr.
