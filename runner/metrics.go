@@ -47,7 +47,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	}
 	var e error
 	m.runs, e = m.meter.Int64Counter("pgfence.runner.runs", metric.WithUnit("{run}"),
-		metric.WithDescription("Finished attempts, by pgfence.job and pgfence.status: succeeded, failed, fenced, skipped (already done)."))
+		metric.WithDescription("Finished attempts, by pgfence.job and pgfence.status: succeeded, failed, fenced, skipped (the job was paused)."))
 	keep(e)
 	m.duration, e = m.meter.Float64Histogram("pgfence.runner.run.duration", metric.WithUnit("s"),
 		metric.WithDescription("Duration of an attempt, by pgfence.job and pgfence.status."),
@@ -60,7 +60,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		metric.WithDescription("Job and shard leases taken and ended on this instance, by pgfence.job and pgfence.change: gained, lost."))
 	keep(e)
 	m.missed, e = m.meter.Int64Counter("pgfence.runner.missed_slots", metric.WithUnit("{slot}"),
-		metric.WithDescription("Slots that passed without running (downtime, by Missed policy, or while a run overran), by pgfence.job."))
+		metric.WithDescription("Slots that passed without any replica running them (downtime, by Missed policy, or while a run overran), by pgfence.job."))
 	keep(e)
 	m.owned, e = m.meter.Int64ObservableGauge("pgfence.runner.shards.owned", metric.WithUnit("{shard}"),
 		metric.WithDescription("Shards of a sharded job this instance is assigned, by pgfence.job."))

@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
@@ -303,5 +304,46 @@ func TestRoleMetrics(t *testing.T) {
 		if v, ok := collect(t, reader).value("pgfence.runner.partition.leader", role, attribute.Int("pgfence.partition", p)); !ok || v != 1 {
 			t.Fatalf("partition %d leader gauge: %v %v, want 1", p, v, ok)
 		}
+	}
+}
+
+// Slots a leader passes over (it woke late: frozen, or its run overran)
+// count as missed only if no replica ran them, by the ledger. On a fake
+// clock: the leader waits for 10:01; meanwhile another replica ran 10:01
+// and 10:02 (rows in the ledger, as after a takeover while this one was
+// frozen); at 10:03 the leader wakes and passes over both: 0 missed. The
+// control, with nothing in the ledger: 2 missed.
+func TestMissedSlotsOnlyWhenNoReplicaRanThem(t *testing.T) {
+	t.Parallel()
+	for _, ranElsewhere := range []bool{true, false} {
+		name := map[bool]string{true: "ran elsewhere", false: "ran nowhere"}[ranElsewhere]
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			reader := sdkmetric.NewManualReader()
+			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+			t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+			ev := &events{}
+			began := time.Date(2026, 12, 1, 10, 0, 0, 1e6, time.UTC)
+			clk := clock.NewFake(began)
+			start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", MeterProvider: mp}, runner.Config{OnEvent: ev.hook("a")},
+				func(r *runner.Runner) error {
+					r.SetClock(clk)
+					return r.Register(runner.Job{Name: "tick", Schedule: "@every 1m", Run: func(context.Context, *runner.Run) error { return nil }})
+				})
+			waitFor(t, 10*time.Second, "the leader to wait for 10:01", func() bool { return clk.Pending() == 1 })
+			if ranElsewhere {
+				mustExec(t, db, "INSERT INTO "+tbl(db, "pgfence_runs")+` (job, shard, kind, slot, attempt, token, status, holder, started_at, finished_at)
+					SELECT 'tick', 0, 'scheduled', s, 1, 1, 'succeeded', 'b', s, s FROM unnest($1::timestamptz[]) s`,
+					[]time.Time{began.Truncate(time.Minute).Add(time.Minute), began.Truncate(time.Minute).Add(2 * time.Minute)})
+			}
+			clk.Advance(3 * time.Minute)
+			waitFor(t, 10*time.Second, "the 10:03 slot to run", func() bool { return len(ev.slots(runner.RunSucceeded)) == 1 })
+			missed, _ := collect(t, reader).value("pgfence.runner.missed_slots")
+			want := map[bool]float64{true: 0, false: 2}[ranElsewhere]
+			if missed != want {
+				t.Errorf("%s: pgfence.runner.missed_slots = %v, want %v", name, missed, want)
+			}
+		})
 	}
 }

@@ -71,8 +71,10 @@ func (w *worker) runSlot(ctx context.Context, t *term, slot slotRef) {
 		failing.Recover(w.log(), "pgfence runner: claims recovered", "slot", slot.at, "kind", slot.kind)
 		switch status {
 		case "":
-			w.r.m.skipped(w.j.Name)
-			return // already finished, or out of attempts
+			// Already finished (by this replica or another: a takeover
+			// claims the last slot again), or out of attempts: not a run
+			// of this replica's, so not counted.
+			return
 		case StatusSkipped:
 			w.r.m.skipped(w.j.Name)
 			w.event(RunSkipped, slot, l, attempt, nil)

@@ -31,7 +31,7 @@ type queries struct {
 type ledgerSQL struct {
 	claimFirst, claim, succeedFenced, fail func(fence string) string
 
-	succeed, markFenced, outcome, lastSlot, requested string
+	succeed, markFenced, outcome, lastSlot, ranBetween, requested string
 }
 
 type fleetSQL struct {
@@ -203,6 +203,11 @@ SELECT attempt, status FROM took UNION ALL SELECT attempt, status FROM ins`
    AND slot = $4::timestamptz AND attempt = $5::int AND token = $6::bigint`,
 
 		lastSlot: `SELECT max(slot) FROM ` + runs + ` WHERE job = $1 AND shard = $2 AND kind = 'scheduled'`,
+		// How many scheduled slots in [$3, $4) of a job's shard some
+		// replica has an attempt at: those a late leader passes over were
+		// not missed.
+		ranBetween: `SELECT count(DISTINCT slot) FROM ` + runs + `
+ WHERE job = $1 AND shard = $2 AND kind = 'scheduled' AND slot >= $3 AND slot < $4`,
 
 		// The manual runs of a job's shard that its leader (token $3,
 		// max attempts $4) should start: pending, or whose latest attempt

@@ -229,15 +229,30 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 			continue
 		}
 		// Slots that passed while the previous run was still going are
-		// not queued up: the latest due one runs.
+		// not queued up: the latest due one runs. They count as missed
+		// only if no replica ran them (this one may have been frozen
+		// while another led).
 		slot, missed := overrun(w.j.sched, next, w.r.clock.Now())
-		w.r.m.missedSlots(w.j.Name, missed)
+		if missed > 0 {
+			w.r.m.missedSlots(w.j.Name, w.unrun(ctx, next, slot, missed))
+		}
 		w.runSlot(ctx, t, scheduled(slot))
 		cursor = slot
 		if ctx.Err() != nil {
 			return context.Cause(ctx)
 		}
 	}
+}
+
+// unrun returns how many of the missed scheduled slots in [from, to) no
+// replica has an attempt at, by the ledger; if the ledger cannot be read,
+// none (a counter of slots that did not run must not count slots that did).
+func (w *worker) unrun(ctx context.Context, from, to time.Time, missed int) int {
+	var ran int
+	if err := w.r.pool.QueryRow(ctx, w.r.q.ranBetween, w.j.Name, w.shard, from, to).Scan(&ran); err != nil {
+		return 0
+	}
+	return max(missed-ran, 0)
 }
 
 type waited int
