@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -49,6 +50,9 @@ type Runner struct {
 	jobs    []*job
 	names   map[string]bool
 	running bool
+
+	live     atomic.Bool  // Run has started the jobs and not returned
+	lastBeat atomic.Int64 // when the last heartbeat succeeded (Unix ns, real clock)
 
 	fatal func(error) // set by Run: stop everything with this error
 }
@@ -240,6 +244,9 @@ func (r *Runner) Run(ctx context.Context) error {
 		}
 		return err
 	}
+	r.lastBeat.Store(time.Now().UnixNano()) // the first heartbeat is due within a TTL
+	r.live.Store(true)
+	defer r.live.Store(false)
 	names := make([]string, len(jobs))
 	roles := make(map[string]int)
 	for i, j := range jobs {

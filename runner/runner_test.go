@@ -723,3 +723,42 @@ func TestRunnerSharesTheApplicationsClient(t *testing.T) {
 		t.Fatalf("the client after Run returned: %v", err)
 	}
 }
+
+// Health is nil while the runner works, reports heartbeats that stopped
+// succeeding for a TTL (the instances table locked by another session),
+// recovers, and says "not running" once Run has returned.
+func TestRunnerHealth(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	in := start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: time.Second}, runner.Config{RebalanceInterval: 200 * time.Millisecond},
+		func(r *runner.Runner) error {
+			return r.Register(runner.Job{Name: "tick", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }})
+		})
+	waitFor(t, 10*time.Second, "the runner to be healthy", func() bool { return in.r.Health(ctx) == nil })
+
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, "LOCK TABLE "+tbl(db, "pgfence_instances")+" IN ACCESS EXCLUSIVE MODE"); err != nil {
+		t.Fatal(err)
+	}
+	var unhealthy error
+	waitFor(t, 10*time.Second, "Health to report the heartbeats", func() bool {
+		unhealthy = in.r.Health(ctx)
+		return unhealthy != nil
+	})
+	if !errors.Is(unhealthy, lock.ErrUnhealthy) || !strings.Contains(unhealthy.Error(), "no heartbeat") {
+		t.Fatalf("Health while heartbeats are held up: %v", unhealthy)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "Health to recover", func() bool { return in.r.Health(ctx) == nil })
+	in.stop(t)
+	if err := in.r.Health(ctx); !errors.Is(err, lock.ErrUnhealthy) || !strings.Contains(err.Error(), "not running") {
+		t.Fatalf("Health once Run has returned: %v", err)
+	}
+}

@@ -48,5 +48,8 @@
 //   - GET api/roles[?role=NAME]: [runner.PartitionInfo] (`pgfence roles --json`)
 //   - GET api/epoch: migrations.Epoch, the database history tokens are issued in
 //
+// GET healthz answers 200 "ok" while the database answers a ping within
+// 2 s, else 503 with the error (plain text), for the platform's probes.
+//
 // Paths are relative to where the handler is mounted.
 package web

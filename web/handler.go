@@ -150,6 +150,13 @@ func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
 	mux.HandleFunc("GET /api/epoch", h.api(func(ctx context.Context, r *http.Request) (any, error) {
 		return h.epoch(ctx)
 	}))
+	// The page's own health: the database answers (a ping, 2 s at most).
+	mux.Handle("GET /healthz", lock.HealthHandler(func(ctx context.Context) error {
+		if err := h.pool.Ping(ctx); err != nil {
+			return fmt.Errorf("the database does not answer: %w", err)
+		}
+		return nil
+	}, 2*time.Second))
 	h.root = http.NewCrossOriginProtection().Handler(mux)
 	h.hosts = map[string]bool{"localhost": true}
 	for _, name := range cfg.Hosts {

@@ -110,6 +110,9 @@ func TestJSONEndpointsAndPages(t *testing.T) {
 		t.Fatalf("api/runs?limit=x: %d %s", code, body)
 	}
 
+	if code, _, body := get(t, rg.srv.URL+"/healthz"); code != http.StatusOK || body != "ok\n" {
+		t.Fatalf("healthz with the database up: %d %q", code, body)
+	}
 	for _, page := range []struct{ path, want string }{
 		{"/", "nightly-billing"},
 		{"/jobs", "charge"},
@@ -415,5 +418,23 @@ func TestMountedUnderAPrefix(t *testing.T) {
 	res.Body.Close()
 	if res.StatusCode != http.StatusNotFound {
 		t.Fatalf("POST resume of an unknown job under the prefix: %d, want 404", res.StatusCode)
+	}
+}
+
+// healthz answers 503 with the error when the database does not answer (a
+// pool to a port nothing listens on).
+func TestHealthzWithoutTheDatabase(t *testing.T) {
+	pool, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/none?sslmode=disable&connect_timeout=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	h, err := web.New(pool, web.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptestServer(t, h)
+	if code, _, body := get(t, srv+"/healthz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "the database does not answer") {
+		t.Fatalf("healthz with no database: %d %q", code, body)
 	}
 }

@@ -1,0 +1,87 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/pgfence/pgfence/internal/ctxcheck"
+)
+
+// ErrUnhealthy is matched by every error Health returns for a client that
+// is not healthy (the error says why).
+var ErrUnhealthy = errors.New("lock: unhealthy")
+
+// Health says whether the client can do its work, for a readiness probe:
+// nil, or an error matching ErrUnhealthy that says why. It is unhealthy
+// when it is closed, when the database does not answer a ping within ctx
+// (through the client's pool), when its renewals are failing, and when a
+// lease it holds has less than RenewInterval of its trust window left (its
+// renewals are late: the next one missed and it is lost). It sends one
+// statement, and reads every held lease's trust window.
+func (c *Client) Health(ctx context.Context) error {
+	if err := ctxcheck.NotNil(ctx, "lock: Health"); err != nil {
+		return err
+	}
+	if c.isClosed() {
+		return fmt.Errorf("%w: %w", ErrUnhealthy, ErrClosed)
+	}
+	var why []error
+	if err := c.pool.Ping(ctx); err != nil {
+		why = append(why, fmt.Errorf("the database does not answer: %w", err))
+	}
+	if c.failing.Load() {
+		why = append(why, errors.New("renewals are failing"))
+	}
+	if name, left, ok := c.leastTrust(); ok && left < c.cfg.RenewInterval {
+		why = append(why, fmt.Errorf("renewals are late: lease %q has %v of its trust window left (less than RenewInterval, %v)",
+			name, left.Round(time.Millisecond), c.cfg.RenewInterval))
+	}
+	if len(why) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: %w", ErrUnhealthy, errors.Join(why...))
+}
+
+// leastTrust returns the held lease with the least trust left, and how
+// much; ok is false when the client holds none.
+func (c *Client) leastTrust() (name string, left time.Duration, ok bool) {
+	c.mu.Lock()
+	held := make([]*Lease, 0, len(c.held))
+	for l := range c.held {
+		held = append(held, l)
+	}
+	c.mu.Unlock()
+	now := c.clock.Now()
+	for _, l := range held {
+		if d := l.TrustedUntil().Sub(now); !ok || d < left {
+			name, left, ok = l.name, d, true
+		}
+	}
+	return name, left, ok
+}
+
+// HealthHandler serves check as a readiness endpoint: 200 "ok", or 503
+// with the error, as plain text; each request's check gets the request's
+// context with timeout (5s if 0 or less). Mount it where the platform
+// probes, for example http.Handle("/readyz", lock.HealthHandler(client.Health, 2*time.Second)),
+// or with runner.Runner.Health.
+func HealthHandler(check func(ctx context.Context) error, timeout time.Duration) http.Handler {
+	if timeout <= 0 {
+		timeout = 5 * time.Second
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), timeout)
+		defer cancel()
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("Cache-Control", "no-store")
+		if err := check(ctx); err != nil {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = fmt.Fprintln(w, err)
+			return
+		}
+		_, _ = fmt.Fprintln(w, "ok")
+	})
+}
