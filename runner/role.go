@@ -321,8 +321,17 @@ func (w *worker) roleLoop(ctx context.Context) {
 	}
 	terms := make(chan current, 1) // the running term, if any
 	e := w.election(func(lctx context.Context, l *lock.Lease) error {
-		leadCtx, cancel := context.WithCancel(lctx)
-		defer cancel()
+		leadCtx, cancelCause := context.WithCancelCause(lctx)
+		defer cancelCause(nil)
+		// Why the balancer ended ctx: a shutdown (the group's cause), or
+		// the partition moved away (a plain cancel).
+		cancel := func() {
+			if cause := context.Cause(ctx); errors.Is(cause, errShutdown) {
+				cancelCause(cause)
+			} else {
+				cancelCause(errMoved)
+			}
+		}
 		p, err := w.newPartition(lctx, l)
 		// A transient failure is retried within the term, with a backoff:
 		// ending the term would release the lease and campaign again at

@@ -574,3 +574,53 @@ func TestAdvancedAtOnlyWhenThePositionMoves(t *testing.T) {
 			"want 1, 2, the first commit's time, and the second's (later)", p.Position, p.Commits, p.AdvancedAt, p.CommittedAt)
 	}
 }
+
+// A replica that gives a partition up to a joining one says so in its log,
+// under role and partition, with why the term ended (not an error).
+func TestRebalanceLogsWhyATermEnded(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	var target atomic.Int64
+	const poll = 50 * time.Millisecond
+	var logged syncBuffer
+	lcfg := func(who string) lock.Config {
+		return lock.Config{Schema: db.Schema, Holder: who, TTL: time.Second, PollInterval: poll}
+	}
+	rcfg := runner.Config{RebalanceInterval: 200 * time.Millisecond}
+	acfg := lcfg("a")
+	acfg.Logger = slog.New(slog.NewTextHandler(&logged, nil))
+	start(t, db.Pool, acfg, rcfg, func(r *runner.Runner) error {
+		return r.RegisterRole(counterRole(db, "relay", 4, &target, poll))
+	})
+	ctx := pgtest.Context(t, time.Minute)
+	ledBy := func(who string) int {
+		infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+		if err != nil {
+			t.Fatal(err)
+		}
+		n := 0
+		for _, in := range infos {
+			if in.Leading && in.Leader == who {
+				n++
+			}
+		}
+		return n
+	}
+	waitFor(t, 30*time.Second, "a to lead the 4 partitions", func() bool { return ledBy("a") == 4 })
+	start(t, db.Pool, lcfg("b"), rcfg, func(r *runner.Runner) error {
+		return r.RegisterRole(counterRole(db, "relay", 4, &target, poll))
+	})
+	waitFor(t, 30*time.Second, "b to lead some partitions", func() bool { return ledBy("b") > 0 })
+	waitFor(t, 10*time.Second, "a's line about a partition it gave up", func() bool {
+		return strings.Contains(logged.String(), `msg="pgfence runner: stopped leading" role=relay partition=`)
+	})
+	for _, line := range strings.Split(logged.String(), "\n") {
+		if strings.Contains(line, "stopped leading") {
+			if !strings.Contains(line, "level=INFO") || !strings.Contains(line, `why="moved to another replica by a rebalance"`) ||
+				strings.Contains(line, "context canceled") {
+				t.Errorf("a partition moved by a rebalance is logged as %q", line)
+			}
+		}
+	}
+}

@@ -66,6 +66,11 @@ func (w *worker) election(lead func(ctx context.Context, l *lock.Lease) error) *
 		},
 		OnStop: func(l *lock.Lease, err error) {
 			w.event(LeadershipLost, slotRef{}, l, 0, err)
+			if why, ok := termEnd(err); ok {
+				log.Info("pgfence runner: stopped leading", "token", l.Token(), "why", why)
+			} else {
+				log.Warn("pgfence runner: stopped leading", "token", l.Token(), "why", why, "err", err)
+			}
 			if permanent(err) {
 				w.r.fatal(fmt.Errorf("runner: job %q: %w", w.j.Name, err))
 			}
@@ -164,8 +169,37 @@ func (w *worker) electionEnded(err error) {
 	}
 }
 
-// log is the runner's logger with the worker's job and shard.
-func (w *worker) log() *slog.Logger { return w.r.log.With("job", w.j.Name, "shard", w.shard) }
+// log is the runner's logger with the worker's job and shard, or role and
+// partition.
+func (w *worker) log() *slog.Logger {
+	if w.j.role != nil {
+		return w.r.log.With("role", w.j.Name, "partition", w.shard)
+	}
+	return w.r.log.With("job", w.j.Name, "shard", w.shard)
+}
+
+// errMoved ends a partition's term when a rebalance moves the partition to
+// another replica.
+var errMoved = errors.New("runner: moved to another replica by a rebalance")
+
+// termEnd says why a term ended (what Lead returned, or the lease's loss),
+// and whether that is an ordinary end (released, moved, handed over, shut
+// down) rather than a loss or a failure.
+func termEnd(err error) (why string, ordinary bool) {
+	switch {
+	case err == nil, errors.Is(err, lock.ErrReleased):
+		return "released", true
+	case errors.Is(err, errMoved):
+		return "moved to another replica by a rebalance", true
+	case errors.Is(err, errHandOver):
+		return "handed over to its preferred replica", true
+	case errors.Is(err, errShutdown):
+		return "shutting down", true
+	case errors.Is(err, lock.ErrLeaseLost):
+		return "lease lost", false
+	}
+	return "failed", false
+}
 
 // slotRef names a slot of the worker's job and shard: a scheduled one, or
 // a manual run.
