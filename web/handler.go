@@ -199,7 +199,7 @@ func foreignReferer(r *http.Request) bool {
 // (invalid UTF-8, or a NUL, which PostgreSQL refuses in text).
 func badParameter(r *http.Request) (string, bool) {
 	if err := r.ParseForm(); err != nil {
-		return "the query", true
+		return undecodable(r.URL.RawQuery), true
 	}
 	for name, values := range r.Form {
 		if !utf8.ValidString(name) || strings.ContainsRune(name, 0) {
@@ -212,6 +212,26 @@ func badParameter(r *http.Request) (string, bool) {
 		}
 	}
 	return "", false
+}
+
+// undecodable names the first parameter of a raw query that does not
+// decode (a bad % escape), as text; "the query" or "the form" (a request
+// body that does not parse) when none does.
+func undecodable(raw string) string {
+	for _, pair := range strings.Split(raw, "&") {
+		key, value, _ := strings.Cut(pair, "=")
+		k, err := url.QueryUnescape(key)
+		if err != nil {
+			return printable.String(key)
+		}
+		if _, err := url.QueryUnescape(value); err != nil {
+			return printable.String(k)
+		}
+	}
+	if raw == "" {
+		return "the form"
+	}
+	return "the query"
 }
 
 // staticFiles serves the embedded assets: files only (no directory
@@ -250,7 +270,12 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if name, bad := badParameter(r); bad {
-		http.Error(w, "pgfence web: parameter "+strconv.Quote(name)+" is not valid text", http.StatusBadRequest)
+		msg := "pgfence web: parameter " + strconv.Quote(name) + " is not valid text"
+		if strings.HasPrefix(r.URL.Path, "/api/") {
+			writeJSON(w, http.StatusBadRequest, map[string]string{"error": msg, "parameter": name})
+			return
+		}
+		http.Error(w, msg, http.StatusBadRequest)
 		return
 	}
 	if r.URL.Path == "" {

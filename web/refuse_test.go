@@ -1,6 +1,7 @@
 package web_test
 
 import (
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/url"
@@ -89,13 +90,23 @@ func TestPageRefusesWhatItMust(t *testing.T) {
 		t.Errorf("POST /resume with the page's own Referer: 403\n%s", body)
 	}
 
-	// Parameters that are not text: 400 naming the parameter, not the
-	// database's error as a 500.
-	for _, q := range []string{"/api/runs?job=%00", "/jobs?job=%ff%fe", "/api/roles?role=a%00b"} {
+	// Parameters that are not text, or do not decode: 400 naming the
+	// parameter, not the database's error as a 500; as JSON from the API.
+	for _, q := range []string{"/api/runs?job=%00", "/jobs?job=%ff%fe", "/api/roles?role=a%00b",
+		"/api/runs?limit=5&job=%zz", "/jobs?x=1&job=%zz"} {
 		code, body := do(t, http.MethodGet, rg.srv.URL+q, "", nil, nil)
-		name := q[strings.Index(q, "?")+1 : strings.Index(q, "=")]
+		name := "job"
+		if strings.Contains(q, "role=") {
+			name = "role"
+		}
 		if code != http.StatusBadRequest || !strings.Contains(body, `"`+name+`"`) {
 			t.Errorf("GET %s: %d %q, want 400 naming %q", q, code, body, name)
+		}
+		if strings.HasPrefix(q, "/api/") {
+			var v struct{ Error, Parameter string }
+			if err := json.Unmarshal([]byte(body), &v); err != nil || v.Parameter != name || v.Error == "" {
+				t.Errorf("GET %s: %q, want JSON with error and parameter %q", q, body, name)
+			}
 		}
 	}
 
