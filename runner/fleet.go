@@ -3,6 +3,7 @@ package runner
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -30,10 +31,13 @@ type InstanceInfo struct {
 	// crash, a kill, a lost network).
 	StoppedAt *time.Time `json:"stopped_at"`
 	// Jobs names the jobs the instance registered (it runs them when it
-	// leads them).
-	Jobs []string `json:"jobs"`
-	// Leads lists the jobs and shards whose lease the instance holds.
-	Leads []Lead `json:"leads"`
+	// leads them), and Roles the roles.
+	Jobs  []string `json:"jobs"`
+	Roles []string `json:"roles"`
+	// Leads lists the jobs and shards whose lease the instance holds, and
+	// Partitions the roles' partitions.
+	Leads      []Lead          `json:"leads"`
+	Partitions []PartitionLead `json:"partitions"`
 	// Now is the database's time when read.
 	Now time.Time `json:"now"`
 }
@@ -43,6 +47,14 @@ type Lead struct {
 	Job   string      `json:"job"`
 	Shard int         `json:"shard"`
 	Token fence.Token `json:"token"`
+}
+
+// PartitionLead is one partition of a role an instance leads, with its
+// lease token.
+type PartitionLead struct {
+	Role      string      `json:"role"`
+	Partition int         `json:"partition"`
+	Token     fence.Token `json:"token"`
 }
 
 // Instances reads the runner instances of schema ("" means "pgfence"), by
@@ -58,26 +70,34 @@ func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo,
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
-	rows, err := db.Query(ctx, sqlFor(schema).instances, jobLeasePrefix)
+	rows, err := db.Query(ctx, sqlFor(schema).instances, jobLeasePrefix, roleLeasePrefix)
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the instances: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
 	infos, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (InstanceInfo, error) {
 		var (
-			ii     InstanceInfo
-			jobs   []string
-			shards []int
-			tokens []int64
+			ii                   InstanceInfo
+			registered           []string
+			jobs, roles          []string
+			shards, parts        []int
+			tokens, partitionTok []int64
 		)
-		err := r.Scan(&ii.ID, &ii.StartedAt, &ii.HeartbeatAt, &ii.ExpiresAt, &ii.Live, &ii.StoppedAt, &ii.Jobs, &jobs, &shards, &tokens, &ii.Now)
+		err := r.Scan(&ii.ID, &ii.StartedAt, &ii.HeartbeatAt, &ii.ExpiresAt, &ii.Live, &ii.StoppedAt, &registered,
+			&jobs, &shards, &tokens, &roles, &parts, &partitionTok, &ii.Now)
+		ii.Jobs, ii.Roles = []string{}, []string{}
+		for _, name := range registered {
+			if role, ok := strings.CutPrefix(name, roleLeasePrefix); ok {
+				ii.Roles = append(ii.Roles, role)
+			} else {
+				ii.Jobs = append(ii.Jobs, name)
+			}
+		}
+		ii.Leads, ii.Partitions = []Lead{}, []PartitionLead{}
 		for i := range jobs {
 			ii.Leads = append(ii.Leads, Lead{Job: jobs[i], Shard: shards[i], Token: fence.Token(tokens[i])})
 		}
-		if ii.Jobs == nil {
-			ii.Jobs = []string{}
-		}
-		if ii.Leads == nil {
-			ii.Leads = []Lead{}
+		for i := range roles {
+			ii.Partitions = append(ii.Partitions, PartitionLead{Role: roles[i], Partition: parts[i], Token: fence.Token(partitionTok[i])})
 		}
 		return ii, err
 	})

@@ -280,14 +280,21 @@ SELECT %[2]s($2) FROM gone`, inst, wake),
        coalesce(array_agg(h.job ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
        coalesce(array_agg(h.shard ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
        coalesce(array_agg(h.token ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
-       now()
+       rp.roles, rp.parts, rp.tokens, now()
   FROM ` + inst + ` i
   LEFT JOIN LATERAL (
          SELECT j.job, g.shard, l.token
            FROM ` + jobs + ` j, generate_series(0, greatest(j.shards, 1) - 1) AS g(shard), ` + leases + ` l
           WHERE l.name = $1 || j.job || CASE WHEN j.shards = 0 THEN '' ELSE '/' || g.shard END
             AND l.holder = i.id AND l.expires_at > now()) AS h ON true
- GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.stopped_at, i.jobs
+  LEFT JOIN LATERAL (
+         SELECT coalesce(array_agg(r.role ORDER BY r.role, g.p), '{}') AS roles,
+                coalesce(array_agg(g.p ORDER BY r.role, g.p), '{}') AS parts,
+                coalesce(array_agg(l.token ORDER BY r.role, g.p), '{}') AS tokens
+           FROM ` + roles + ` r CROSS JOIN LATERAL generate_series(0, r.partitions - 1) AS g(p)
+           JOIN ` + leases + ` l ON l.name = $2 || r.role || '/' || g.p
+          WHERE l.holder = i.id AND l.expires_at > now()) AS rp ON true
+ GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.stopped_at, i.jobs, rp.roles, rp.parts, rp.tokens
  ORDER BY i.id`,
 
 		// The latest $1 leadership terms in the ledger: attempts grouped

@@ -321,6 +321,11 @@ func TestStatusPageInBrowser(t *testing.T) {
 		// The role partitions table's columns line up: as many cells as
 		// headers in every row (the role and its partition had shared one).
 		until(`document.querySelectorAll("#partitions tbody tr th.name").length >= 2`, withinRefresh),
+		// The instance leading the role's two partitions says so, and
+		// counts them apart from its jobs.
+		until(`document.querySelector('#instances tr[data-instance="app-1"] .partition-count')?.textContent === "2 partition(s)"`, withinRefresh),
+		check(`document.querySelector('#instances tr[data-instance="app-1"] .registered').textContent.endsWith("1 role(s)")`,
+			"the fleet page counts the role as a job"),
 		check(`[...document.querySelectorAll("#partitions tbody tr")].every(r => r.children.length === document.querySelectorAll("#partitions thead th").length)`,
 			"a row of the role partitions table has not as many cells as it has headers"),
 		shoot(dir, "status-fleet"),
