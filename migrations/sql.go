@@ -59,7 +59,7 @@ func appGrantSQL(schema, s, r string) []string {
 		// a token of the application's choosing would refuse every leader.
 		"REVOKE INSERT, UPDATE ON " + t("pgfence_positions") + " FROM " + r,
 		"GRANT SELECT, INSERT (role, partition) ON " + t("pgfence_positions") + " TO " + r,
-		"GRANT UPDATE (position, token, holder, advanced_at, committed_at, commits) ON " + t("pgfence_positions") + " TO " + r,
+		"GRANT UPDATE (position, token, holder, advanced_at, committed_at, commits, head, head_at) ON " + t("pgfence_positions") + " TO " + r,
 		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
 			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +

@@ -124,6 +124,7 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 				held, err := r.holders(ctx, own, jobs)
 				switch {
 				case err == nil:
+					r.m.setLeaderless(jobs, held)
 					r.apply(g, jobs, st.applied, held, workers)
 				case apply && ctx.Err() == nil:
 					// A new view must be applied (members that left own

@@ -15,20 +15,22 @@ import (
 // metrics are a runner's instruments (README's "Metrics"). Attributes:
 // pgfence.job (bounded: the jobs and roles an application registers) and,
 // per instrument, pgfence.status or pgfence.change; never shards or slots.
-// The one exception is pgfence.runner.partition.leader, by pgfence.partition
-// too, for the partitions this instance has led only.
+// The exceptions are pgfence.runner.partition.leader and .lag, by
+// pgfence.partition too, for the partitions this instance leads now only.
 type metrics struct {
 	runs, retries, leadership, missed, positions metric.Int64Counter
 	duration                                     metric.Float64Histogram
-	owned, leader, partLeader                    metric.Int64ObservableGauge
+	owned, leader, partLeader, lag, leaderless   metric.Int64ObservableGauge
 	meter                                        metric.Meter
 
 	mu      sync.Mutex
-	shards  map[string]int64 // job -> shards this instance owns
-	jobs    []string         // the registered jobs, for the leader gauge
-	leading map[string]int   // job -> its leases (job or shards) this instance holds
-	roles   map[string]int   // role -> its partition count, for the partition gauge
-	led     map[partKey]bool // the role partitions this instance leads
+	shards  map[string]int64  // job -> shards this instance owns
+	jobs    []string          // the registered jobs, for the leader gauge
+	leading map[string]int    // job -> its leases (job or shards) this instance holds
+	roles   map[string]int    // role -> its partition count, for the partition gauge
+	led     map[partKey]bool  // the role partitions this instance leads
+	lags    map[partKey]int64 // the lag of the partitions it leads, once their head is known
+	orphans map[string]int64  // role -> its partitions without a leader, at the last look
 }
 
 type partKey struct {
@@ -38,7 +40,7 @@ type partKey struct {
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}, leading: map[string]int{},
-		roles: map[string]int{}, led: map[partKey]bool{}}
+		roles: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, orphans: map[string]int64{}}
 	var err error
 	keep := func(e error) {
 		if err == nil {
@@ -71,6 +73,12 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m.partLeader, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.leader",
 		metric.WithDescription("1 while this instance leads the role's partition, else 0, by pgfence.job (the role) and pgfence.partition."))
 	keep(e)
+	m.lag, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.lag", metric.WithUnit("{position}"),
+		metric.WithDescription("Head - Position of a partition this instance leads (Role.Head), by pgfence.job (the role) and pgfence.partition."))
+	keep(e)
+	m.leaderless, e = m.meter.Int64ObservableGauge("pgfence.runner.partitions.leaderless", metric.WithUnit("{partition}"),
+		metric.WithDescription("Partitions of the role whose lease nobody holds, as this instance's balancer last saw them, by pgfence.job (the role)."))
+	keep(e)
 	m.leader, e = m.meter.Int64ObservableGauge("pgfence.runner.leader",
 		metric.WithDescription("1 while this instance leads the job (holds its lease, or a shard's), else 0, by pgfence.job."))
 	keep(e)
@@ -99,19 +107,24 @@ func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registrat
 			}
 			o.ObserveInt64(m.leader, leads, metric.WithAttributes(attribute.String("pgfence.job", job)))
 		}
-		// Only the partitions this instance has led (1 while it leads, 0
-		// after): a role of many partitions does not make as many series
-		// on every instance.
+		// Only the partitions this instance leads now: a role of many
+		// partitions does not make as many series on every instance, and a
+		// partition's series ends when it moves away.
 		for k, leads := range m.led {
-			v := int64(0)
-			if leads {
-				v = 1
+			if !leads {
+				continue
 			}
-			o.ObserveInt64(m.partLeader, v, metric.WithAttributes(attribute.String("pgfence.job", k.role),
-				attribute.Int("pgfence.partition", k.partition)))
+			attrs := metric.WithAttributes(attribute.String("pgfence.job", k.role), attribute.Int("pgfence.partition", k.partition))
+			o.ObserveInt64(m.partLeader, 1, attrs)
+			if lag, ok := m.lags[k]; ok {
+				o.ObserveInt64(m.lag, lag, attrs)
+			}
+		}
+		for role, n := range m.orphans {
+			o.ObserveInt64(m.leaderless, n, metric.WithAttributes(attribute.String("pgfence.job", role)))
 		}
 		return nil
-	}, m.owned, m.leader, m.partLeader)
+	}, m.owned, m.leader, m.partLeader, m.lag, m.leaderless)
 }
 
 func (m *metrics) setShards(job string, n int64) {
@@ -133,7 +146,13 @@ func (m *metrics) event(e Event, took time.Duration) {
 		m.mu.Lock()
 		m.leading[e.Job] += delta
 		if _, role := m.roles[e.Job]; role {
-			m.led[partKey{e.Job, e.Shard}] = delta > 0
+			k := partKey{e.Job, e.Shard}
+			if delta > 0 {
+				m.led[k] = true
+			} else {
+				delete(m.led, k)
+				delete(m.lags, k)
+			}
 		}
 		m.mu.Unlock()
 		m.leadership.Add(ctx, 1, metric.WithAttributes(job, attribute.String("pgfence.change", change)))
@@ -156,6 +175,34 @@ func (m *metrics) skipped(job string) {
 func (m *metrics) missedSlots(job string, n int) {
 	if n > 0 {
 		m.missed.Add(context.Background(), int64(n), metric.WithAttributes(attribute.String("pgfence.job", job)))
+	}
+}
+
+// setLag records the lag of a partition this instance leads.
+func (m *metrics) setLag(role string, partition int, lag int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if k := (partKey{role, partition}); m.led[k] {
+		m.lags[k] = lag
+	}
+}
+
+// setLeaderless records how many partitions of each role the balancer saw
+// without a leader (held: the holder of each partition, "" for none).
+func (m *metrics) setLeaderless(jobs []*job, held map[string][]string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, j := range jobs {
+		if j.role == nil {
+			continue
+		}
+		var n int64
+		for _, h := range held[j.Name] {
+			if h == "" {
+				n++
+			}
+		}
+		m.orphans[j.Name] = n
 	}
 }
 

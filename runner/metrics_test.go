@@ -347,3 +347,73 @@ func TestMissedSlotsOnlyWhenNoReplicaRanThem(t *testing.T) {
 		})
 	}
 }
+
+// A role's lag and leaderless partitions are in sight. Head says 10 for
+// every partition and the leader commits up to 3: lag 7, in the metric
+// (for the partitions this instance leads) and in Partitions. A member that
+// registers the role and never takes its partitions (a replica stuck, as
+// an instance row that heartbeats nothing) leaves its share without a
+// leader: pgfence.runner.partitions.leaderless counts them.
+func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	const poll = 50 * time.Millisecond
+	lead := func(ctx context.Context, p *runner.Partition) error {
+		for p.Position() < 3 {
+			if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return p.Position() + 1, nil }); err != nil {
+				return err
+			}
+		}
+		return p.Wait(ctx)
+	}
+	head := func(context.Context, int) (int64, error) { return 10, nil }
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: time.Second, PollInterval: poll, MeterProvider: mp},
+		runner.Config{RebalanceInterval: 200 * time.Millisecond},
+		func(r *runner.Runner) error {
+			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 4, Poll: poll, Lead: lead, Head: head})
+		})
+	role := attribute.String("pgfence.job", "relay")
+	waitFor(t, 30*time.Second, "a lag of 7 on each of the 4 partitions, and none without a leader", func() bool {
+		c := collect(t, reader)
+		lag, _ := c.value("pgfence.runner.partition.lag", role)
+		orphans, ok := c.value("pgfence.runner.partitions.leaderless", role)
+		return lag == 4*7 && ok && orphans == 0
+	})
+	infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+	if err != nil || len(infos) != 4 {
+		t.Fatalf("Partitions: %v, %v", infos, err)
+	}
+	for _, p := range infos {
+		if p.Head != 10 || p.Lag != 7 || p.HeadAt.IsZero() {
+			t.Errorf("partition %d: head %d, lag %d, head at %v; want 10, 7, set", p.Partition, p.Head, p.Lag, p.HeadAt)
+		}
+	}
+
+	// A member that takes nothing: its share of the partitions is led by
+	// nobody, and the live instance's gauge says how many.
+	mustExec(t, db, "INSERT INTO "+tbl(db, "pgfence_instances")+` (id, started_at, heartbeat_at, expires_at, jobs)
+		VALUES ('stuck', now(), now(), now() + interval '1 hour', ARRAY['pgfence/role/relay'])`)
+	var orphans, unled float64
+	waitFor(t, 30*time.Second, "the partitions given to the stuck member to count as leaderless, as Partitions shows them", func() bool {
+		orphans, _ = collect(t, reader).value("pgfence.runner.partitions.leaderless", role)
+		infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+		if err != nil {
+			t.Fatal(err)
+		}
+		unled = 0
+		for _, p := range infos {
+			if !p.Leading {
+				unled++
+			}
+		}
+		return orphans > 0 && orphans == unled
+	})
+	// The lag series of the partitions that moved away have ended.
+	if lag, _ := collect(t, reader).value("pgfence.runner.partition.lag", role); lag != (4-unled)*7 {
+		t.Errorf("pgfence.runner.partition.lag sums %v over the partitions still led, want %v", lag, (4-unled)*7)
+	}
+}

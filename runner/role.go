@@ -63,6 +63,14 @@ type Role struct {
 	// the fallback when notifications are lost or cannot be delivered
 	// (behind PgBouncer in transaction mode). Default 1s.
 	Poll time.Duration
+	// Head, if set, returns the newest position available for a partition
+	// (what Position would be once every item there is now had been
+	// processed): the partition's lag is Head - Position. The leader asks
+	// it at most once per Poll, after a Commit or a Wait, and records it in
+	// the schema (PartitionInfo.Head and Lag, `pgfence roles`, the status
+	// page) and in the metric pgfence.runner.partition.lag. An error is
+	// logged and the lag left as it was. Optional.
+	Head func(ctx context.Context, partition int) (int64, error)
 }
 
 // ErrPartitionCount is matched by the *PartitionCountError that Run returns
@@ -169,6 +177,9 @@ type Partition struct {
 	wake     <-chan struct{}
 	poll     time.Duration
 	busy     chan struct{} // holds a value while a Commit's transaction runs
+
+	headAsked   time.Time     // when Head was last asked (real clock)
+	headFailing retry.Failing // Head's failures, logged once per period
 }
 
 // Lease returns the partition's lease in this term.
@@ -247,6 +258,7 @@ func (p *Partition) Commit(ctx context.Context, fn func(ctx context.Context, tx 
 	case err == nil:
 		p.position = next
 		p.w.r.m.positionCommitted(p.Role)
+		p.reportHead(budget)
 	case errors.Is(err, ErrPositionMoved) || errors.Is(err, fence.ErrOutcomeUnknown):
 		// Learn the committed position, for the next call (best effort:
 		// Lead's next call reads it again anyway).
@@ -275,7 +287,33 @@ func (p *Partition) Wait(ctx context.Context) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+	p.reportHead(ctx)
 	return nil
+}
+
+// reportHead asks the role's Head, at most once per Poll, and records the
+// head in the schema and the partition's lag in the metrics.
+func (p *Partition) reportHead(ctx context.Context) {
+	head := p.w.j.role.Head
+	if head == nil || time.Since(p.headAsked) < p.poll {
+		return
+	}
+	p.headAsked = time.Now()
+	ctx, cancel := context.WithTimeout(ctx, p.poll)
+	defer cancel()
+	log := p.w.log()
+	n, err := head(ctx, p.Index)
+	if err == nil {
+		_, err = p.w.r.pool.Exec(ctx, p.w.r.q.head, p.Role, p.Index, n)
+	}
+	if err != nil {
+		if ctx.Err() == nil {
+			p.headFailing.Fail(log, "pgfence runner: reading or recording a partition's head failing; its lag is not updated", err)
+		}
+		return
+	}
+	p.headFailing.Recover(log, "pgfence runner: a partition's head is read again")
+	p.w.r.m.setLag(p.Role, p.Index, n-p.position)
 }
 
 // Wake wakes the leader of role's partition in schema ("" means
@@ -470,6 +508,12 @@ type PartitionInfo struct {
 	// moved or not (zero if never), and Commits how many have.
 	CommittedAt time.Time `json:"committed_at"`
 	Commits     int64     `json:"commits"`
+	// Head is the newest position available as the role's Head last
+	// reported it, at HeadAt (zero: never reported), and Lag is Head -
+	// Position then (0 without a head).
+	Head   int64     `json:"head,string"`
+	HeadAt time.Time `json:"head_at"`
+	Lag    int64     `json:"lag,string"`
 	// Leader is the instance holding the partition's lease now, "" if none
 	// (Leading false), with LeaderToken its token.
 	Leader      string      `json:"leader"`
@@ -503,12 +547,16 @@ func Partitions(ctx context.Context, db fence.DB, schema, role string) ([]Partit
 	}
 	infos, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (PartitionInfo, error) {
 		var (
-			p                       PartitionInfo
-			tok, ltok               int64
-			advancedAt, committedAt *time.Time
+			p                               PartitionInfo
+			tok, ltok                       int64
+			advancedAt, committedAt, headAt *time.Time
+			head                            *int64
 		)
 		err := row.Scan(&p.Role, &p.Partition, &p.Position, &tok, &p.Committer, &advancedAt, &committedAt, &p.Commits,
-			&p.Leader, &ltok, &p.Leading, &p.Now)
+			&head, &headAt, &p.Leader, &ltok, &p.Leading, &p.Now)
+		if head != nil && headAt != nil {
+			p.Head, p.HeadAt, p.Lag = *head, *headAt, *head-p.Position
+		}
 		p.Token, p.LeaderToken = fence.Token(tok), fence.Token(ltok)
 		if advancedAt != nil {
 			p.AdvancedAt = *advancedAt

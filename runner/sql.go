@@ -39,7 +39,7 @@ type fleetSQL struct {
 }
 
 type roleSQL struct {
-	position, advance, partitions string
+	position, advance, head, partitions string
 }
 
 type controlSQL struct {
@@ -100,9 +100,15 @@ SELECT position FROM ins UNION ALL SELECT position FROM ` + t.positions + ` WHER
     advanced_at = CASE WHEN position <> $3 THEN now() ELSE advanced_at END, committed_at = now(), commits = commits + 1
  WHERE role = $1 AND partition = $2 AND token <= $4 AND position = $6`,
 
+		// Records the head (newest position available, $3) the role's
+		// Head reported for partition $2 of role $1: informational, for
+		// the lag shown to operators; no fence needed.
+		head: `UPDATE ` + t.positions + ` SET head = $3, head_at = now() WHERE role = $1 AND partition = $2`,
+
 		// Every partition that has had a leader (of role $2, or of all
 		// when $2 is ''), with its lease ($1 the role lease prefix).
 		partitions: `SELECT p.role, p.partition, p.position, p.token, coalesce(p.holder, ''), p.advanced_at, p.committed_at, p.commits,
+       p.head, p.head_at,
        coalesce(l.holder, ''), coalesce(l.token, 0), coalesce(l.holder IS NOT NULL AND l.expires_at > now(), false), now()
   FROM ` + t.positions + ` p
   LEFT JOIN ` + t.leases + ` l ON l.name = $1 || p.role || '/' || p.partition

@@ -337,6 +337,8 @@ CREATE TABLE pgfence.pgfence_positions (
     advanced_at timestamp with time zone,
     commits bigint DEFAULT 0 NOT NULL,
     committed_at timestamp with time zone,
+    head bigint,
+    head_at timestamp with time zone,
     CONSTRAINT pgfence_positions_partition_check CHECK ((partition >= 0)),
     CONSTRAINT pgfence_positions_token_check CHECK ((token >= 0))
 );

@@ -328,6 +328,8 @@ func TestStatusPageInBrowser(t *testing.T) {
 			"the fleet page counts the role as a job"),
 		check(`[...document.querySelectorAll("#partitions tbody tr")].every(r => r.children.length === document.querySelectorAll("#partitions thead th").length)`,
 			"a row of the role partitions table has not as many cells as it has headers"),
+		// Each partition's lag behind the head its role reports: 5 - 3.
+		until(`[...document.querySelectorAll("#partitions tbody td.lag")].every(e => e.textContent.startsWith("2 "))`, withinRefresh),
 		shoot(dir, "status-fleet"),
 	)
 	if err != nil {

@@ -51,7 +51,7 @@ func cmdRoles(ctx context.Context, e *env, args []string) error {
 		return writeJSON(e.stdout, parts)
 	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "ROLE\tPARTITION\tLEADER\tTOKEN\tPOSITION\tMOVED\tCOMMITTED\tCOMMITS")
+	fmt.Fprintln(w, "ROLE\tPARTITION\tLEADER\tTOKEN\tPOSITION\tLAG\tMOVED\tCOMMITTED\tCOMMITS")
 	for _, p := range parts {
 		leader, token := "(none)", "-"
 		if p.Leading {
@@ -63,8 +63,12 @@ func cmdRoles(ctx context.Context, e *env, args []string) error {
 			}
 			return round(p.Now.Sub(at)).String() + " ago"
 		}
-		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%d\n", printable.String(p.Role), p.Partition, leader, token,
-			strconv.FormatInt(p.Position, 10), ago(p.AdvancedAt), ago(p.CommittedAt), p.Commits)
+		lag := "-" // no Head reported
+		if !p.HeadAt.IsZero() {
+			lag = strconv.FormatInt(p.Lag, 10) + " (" + ago(p.HeadAt) + ")"
+		}
+		fmt.Fprintf(w, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%d\n", printable.String(p.Role), p.Partition, leader, token,
+			strconv.FormatInt(p.Position, 10), lag, ago(p.AdvancedAt), ago(p.CommittedAt), p.Commits)
 	}
 	return w.Flush()
 }

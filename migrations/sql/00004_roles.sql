@@ -3,7 +3,8 @@
 -- another count is refused (runner.ErrPartitionCount) instead of leaving
 -- the partitions it does not know of without a leader. A position's
 -- advanced_at moves only when the position does; committed_at is its last
--- Commit, moved or not.
+-- Commit, moved or not; head is the newest position available as the
+-- role's Head last reported it (head_at), for the partition's lag.
 
 -- +goose Up
 CREATE TABLE pgfence_roles (
@@ -12,8 +13,9 @@ CREATE TABLE pgfence_roles (
     registered_at timestamptz NOT NULL,
     registered_by text        NOT NULL
 );
-ALTER TABLE pgfence_positions ADD COLUMN committed_at timestamptz;
+ALTER TABLE pgfence_positions ADD COLUMN committed_at timestamptz,
+    ADD COLUMN head bigint, ADD COLUMN head_at timestamptz;
 
 -- +goose Down
-ALTER TABLE pgfence_positions DROP COLUMN committed_at;
+ALTER TABLE pgfence_positions DROP COLUMN committed_at, DROP COLUMN head, DROP COLUMN head_at;
 DROP TABLE pgfence_roles;
