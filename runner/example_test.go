@@ -135,3 +135,76 @@ SELECT count(*), coalesce(max(txid), $2) FROM batch`, p.Index, p.Position()).Sca
 	// Output:
 	// delivered 6 events exactly once
 }
+
+// A role's lag: Head reports the newest position available for a
+// partition (here, the newest ended transaction in its part of an outbox),
+// and operators read each partition's lag (runner.Partitions, `pgfence
+// roles`, the status page, pgfence.runner.partition.lag).
+func ExampleRole() {
+	db, cleanup, err := pgfencetest.Open(context.Background())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer cleanup()
+	ctx, stop := context.WithTimeout(context.Background(), 30*time.Second)
+	defer stop()
+	s := db.Schema
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+s+".outbox (part int NOT NULL,"+
+		" txid bigint NOT NULL DEFAULT pg_current_xact_id()::text::bigint)"); err != nil {
+		log.Fatal(err)
+	}
+	for range 3 { // three transactions' events, none delivered yet
+		if _, err := db.Pool.Exec(ctx, "INSERT INTO "+s+".outbox (part) VALUES (0)"); err != nil {
+			log.Fatal(err)
+		}
+	}
+	client, err := lock.New(db.Pool, lock.Config{Schema: s, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close(context.Background())
+	r, err := runner.New(client, runner.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	err = r.RegisterRole(runner.Role{
+		Name:       "relay",
+		Partitions: 1,
+		Poll:       50 * time.Millisecond,
+		// The newest ended transaction with events in the partition.
+		Head: func(ctx context.Context, partition int) (int64, error) {
+			var head int64
+			err := db.Pool.QueryRow(ctx, "SELECT coalesce(max(txid), 0) FROM "+s+".outbox WHERE part = $1"+
+				" AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint", partition).Scan(&head)
+			return head, err
+		},
+		Lead: func(ctx context.Context, p *runner.Partition) error {
+			for ctx.Err() == nil {
+				if err := p.Wait(ctx); err != nil { // delivers nothing: its lag stays
+					return nil
+				}
+			}
+			return nil
+		},
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	go func() {
+		for ctx.Err() == nil {
+			parts, err := runner.Partitions(ctx, db.Pool, s, "relay")
+			if err == nil && len(parts) == 1 && !parts[0].HeadAt.IsZero() {
+				p := parts[0] // Lag is Head - Position: here, transaction ids not yet delivered past
+				fmt.Println("lag = head - position:", p.Lag == p.Head-p.Position, "; behind:", p.Lag > 0)
+				stop()
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	if err := r.Run(ctx); err != nil {
+		log.Fatal(err)
+	}
+	// Output:
+	// lag = head - position: true ; behind: true
+}
