@@ -2,6 +2,7 @@ package runner_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"log/slog"
@@ -207,4 +208,95 @@ func ExampleRole() {
 	}
 	// Output:
 	// lag = head - position: true ; behind: true
+}
+
+// Poison items: an item that fails every time would hold its partition up
+// for good. After three failures in a row, Lead sets it aside in a
+// dead-letter table, in the same Commit that moves the position past it
+// (so it is set aside once, fenced like the rest), and goes on.
+func ExamplePartition_Failures() {
+	db, cleanup, err := pgfencetest.Open(context.Background())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer cleanup()
+	ctx, stop := context.WithTimeout(context.Background(), 30*time.Second)
+	defer stop()
+	s := db.Schema
+	for _, stmt := range []string{
+		"CREATE TABLE " + s + ".items (id bigint PRIMARY KEY, body text NOT NULL)",
+		"INSERT INTO " + s + ".items SELECT n, CASE n WHEN 3 THEN 'poison' ELSE 'ok' END FROM generate_series(1, 5) n",
+		"CREATE TABLE " + s + ".done (id bigint PRIMARY KEY)",
+		"CREATE TABLE " + s + ".dead_letters (id bigint PRIMARY KEY, body text NOT NULL, error text NOT NULL)",
+	} {
+		if _, err := db.Pool.Exec(ctx, stmt); err != nil {
+			log.Fatal(err)
+		}
+	}
+	process := func(body string) error {
+		if body == "poison" {
+			return fmt.Errorf("cannot process %q", body)
+		}
+		return nil
+	}
+	client, err := lock.New(db.Pool, lock.Config{Schema: s, PollInterval: 20 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close(context.Background())
+	r, err := runner.New(client, runner.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	err = r.RegisterRole(runner.Role{
+		Name:       "worker",
+		Partitions: 1,
+		Lead: func(ctx context.Context, p *runner.Partition) error {
+			for ctx.Err() == nil {
+				var (
+					id   int64
+					body string
+				)
+				err := db.Pool.QueryRow(ctx, "SELECT id, body FROM "+s+".items WHERE id > $1 ORDER BY id LIMIT 1", p.Position()).Scan(&id, &body)
+				if errors.Is(err, pgx.ErrNoRows) {
+					stop() // a real worker waits for more: p.Wait(ctx)
+					return nil
+				}
+				if err != nil {
+					return err
+				}
+				perr := process(body)
+				if perr != nil && p.Failures() < 3 {
+					return perr // called again after a backoff; Failures counts
+				}
+				err = p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+					var err error
+					if perr != nil { // the third failure in a row: set it aside
+						_, err = tx.Exec(ctx, "INSERT INTO "+s+".dead_letters VALUES ($1, $2, $3)", id, body, perr.Error())
+					} else {
+						_, err = tx.Exec(ctx, "INSERT INTO "+s+".done VALUES ($1)", id)
+					}
+					return id, err
+				})
+				if err != nil {
+					return err
+				}
+			}
+			return nil
+		},
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := r.Run(ctx); err != nil {
+		log.Fatal(err)
+	}
+	var done, dead []int64
+	rows, _ := db.Pool.Query(context.Background(), "SELECT id FROM "+s+".done ORDER BY id")
+	done, _ = pgx.CollectRows(rows, pgx.RowTo[int64])
+	rows, _ = db.Pool.Query(context.Background(), "SELECT id FROM "+s+".dead_letters ORDER BY id")
+	dead, _ = pgx.CollectRows(rows, pgx.RowTo[int64])
+	fmt.Println("done:", done, "set aside:", dead)
+	// Output:
+	// done: [1 2 4 5] set aside: [3]
 }

@@ -15,12 +15,13 @@ import (
 // metrics are a runner's instruments (README's "Metrics"). Attributes:
 // pgfence.job (bounded: the jobs and roles an application registers) and,
 // per instrument, pgfence.status or pgfence.change; never shards or slots.
-// The exceptions are pgfence.runner.partition.leader and .lag, by
+// The exceptions are pgfence.runner.partition.leader, .lag and .failures, by
 // pgfence.partition too, for the partitions this instance leads now only.
 type metrics struct {
 	runs, retries, leadership, missed, positions metric.Int64Counter
 	duration                                     metric.Float64Histogram
 	owned, leader, partLeader, lag, leaderless   metric.Int64ObservableGauge
+	partFailures                                 metric.Int64ObservableGauge
 	meter                                        metric.Meter
 
 	mu      sync.Mutex
@@ -30,6 +31,7 @@ type metrics struct {
 	roles   map[string]int    // role -> its partition count, for the partition gauge
 	led     map[partKey]bool  // the role partitions this instance leads
 	lags    map[partKey]int64 // the lag of the partitions it leads, once their head is known
+	fails   map[partKey]int64 // the consecutive Lead failures of the partitions it leads
 	orphans map[string]int64  // role -> its partitions without a leader, at the last look
 }
 
@@ -40,7 +42,7 @@ type partKey struct {
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}, leading: map[string]int{},
-		roles: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, orphans: map[string]int64{}}
+		roles: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, fails: map[partKey]int64{}, orphans: map[string]int64{}}
 	var err error
 	keep := func(e error) {
 		if err == nil {
@@ -75,6 +77,9 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	keep(e)
 	m.lag, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.lag", metric.WithUnit("{position}"),
 		metric.WithDescription("Head - Position of a partition this instance leads (Role.Head), by pgfence.job (the role) and pgfence.partition."))
+	keep(e)
+	m.partFailures, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.failures", metric.WithUnit("{failure}"),
+		metric.WithDescription("Consecutive failures of Lead on a partition this instance leads (Partition.Failures), by pgfence.job (the role) and pgfence.partition."))
 	keep(e)
 	m.leaderless, e = m.meter.Int64ObservableGauge("pgfence.runner.partitions.leaderless", metric.WithUnit("{partition}"),
 		metric.WithDescription("Partitions of the role whose lease nobody holds, as this instance's balancer last saw them, by pgfence.job (the role)."))
@@ -119,12 +124,13 @@ func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registrat
 			if lag, ok := m.lags[k]; ok {
 				o.ObserveInt64(m.lag, lag, attrs)
 			}
+			o.ObserveInt64(m.partFailures, m.fails[k], attrs)
 		}
 		for role, n := range m.orphans {
 			o.ObserveInt64(m.leaderless, n, metric.WithAttributes(attribute.String("pgfence.job", role)))
 		}
 		return nil
-	}, m.owned, m.leader, m.partLeader, m.lag, m.leaderless)
+	}, m.owned, m.leader, m.partLeader, m.lag, m.leaderless, m.partFailures)
 }
 
 func (m *metrics) setShards(job string, n int64) {
@@ -152,6 +158,7 @@ func (m *metrics) event(e Event, took time.Duration) {
 			} else {
 				delete(m.led, k)
 				delete(m.lags, k)
+				delete(m.fails, k)
 			}
 		}
 		m.mu.Unlock()
@@ -184,6 +191,16 @@ func (m *metrics) setLag(role string, partition int, lag int64) {
 	defer m.mu.Unlock()
 	if k := (partKey{role, partition}); m.led[k] {
 		m.lags[k] = lag
+	}
+}
+
+// setFailures records the consecutive Lead failures of a partition this
+// instance leads.
+func (m *metrics) setFailures(role string, partition int, n int) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if k := (partKey{role, partition}); m.led[k] {
+		m.fails[k] = int64(n)
 	}
 }
 

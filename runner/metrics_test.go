@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -415,5 +416,32 @@ func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
 	// The lag series of the partitions that moved away have ended.
 	if lag, _ := collect(t, reader).value("pgfence.runner.partition.lag", role); lag != (4-unled)*7 {
 		t.Errorf("pgfence.runner.partition.lag sums %v over the partitions still led, want %v", lag, (4-unled)*7)
+	}
+}
+
+// A partition whose Lead fails every time shows its consecutive failures in
+// pgfence.runner.partition.failures, and Partition.Failures counts them
+// for Lead itself.
+func TestPartitionFailuresMetric(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	var seen atomic.Int64 // the Failures Lead saw at its last call
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", PollInterval: 10 * time.Millisecond, MeterProvider: mp}, runner.Config{},
+		func(r *runner.Runner) error {
+			return r.RegisterRole(runner.Role{Name: "poisoned", Partitions: 1, Lead: func(ctx context.Context, p *runner.Partition) error {
+				seen.Store(int64(p.Failures()))
+				return errors.New("the item cannot be processed")
+			}})
+		})
+	attrs := []attribute.KeyValue{attribute.String("pgfence.job", "poisoned"), attribute.Int("pgfence.partition", 0)}
+	waitFor(t, 30*time.Second, "3 consecutive failures in the metric", func() bool {
+		v, _ := collect(t, reader).value("pgfence.runner.partition.failures", attrs...)
+		return v >= 3
+	})
+	if seen.Load() < 2 {
+		t.Errorf("Lead saw Failures() = %d at its third call or later, want at least 2", seen.Load())
 	}
 }

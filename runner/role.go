@@ -180,6 +180,26 @@ type Partition struct {
 
 	headAsked   time.Time     // when Head was last asked (real clock)
 	headFailing retry.Failing // Head's failures, logged once per period
+	failures    int           // Lead's consecutive errors in this term (Failures)
+}
+
+// Failures is how many times in a row Lead has returned an error (or
+// panicked) in this term since the last call that returned nil or the
+// last Commit that moved the position: the count to act on for an item
+// that fails every time (a poison item). Set it aside in a table of your
+// own in the same Commit that moves the position past it, so that it is
+// set aside once, fenced like the rest (README's "Poison items").
+func (p *Partition) Failures() int { return p.failures }
+
+// failed records the outcome of a Lead call or a Commit for Failures and
+// the metrics: err != nil counts one more failure; nil resets the count.
+func (p *Partition) failed(err error) {
+	if err != nil {
+		p.failures++
+	} else {
+		p.failures = 0
+	}
+	p.w.r.m.setFailures(p.Role, p.Index, p.failures)
 }
 
 // Lease returns the partition's lease in this term.
@@ -256,8 +276,12 @@ func (p *Partition) Commit(ctx context.Context, fn func(ctx context.Context, tx 
 	})
 	switch {
 	case err == nil:
+		moved := next != p.position
 		p.position = next
 		p.w.r.m.positionCommitted(p.Role)
+		if moved {
+			p.failed(nil)
+		}
 		p.reportHead(budget)
 	case errors.Is(err, ErrPositionMoved) || errors.Is(err, fence.ErrOutcomeUnknown):
 		// Learn the committed position, for the next call (best effort:
@@ -468,9 +492,12 @@ func (w *worker) leadRole(ctx context.Context, p *Partition) error {
 		switch {
 		case ctx.Err() != nil:
 		case err != nil:
-			failing.Fail(log, "pgfence runner: a role's Lead failing; calling it again after a backoff", err)
+			p.failed(err)
+			failing.Fail(log, "pgfence runner: a role's Lead failing; calling it again after a backoff", err,
+				"consecutive_failures", p.failures)
 			wait.Sleep(ctx, again.Wait(failing.Count()-1))
 		default:
+			p.failed(nil)
 			failing.Recover(log, "pgfence runner: a role's Lead recovered")
 			_ = p.Wait(ctx)
 		}
