@@ -77,22 +77,37 @@ func newMetrics(c *Client) (*metrics, error) {
 	skew, e := m.Float64ObservableGauge("pgfence.lease.clock_skew", metric.WithUnit("s"),
 		metric.WithDescription("The database's clock minus this machine's, estimated at the last renewal."))
 	keep(e)
+	// Counted from the client's start, so that they are there (at 0)
+	// before the first failure: an alert on their increase then works.
+	renewals, e := m.Int64ObservableCounter("pgfence.lease.renewals", metric.WithUnit("{statement}"),
+		metric.WithDescription("Renewal statements that succeeded (Stats.Renewals)."))
+	keep(e)
+	renewalFailures, e := m.Int64ObservableCounter("pgfence.lease.renewal.failures", metric.WithUnit("{statement}"),
+		metric.WithDescription("Renewal statements that failed: the database did not answer in time, refused, or the connection broke (Stats.RenewalFailures)."))
+	keep(e)
 	if err != nil {
 		return nil, fmt.Errorf("lock: metrics: %w", err)
 	}
 	ms.observed, err = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		st := c.Stats()
 		o.ObserveInt64(held, int64(st.Held))
+		o.ObserveInt64(renewals, int64(st.Renewals))
+		o.ObserveInt64(renewalFailures, int64(st.RenewalFailures))
 		if st.Renewals > 0 {
 			o.ObserveFloat64(skew, st.ClockSkew.Seconds())
 		}
 		return nil
-	}, held, skew)
+	}, held, skew, renewals, renewalFailures)
 	if err != nil {
 		return nil, fmt.Errorf("lock: metrics: %w", err)
 	}
 	if ms.fence, err = fence.NewMetrics(c.cfg.MeterProvider); err != nil {
 		return nil, fmt.Errorf("lock: %w", err)
+	}
+	// Every loss cause's series exists from the start, at 0: a rate or an
+	// increase over a series that appears at 1 misses that first loss.
+	for _, cause := range []LossCause{CauseExpired, CauseTakenOver, CauseReleasedByOperator, CauseRenewFailed, CauseUnreachable} {
+		ms.losses.Add(context.Background(), 0, metric.WithAttributes(attribute.String("pgfence.cause", string(cause))))
 	}
 	return &ms, nil
 }

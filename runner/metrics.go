@@ -21,7 +21,7 @@ type metrics struct {
 	runs, retries, leadership, missed, positions metric.Int64Counter
 	duration                                     metric.Float64Histogram
 	owned, leader, partLeader, lag, leaderless   metric.Int64ObservableGauge
-	partFailures                                 metric.Int64ObservableGauge
+	partFailures, jobFailures                    metric.Int64ObservableGauge
 	meter                                        metric.Meter
 
 	mu      sync.Mutex
@@ -32,6 +32,7 @@ type metrics struct {
 	led     map[partKey]bool  // the role partitions this instance leads
 	lags    map[partKey]int64 // the lag of the partitions it leads, once their head is known
 	fails   map[partKey]int64 // the consecutive Lead failures of the partitions it leads
+	jobFail map[string]int64  // job -> its attempts failed in a row here (reset by a success)
 	orphans map[string]int64  // role -> its partitions without a leader, at the last look
 }
 
@@ -42,7 +43,7 @@ type partKey struct {
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}, leading: map[string]int{},
-		roles: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, fails: map[partKey]int64{}, orphans: map[string]int64{}}
+		roles: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, fails: map[partKey]int64{}, jobFail: map[string]int64{}, orphans: map[string]int64{}}
 	var err error
 	keep := func(e error) {
 		if err == nil {
@@ -80,6 +81,9 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	keep(e)
 	m.partFailures, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.failures", metric.WithUnit("{failure}"),
 		metric.WithDescription("Consecutive failures of Lead on a partition this instance leads (Partition.Failures), by pgfence.job (the role) and pgfence.partition."))
+	keep(e)
+	m.jobFailures, e = m.meter.Int64ObservableGauge("pgfence.runner.job.failures", metric.WithUnit("{attempt}"),
+		metric.WithDescription("Attempts of the job that failed (or panicked) in a row on this instance, 0 after a success, by pgfence.job."))
 	keep(e)
 	m.leaderless, e = m.meter.Int64ObservableGauge("pgfence.runner.partitions.leaderless", metric.WithUnit("{partition}"),
 		metric.WithDescription("Partitions of the role whose lease nobody holds, as this instance's balancer last saw them, by pgfence.job (the role)."))
@@ -126,11 +130,14 @@ func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registrat
 			}
 			o.ObserveInt64(m.partFailures, m.fails[k], attrs)
 		}
+		for _, job := range m.jobs {
+			o.ObserveInt64(m.jobFailures, m.jobFail[job], metric.WithAttributes(attribute.String("pgfence.job", job)))
+		}
 		for role, n := range m.orphans {
 			o.ObserveInt64(m.leaderless, n, metric.WithAttributes(attribute.String("pgfence.job", role)))
 		}
 		return nil
-	}, m.owned, m.leader, m.partLeader, m.lag, m.leaderless, m.partFailures)
+	}, m.owned, m.leader, m.partLeader, m.lag, m.leaderless, m.partFailures, m.jobFailures)
 }
 
 func (m *metrics) setShards(job string, n int64) {
@@ -168,6 +175,14 @@ func (m *metrics) event(e Event, took time.Duration) {
 			m.retries.Add(ctx, 1, metric.WithAttributes(job))
 		}
 	case RunSucceeded, RunFailed, RunFenced:
+		m.mu.Lock()
+		switch e.Kind {
+		case RunSucceeded:
+			m.jobFail[e.Job] = 0
+		case RunFailed:
+			m.jobFail[e.Job]++
+		}
+		m.mu.Unlock()
 		status := map[EventKind]string{RunSucceeded: "succeeded", RunFailed: "failed", RunFenced: "fenced"}[e.Kind]
 		attrs := metric.WithAttributes(job, attribute.String("pgfence.status", status))
 		m.runs.Add(ctx, 1, attrs)

@@ -247,12 +247,13 @@ func (r *Runner) Run(ctx context.Context) error {
 	r.lastBeat.Store(time.Now().UnixNano()) // the first heartbeat is due within a TTL
 	r.live.Store(true)
 	defer r.live.Store(false)
-	names := make([]string, len(jobs))
+	var names []string // the jobs, for the job gauges; roles have gauges of their own
 	roles := make(map[string]int)
-	for i, j := range jobs {
-		names[i] = j.Name
+	for _, j := range jobs {
 		if j.role != nil {
 			roles[j.Name] = j.shards
+		} else {
+			names = append(names, j.Name)
 		}
 	}
 	if reg, err := r.m.observe(names, roles); err == nil {

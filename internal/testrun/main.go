@@ -6,8 +6,9 @@
 //
 //	TEST_DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable' go run ./internal/testrun
 //
-// Without arguments it runs `go test -race -count=1 -p 1 ./...`; arguments,
-// if any, replace those (`go run ./internal/testrun -count=1 ./lock`). It
+// Without arguments it runs `go test -race -count=1 -p 1 ./...` in the main
+// module and then in the ops module; arguments, if any, replace those and
+// run in the main module only (`go run ./internal/testrun -count=1 ./lock`). It
 // prints one line per package, the output of failed tests and of packages
 // that did not build, then the skipped tests, and exits with go test's
 // status.
@@ -38,33 +39,26 @@ type event struct {
 // skip is one skipped test and the reason it gave.
 type skip struct{ pkg, test, reason string }
 
+// modules are the project's modules whose tests the default run includes
+// besides the main one: ops (the alerting rules and dashboard, tested
+// against a real Prometheus; a module of its own so that the Prometheus
+// exporter stays out of importers' go.sum).
+var modules = []string{"ops"}
+
 func main() {
 	args := os.Args[1:]
+	dirs := []string{"."}
 	if len(args) == 0 {
 		args = []string{"-race", "-count=1", "-p", "1", "./..."}
-	}
-	cmd := exec.Command("go", append([]string{"test", "-json"}, args...)...)
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "testrun:", err)
-		os.Exit(1)
+		dirs = append(dirs, modules...)
 	}
 	start := time.Now()
-	if err := cmd.Start(); err != nil {
-		fmt.Fprintln(os.Stderr, "testrun:", err)
-		os.Exit(1)
-	}
-	skips := report(out, os.Stdout)
-	err = cmd.Wait()
 	code := 0
-	var exit *exec.ExitError
-	switch {
-	case errors.As(err, &exit):
-		code = exit.ExitCode()
-	case err != nil:
-		fmt.Fprintln(os.Stderr, "testrun:", err)
-		code = 1
+	var skips []skip
+	for _, dir := range dirs {
+		s, c := run(dir, args)
+		skips = append(skips, s...)
+		code = max(code, c)
 	}
 	printSkips(os.Stdout, skips)
 	verdict := "ok"
@@ -73,6 +67,34 @@ func main() {
 	}
 	fmt.Printf("%s in %s\n", verdict, time.Since(start).Round(time.Second))
 	os.Exit(code)
+}
+
+// run runs go test -json with args in dir, writes its summary, and
+// returns the skipped tests and go test's exit code.
+func run(dir string, args []string) ([]skip, int) {
+	cmd := exec.Command("go", append([]string{"test", "-json"}, args...)...)
+	cmd.Dir = dir
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "testrun:", err)
+		return nil, 1
+	}
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "testrun:", err)
+		return nil, 1
+	}
+	skips := report(out, os.Stdout)
+	err = cmd.Wait()
+	var exit *exec.ExitError
+	switch {
+	case errors.As(err, &exit):
+		return skips, exit.ExitCode()
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "testrun:", err)
+		return skips, 1
+	}
+	return skips, 0
 }
 
 // report reads go test's JSON events from r and writes the summary to w as
