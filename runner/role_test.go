@@ -1,7 +1,6 @@
 package runner_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
@@ -429,9 +428,9 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 	}
 	waitFor(t, 30*time.Second, "a leader for each of the 8 partitions", allLed)
 
-	var logged syncBuffer
+	logs := pgtest.NewLogs()
 	cfg := lcfg("c")
-	cfg.Logger = slog.New(slog.NewTextHandler(&logged, nil))
+	cfg.Logger = slog.New(logs)
 	r, err := runner.New(lockClient(t, db.Pool, cfg), rcfg)
 	if err != nil {
 		t.Fatal(err)
@@ -448,8 +447,9 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 		t.Fatalf("Run with 4 partitions of a role registered with 8: %v (after %v), want a *PartitionCountError 8/4", err, time.Since(began))
 	}
 	t.Logf("refused after %v: %v", time.Since(began).Round(time.Millisecond), err)
-	if !strings.Contains(logged.String(), "level=ERROR") || !strings.Contains(logged.String(), "partition count") {
-		t.Errorf("no ERROR line about the partition count in the refused replica's log:\n%s", logged.String())
+	if len(logs.Find(slog.LevelError, "partition count")) == 0 {
+		logs.LogOnFailure(t)
+		t.Errorf("no ERROR line about the partition count in the refused replica's log")
 	}
 	// For a TTL and more after the refusal, every partition still has a
 	// leader.
@@ -458,24 +458,6 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 			t.Fatal("a partition lost its leader after a replica with another count was refused")
 		}
 	}
-}
-
-// syncBuffer is a log written by a runner's goroutines and read by the test.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
 }
 
 // SetPartitions changes a role's count only while no replica runs it (the
@@ -583,13 +565,14 @@ func TestRebalanceLogsWhyATermEnded(t *testing.T) {
 	createEffects(t, db)
 	var target atomic.Int64
 	const poll = 50 * time.Millisecond
-	var logged syncBuffer
+	logs := pgtest.NewLogs()
+	logs.LogOnFailure(t)
 	lcfg := func(who string) lock.Config {
 		return lock.Config{Schema: db.Schema, Holder: who, TTL: time.Second, PollInterval: poll}
 	}
 	rcfg := runner.Config{RebalanceInterval: 200 * time.Millisecond}
 	acfg := lcfg("a")
-	acfg.Logger = slog.New(slog.NewTextHandler(&logged, nil))
+	acfg.Logger = slog.New(logs)
 	start(t, db.Pool, acfg, rcfg, func(r *runner.Runner) error {
 		return r.RegisterRole(counterRole(db, "relay", 4, &target, poll))
 	})
@@ -613,14 +596,17 @@ func TestRebalanceLogsWhyATermEnded(t *testing.T) {
 	})
 	waitFor(t, 30*time.Second, "b to lead some partitions", func() bool { return ledBy("b") > 0 })
 	waitFor(t, 10*time.Second, "a's line about a partition it gave up", func() bool {
-		return strings.Contains(logged.String(), `msg="pgfence runner: stopped leading" role=relay partition=`)
+		return len(logs.Find(slog.LevelInfo, "stopped leading")) > 0
 	})
-	for _, line := range strings.Split(logged.String(), "\n") {
-		if strings.Contains(line, "stopped leading") {
-			if !strings.Contains(line, "level=INFO") || !strings.Contains(line, `why="moved to another replica by a rebalance"`) ||
-				strings.Contains(line, "context canceled") {
-				t.Errorf("a partition moved by a rebalance is logged as %q", line)
-			}
+	if warned := logs.Find(slog.LevelWarn, "stopped leading"); len(warned) > 0 {
+		t.Errorf("a rebalance logged a term's end as a warning: %v", warned)
+	}
+	for _, r := range logs.Find(slog.LevelInfo, "stopped leading") {
+		attrs := map[string]string{}
+		r.Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.String(); return true })
+		if attrs["role"] != "relay" || attrs["partition"] == "" || attrs["job"] != "" ||
+			attrs["why"] != "moved to another replica by a rebalance" {
+			t.Errorf("a partition moved by a rebalance is logged with %v", attrs)
 		}
 	}
 }
