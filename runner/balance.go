@@ -248,7 +248,9 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 				owned++
 			}
 		}
-		r.m.setShards(j.Name, int64(owned))
+		if j.role == nil { // a role's partitions have gauges of their own
+			r.m.setShards(j.Name, int64(owned))
+		}
 		for s := range j.shards {
 			k := shardKey{j, s}
 			mine := me >= 0 && owner[s] == me
