@@ -17,10 +17,13 @@ var ErrUnhealthy = errors.New("lock: unhealthy")
 // Health says whether the client can do its work, for a readiness probe:
 // nil, or an error matching ErrUnhealthy that says why. It is unhealthy
 // when it is closed, when the database does not answer a ping within ctx
-// (through the client's pool), when its renewals are failing, and when a
-// lease it holds has less than RenewInterval of its trust window left (its
-// renewals are late: the next one missed and it is lost). It sends one
-// statement, and reads every held lease's trust window.
+// (through the client's pool: a pool the application keeps busy can make
+// the probe time out), and, while it holds leases, when its renewals are
+// failing or late: a lease has less of its trust window left than a
+// renewal on time leaves, by more than half (the renewer's own measure of
+// late, min(RenewInterval, (TTL - SafetyMargin - RenewInterval)/2)); a few
+// more missed and it is lost. It sends one statement, and reads every held
+// lease's trust window.
 func (c *Client) Health(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Health"); err != nil {
 		return err
@@ -32,12 +35,16 @@ func (c *Client) Health(ctx context.Context) error {
 	if err := c.pool.Ping(ctx); err != nil {
 		why = append(why, fmt.Errorf("the database does not answer: %w", err))
 	}
-	if c.failing.Load() {
-		why = append(why, errors.New("renewals are failing"))
-	}
-	if name, left, ok := c.leastTrust(); ok && left < c.cfg.RenewInterval {
-		why = append(why, fmt.Errorf("renewals are late: lease %q has %v of its trust window left (less than RenewInterval, %v)",
-			name, left.Round(time.Millisecond), c.cfg.RenewInterval))
+	// Renewals matter only while leases are held (the failing flag is
+	// left as the last pass set it once the client holds none).
+	if name, left, ok := c.leastTrust(); ok {
+		if c.failing.Load() {
+			why = append(why, errors.New("renewals are failing"))
+		}
+		if slack := c.cfg.window().lateSlack(); left < slack {
+			why = append(why, fmt.Errorf("renewals are late: lease %q has %v of its trust window left (less than %v)",
+				name, left.Round(time.Millisecond), slack))
+		}
 	}
 	if len(why) == 0 {
 		return nil

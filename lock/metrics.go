@@ -80,10 +80,10 @@ func newMetrics(c *Client) (*metrics, error) {
 	// Counted from the client's start, so that they are there (at 0)
 	// before the first failure: an alert on their increase then works.
 	renewals, e := m.Int64ObservableCounter("pgfence.lease.renewals", metric.WithUnit("{statement}"),
-		metric.WithDescription("Renewal statements that succeeded (Stats.Renewals)."))
+		metric.WithDescription("Renewals that succeeded (Stats.Renewals: one per pass of a client's leases)."))
 	keep(e)
 	renewalFailures, e := m.Int64ObservableCounter("pgfence.lease.renewal.failures", metric.WithUnit("{statement}"),
-		metric.WithDescription("Renewal statements that failed: the database did not answer in time, refused, or the connection broke (Stats.RenewalFailures)."))
+		metric.WithDescription("Renewals that failed: the database did not answer in time, refused, or the connection broke (Stats.RenewalFailures)."))
 	keep(e)
 	if err != nil {
 		return nil, fmt.Errorf("lock: metrics: %w", err)

@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"sort"
 	"strings"
@@ -33,6 +34,10 @@ import (
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// metricName finds the series names in a rule's expression (not its
+// labels, pgfence_job and the like).
+var metricName = regexp.MustCompile(`pgfence_(lease|runner|guard)_[a-z_]+`)
 
 // errNoPrometheus is the missing tool's error.
 var errNoPrometheus = errors.New("the alert tests need Prometheus' promtool and server (Debian: apt-get install prometheus)")
@@ -204,7 +209,9 @@ func TestAlertExpressionsOnRealSeries(t *testing.T) {
 	go func() { _ = srv.Serve(l) }()
 	t.Cleanup(func() { _ = srv.Close() })
 
-	client, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, Holder: "app-1", TTL: 2 * time.Second,
+	// A TTL long enough that a slow renewal on a loaded machine is not a
+	// failure (one would keep PgfenceRenewalsFailing on for 2 minutes).
+	client, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, Holder: "app-1", TTL: 5 * time.Second,
 		PollInterval: 50 * time.Millisecond, MeterProvider: mp, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
@@ -281,6 +288,15 @@ func TestAlertExpressionsOnRealSeries(t *testing.T) {
 		return len(prom.query(`pgfence_runner_leader == 1`)) == 2
 	})
 	onlyFiring("no alert while healthy", map[string][]string{})
+	// Every series a rule selects exists (a misspelled name would leave
+	// its alert silent for good).
+	for _, a := range rules {
+		for _, name := range metricName.FindAllString(a.Expr, -1) {
+			if len(prom.query("count("+name+")")) == 0 {
+				t.Errorf("%s selects %s, which pgfence does not emit", a.Alert, name)
+			}
+		}
+	}
 	// Every panel of the shipped dashboard has data from what pgfence emits
 	// (the lag and leaderless panels included: the role reports them).
 	for _, expr := range dashboardQueries(t) {

@@ -112,7 +112,8 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 			failing.Fail(r.log, "pgfence runner: heartbeats failing; keeping current shards", err)
 		} else {
 			failing.Recover(r.log, "pgfence runner: heartbeats recovered")
-			r.lastBeat.Store(time.Now().UnixNano())
+			now := time.Now()
+			r.lastBeat.Store(&now)
 			// Heartbeats pace database work, so they stay on the real clock.
 			apply, settling := st.observe(view, time.Now())
 			// A new view, or the applied one again once it holds still: the

@@ -28,8 +28,10 @@ func (r *Runner) Health(ctx context.Context) error {
 	if err := r.lc.Health(ctx); err != nil {
 		why = append(why, err)
 	}
-	// Since the last heartbeat, or since Run started the jobs.
-	if since := time.Since(time.Unix(0, r.lastBeat.Load())); since > r.lcfg.TTL {
+	// Since the last heartbeat, or since Run started the jobs (a runner
+	// with nothing registered sends none).
+	if at := r.lastBeat.Load(); at != nil && time.Since(*at) > r.lcfg.TTL {
+		since := time.Since(*at)
 		why = append(why, fmt.Errorf("%w: no heartbeat has succeeded for %v (TTL %v): the other replicas count this one gone",
 			lock.ErrUnhealthy, since.Round(time.Millisecond), r.lcfg.TTL))
 	}

@@ -83,7 +83,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		metric.WithDescription("Consecutive failures of Lead on a partition this instance leads (Partition.Failures), by pgfence.job (the role) and pgfence.partition."))
 	keep(e)
 	m.jobFailures, e = m.meter.Int64ObservableGauge("pgfence.runner.job.failures", metric.WithUnit("{attempt}"),
-		metric.WithDescription("Attempts of the job that failed (or panicked) in a row on this instance, 0 after a success, by pgfence.job."))
+		metric.WithDescription("Attempts of the job that failed (or panicked) in a row while this instance leads it, 0 after a success, by pgfence.job."))
 	keep(e)
 	m.leaderless, e = m.meter.Int64ObservableGauge("pgfence.runner.partitions.leaderless", metric.WithUnit("{partition}"),
 		metric.WithDescription("Partitions of the role whose lease nobody holds, as this instance's balancer last saw them, by pgfence.job (the role)."))
@@ -130,8 +130,12 @@ func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registrat
 			}
 			o.ObserveInt64(m.partFailures, m.fails[k], attrs)
 		}
+		// A job's failures in a row, while this instance leads it: once
+		// another leads it, that one's count is the one that matters.
 		for _, job := range m.jobs {
-			o.ObserveInt64(m.jobFailures, m.jobFail[job], metric.WithAttributes(attribute.String("pgfence.job", job)))
+			if m.leading[job] > 0 {
+				o.ObserveInt64(m.jobFailures, m.jobFail[job], metric.WithAttributes(attribute.String("pgfence.job", job)))
+			}
 		}
 		for role, n := range m.orphans {
 			o.ObserveInt64(m.leaderless, n, metric.WithAttributes(attribute.String("pgfence.job", role)))
@@ -158,6 +162,9 @@ func (m *metrics) event(e Event, took time.Duration) {
 		}
 		m.mu.Lock()
 		m.leading[e.Job] += delta
+		if m.leading[e.Job] <= 0 {
+			delete(m.jobFail, e.Job)
+		}
 		if _, role := m.roles[e.Job]; role {
 			k := partKey{e.Job, e.Shard}
 			if delta > 0 {

@@ -69,7 +69,8 @@ type Role struct {
 	// it at most once per Poll, after a Commit or a Wait, and records it in
 	// the schema (PartitionInfo.Head and Lag, `pgfence roles`, the status
 	// page) and in the metric pgfence.runner.partition.lag. An error is
-	// logged and the lag left as it was. Optional.
+	// logged and the lag left as it was; it has max(Poll, 1s) to answer.
+	// Optional.
 	Head func(ctx context.Context, partition int) (int64, error)
 }
 
@@ -323,21 +324,21 @@ func (p *Partition) reportHead(ctx context.Context) {
 		return
 	}
 	p.headAsked = time.Now()
-	ctx, cancel := context.WithTimeout(ctx, p.poll)
+	hctx, cancel := context.WithTimeout(ctx, max(p.poll, time.Second))
 	defer cancel()
 	log := p.w.log()
-	n, err := head(ctx, p.Index)
+	n, err := head(hctx, p.Index)
 	if err == nil {
-		_, err = p.w.r.pool.Exec(ctx, p.w.r.q.head, p.Role, p.Index, n)
+		_, err = p.w.r.pool.Exec(hctx, p.w.r.q.head, p.Role, p.Index, n)
 	}
 	if err != nil {
-		if ctx.Err() == nil {
+		if ctx.Err() == nil { // not the term ending: a failure, or too slow
 			p.headFailing.Fail(log, "pgfence runner: reading or recording a partition's head failing; its lag is not updated", err)
 		}
 		return
 	}
 	p.headFailing.Recover(log, "pgfence runner: a partition's head is read again")
-	p.w.r.m.setLag(p.Role, p.Index, n-p.position)
+	p.w.r.m.setLag(p.Role, p.Index, max(n-p.position, 0))
 }
 
 // Wake wakes the leader of role's partition in schema ("" means
@@ -388,10 +389,10 @@ func (w *worker) roleLoop(ctx context.Context) {
 		// Why the balancer ended ctx: a shutdown (the group's cause), or
 		// the partition moved away (a plain cancel).
 		cancel := func() {
-			if cause := context.Cause(ctx); errors.Is(cause, errShutdown) {
-				cancelCause(cause)
+			if cause := context.Cause(ctx); errors.Is(cause, context.Canceled) {
+				cancelCause(errMoved) // the balancer's plain cancel
 			} else {
-				cancelCause(errMoved)
+				cancelCause(cause) // a shutdown, or the runner's permanent error
 			}
 		}
 		p, err := w.newPartition(lctx, l)
@@ -523,8 +524,8 @@ type PartitionInfo struct {
 	Partition int    `json:"partition"`
 	// Position is its last committed position.
 	Position int64 `json:"position,string"`
-	// Token is the lease token of the position's last advance (0: never
-	// advanced), and Committer the instance that made it.
+	// Token is the lease token of the position's last commit (0: never
+	// committed), and Committer the instance that made it.
 	Token     fence.Token `json:"token"`
 	Committer string      `json:"committer"`
 	// AdvancedAt is when the position last moved (database clock; zero if
@@ -537,7 +538,7 @@ type PartitionInfo struct {
 	Commits     int64     `json:"commits"`
 	// Head is the newest position available as the role's Head last
 	// reported it, at HeadAt (zero: never reported), and Lag is Head -
-	// Position then (0 without a head).
+	// Position (0 without a head, or when the position has passed it).
 	Head   int64     `json:"head,string"`
 	HeadAt time.Time `json:"head_at"`
 	Lag    int64     `json:"lag,string"`
@@ -582,7 +583,9 @@ func Partitions(ctx context.Context, db fence.DB, schema, role string) ([]Partit
 		err := row.Scan(&p.Role, &p.Partition, &p.Position, &tok, &p.Committer, &advancedAt, &committedAt, &p.Commits,
 			&head, &headAt, &p.Leader, &ltok, &p.Leading, &p.Now)
 		if head != nil && headAt != nil {
-			p.Head, p.HeadAt, p.Lag = *head, *headAt, *head-p.Position
+			// The head is read at most once per Poll while the position
+			// moves on: a position past the last head read means no lag.
+			p.Head, p.HeadAt, p.Lag = *head, *headAt, max(*head-p.Position, 0)
 		}
 		p.Token, p.LeaderToken = fence.Token(tok), fence.Token(ltok)
 		if advancedAt != nil {

@@ -51,8 +51,8 @@ type Runner struct {
 	names   map[string]bool
 	running bool
 
-	live     atomic.Bool  // Run has started the jobs and not returned
-	lastBeat atomic.Int64 // when the last heartbeat succeeded (Unix ns, real clock)
+	live     atomic.Bool               // Run has started the jobs and not returned
+	lastBeat atomic.Pointer[time.Time] // when the last heartbeat succeeded (real clock, monotonic); nil: no jobs, no heartbeats
 
 	fatal func(error) // set by Run: stop everything with this error
 }
@@ -244,7 +244,10 @@ func (r *Runner) Run(ctx context.Context) error {
 		}
 		return err
 	}
-	r.lastBeat.Store(time.Now().UnixNano()) // the first heartbeat is due within a TTL
+	if len(jobs) > 0 {
+		now := time.Now() // the first heartbeat is due within a TTL
+		r.lastBeat.Store(&now)
+	}
 	r.live.Store(true)
 	defer r.live.Store(false)
 	var names []string // the jobs, for the job gauges; roles have gauges of their own
@@ -391,11 +394,8 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 	var failing retry.Failing
 	for {
 		err := schemaver.Verify(ctx, r.pool, r.lcfg.Schema)
-		if err == nil {
-			if _, err = r.pool.Exec(ctx, r.q.register, names, schedules, shards, attempts, r.lcfg.Holder); err != nil {
-				err = fmt.Errorf("register the jobs: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
-			}
-		}
+		// The roles first: a runner refused for a role's count registers
+		// nothing.
 		if err == nil && len(roles) > 0 {
 			var mismatch error
 			mismatch, err = r.registerRoles(ctx, roles, partitions)
@@ -403,6 +403,11 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 				r.log.Error("pgfence runner: not starting: a role's partition count differs from the registered one",
 					"err", mismatch)
 				return mismatch
+			}
+		}
+		if err == nil {
+			if _, err = r.pool.Exec(ctx, r.q.register, names, schedules, shards, attempts, r.lcfg.Holder); err != nil {
+				err = fmt.Errorf("register the jobs: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
 			}
 		}
 		if err == nil || !retry.Transient(err) {

@@ -195,6 +195,10 @@ func termEnd(err error) (why string, ordinary bool) {
 		return "handed over to its preferred replica", true
 	case errors.Is(err, errShutdown):
 		return "shutting down", true
+	case errors.Is(err, context.Canceled):
+		// The balancer stopped this instance's worker: the job's shard (or
+		// the partition) is another instance's now.
+		return "moved to another replica by a rebalance", true
 	case errors.Is(err, lock.ErrLeaseLost):
 		return "lease lost", false
 	}

@@ -24,7 +24,7 @@
 //	jobs prune --older-than D
 //	                      delete finished runs older than D (the latest slot of each job is kept)
 //	roles [ROLE] [--json]
-//	                      each role's partitions: leader, token, position, when it last advanced
+//	                      each role's partitions: leader, token, position, lag, when it last moved
 //	grant app|operator ROLE [--print]
 //	                      give ROLE what an application (or this CLI) needs in the schema
 //	ui [--listen 127.0.0.1:8080] [--host NAME] [--allow-actions] [--refresh 1s]

@@ -33,7 +33,7 @@ func init() {
 		{"jobs pause", "JOB", "stop every replica starting JOB's scheduled slots", cmdJobsPause},
 		{"jobs resume", "JOB", "let the replicas start JOB's scheduled slots again", cmdJobsResume},
 		{"jobs prune", "--older-than D", "delete finished runs older than D (the latest slot of each job is kept)", cmdJobsPrune},
-		{"roles", "[ROLE] [--json]", "each role's partitions: leader, token, position, when it last advanced", cmdRoles},
+		{"roles", "[ROLE] [--json]", "each role's partitions: leader, token, position, lag, when it last moved", cmdRoles},
 		{"grant", "app|operator ROLE [--print]", "give ROLE what an application (or this CLI) needs in the schema", cmdGrant},
 		{"ui", "[--listen 127.0.0.1:8080] [--host NAME] [--allow-actions] [--refresh 1s]",
 			"serve the status page (leases, jobs, fleet) in a browser", cmdUI},
