@@ -62,7 +62,7 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 		metric.WithDescription("Attempts after the first at a slot, by pgfence.job."))
 	keep(e)
 	m.leadership, e = m.meter.Int64Counter("pgfence.runner.leadership.changes", metric.WithUnit("{change}"),
-		metric.WithDescription("Job and shard leases taken and ended on this instance, by pgfence.job and pgfence.change: gained, lost."))
+		metric.WithDescription("Job and shard leases taken and ended on this instance, by pgfence.job and pgfence.change: gained, lost (with pgfence.cause: released, moved, handed_over, shutdown, lease_lost, failed)."))
 	keep(e)
 	m.missed, e = m.meter.Int64Counter("pgfence.runner.missed_slots", metric.WithUnit("{slot}"),
 		metric.WithDescription("Slots that passed without any replica running them (downtime, by Missed policy, or while a run overran), by pgfence.job."))
@@ -176,7 +176,11 @@ func (m *metrics) event(e Event, took time.Duration) {
 			}
 		}
 		m.mu.Unlock()
-		m.leadership.Add(ctx, 1, metric.WithAttributes(job, attribute.String("pgfence.change", change)))
+		attrs := []attribute.KeyValue{job, attribute.String("pgfence.change", change)}
+		if e.Kind == LeadershipLost {
+			attrs = append(attrs, attribute.String("pgfence.cause", termCause(e.Err)))
+		}
+		m.leadership.Add(ctx, 1, metric.WithAttributes(attrs...))
 	case RunStarted:
 		if e.Attempt > 1 {
 			m.retries.Add(ctx, 1, metric.WithAttributes(job))

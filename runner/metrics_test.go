@@ -3,6 +3,8 @@ package runner_test
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -443,5 +445,44 @@ func TestPartitionFailuresMetric(t *testing.T) {
 	})
 	if seen.Load() < 2 {
 		t.Errorf("Lead saw Failures() = %d at its third call or later, want at least 2", seen.Load())
+	}
+}
+
+// A job that fails every slot logs ERROR at its 1st, 2nd, 4th and 8th
+// failure in a row, with the count (DEBUG in between), and a term's end is
+// counted with its cause (here a shutdown).
+func TestFailingJobLogPaceAndTermCause(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	logs := pgtest.NewLogs()
+	logs.LogOnFailure(t)
+	in := start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", MeterProvider: mp, Logger: slog.New(logs)}, runner.Config{},
+		func(r *runner.Runner) error {
+			return r.Register(runner.Job{Name: "flaky", Schedule: "@every 100ms",
+				Run: func(context.Context, *runner.Run) error { return errors.New("the provider is down") }})
+		})
+	failures := func(level slog.Level) []int64 {
+		var n []int64
+		for _, r := range logs.Find(level, "run failed") {
+			r.Attrs(func(a slog.Attr) bool {
+				if a.Key == "consecutive_failures" {
+					n = append(n, a.Value.Int64())
+				}
+				return true
+			})
+		}
+		return n
+	}
+	waitFor(t, 30*time.Second, "9 failures in a row", func() bool { return len(failures(slog.LevelError))+len(failures(slog.LevelDebug)) >= 9 })
+	if got := failures(slog.LevelError)[:4]; !slices.Equal(got, []int64{1, 2, 4, 8}) {
+		t.Errorf("ERROR lines at failures %v, want 1, 2, 4, 8 (DEBUG in between)", got)
+	}
+	in.stop(t)
+	if v, _ := collect(t, reader).value("pgfence.runner.leadership.changes", attribute.String("pgfence.job", "flaky"),
+		attribute.String("pgfence.change", "lost"), attribute.String("pgfence.cause", "shutdown")); v != 1 {
+		t.Errorf("leadership changes lost by shutdown: %v, want 1", v)
 	}
 }

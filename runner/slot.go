@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime/debug"
 	"time"
 
@@ -116,6 +117,10 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 			w.log().Warn("pgfence runner: the job returned an error after its CommitTx committed; the slot succeeded",
 				"slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(), "err", runErr)
 		}
+		if w.failures > 0 {
+			w.log().Info("pgfence runner: the job succeeded again", "slot", slot.at, "after_failures", w.failures)
+			w.failures = 0
+		}
 		w.event(RunSucceeded, slot, l, attempt, nil)
 		return false
 	}
@@ -171,8 +176,16 @@ func (w *worker) finish(ctx context.Context, t *term, run *Run, runErr error) (r
 		return succeeded()
 	case err == nil && (status == StatusFailed || status == StatusPanicked):
 		retry := attempt < w.j.Retry.MaxAttempts
-		w.log().Error("pgfence runner: run failed", "slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(),
-			"status", status, "retry", retry, "err", runErr)
+		// ERROR at the 1st, 2nd, 4th, 8th... failure in a row, DEBUG in
+		// between: a job that fails every slot does not flood the log, and
+		// the count says how long it has.
+		w.failures++
+		level := slog.LevelDebug
+		if w.failures&(w.failures-1) == 0 {
+			level = slog.LevelError
+		}
+		w.log().Log(ctx, level, "pgfence runner: run failed", "slot", slot.at, "kind", slot.kind, "attempt", attempt, "token", l.Token(),
+			"status", status, "retry", retry, "consecutive_failures", w.failures, "err", runErr)
 		w.event(RunFailed, slot, l, attempt, runErr)
 		return retry
 	case err == nil:

@@ -24,6 +24,7 @@ type worker struct {
 	shard int
 
 	runStart time.Time // of the attempt under way, for its duration
+	failures int       // attempts failed in a row (for the log's pace)
 }
 
 func (w *worker) leaseName() string {
@@ -186,23 +187,49 @@ var errMoved = errors.New("runner: moved to another replica by a rebalance")
 // and whether that is an ordinary end (released, moved, handed over, shut
 // down) rather than a loss or a failure.
 func termEnd(err error) (why string, ordinary bool) {
+	c := termCause(err)
+	return termWhy[c], c != causeLost && c != causeFailed
+}
+
+// The causes of a term's end, as the metric pgfence.runner.leadership.changes
+// labels them (pgfence.cause), and as the log says them.
+const (
+	causeReleased   = "released"
+	causeMoved      = "moved"
+	causeHandedOver = "handed_over"
+	causeShutdown   = "shutdown"
+	causeLost       = "lease_lost"
+	causeFailed     = "failed"
+)
+
+var termWhy = map[string]string{
+	causeReleased:   "released",
+	causeMoved:      "moved to another replica by a rebalance",
+	causeHandedOver: "handed over to its preferred replica",
+	causeShutdown:   "shutting down",
+	causeLost:       "lease lost",
+	causeFailed:     "failed",
+}
+
+// termCause is the cause of a term's end.
+func termCause(err error) string {
 	switch {
 	case err == nil, errors.Is(err, lock.ErrReleased):
-		return "released", true
+		return causeReleased
 	case errors.Is(err, errMoved):
-		return "moved to another replica by a rebalance", true
+		return causeMoved
 	case errors.Is(err, errHandOver):
-		return "handed over to its preferred replica", true
+		return causeHandedOver
 	case errors.Is(err, errShutdown):
-		return "shutting down", true
+		return causeShutdown
 	case errors.Is(err, context.Canceled):
 		// The balancer stopped this instance's worker: the job's shard (or
 		// the partition) is another instance's now.
-		return "moved to another replica by a rebalance", true
+		return causeMoved
 	case errors.Is(err, lock.ErrLeaseLost):
-		return "lease lost", false
+		return causeLost
 	}
-	return "failed", false
+	return causeFailed
 }
 
 // slotRef names a slot of the worker's job and shard: a scheduled one, or
