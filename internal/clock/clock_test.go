@@ -55,3 +55,25 @@ func TestPendingCountsArmedTimers(t *testing.T) {
 		t.Fatalf("%d timers left pending", f.Pending())
 	}
 }
+
+// Jump moves the clock first: a timer that falls due sees the new time,
+// where Advance shows it its own.
+func TestJumpFiresTimersLate(t *testing.T) {
+	start := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		name string
+		move func(*Fake)
+		want time.Time
+	}{
+		{"Advance", func(f *Fake) { f.Advance(3 * time.Minute) }, start.Add(time.Minute)},
+		{"Jump", func(f *Fake) { f.Jump(3 * time.Minute) }, start.Add(3 * time.Minute)},
+	} {
+		f := NewFake(start)
+		var seen time.Time
+		f.AfterFunc(time.Minute, func() { seen = f.Now() })
+		tc.move(f)
+		if !seen.Equal(tc.want) || !f.Now().Equal(start.Add(3*time.Minute)) {
+			t.Errorf("%s: the timer saw %v (want %v), the clock is at %v", tc.name, seen, tc.want, f.Now())
+		}
+	}
+}
