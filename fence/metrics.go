@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/pgfence/pgfence/internal/buckets"
+	"github.com/pgfence/pgfence/internal/errtype"
 )
 
 // Metrics records what guards refuse and commit (README's "Metrics"). Build
@@ -28,7 +29,7 @@ type Metrics struct {
 func NewMetrics(mp metric.MeterProvider) (*Metrics, error) {
 	m := mp.Meter("github.com/pgfence/pgfence/fence")
 	tx, err := m.Int64Counter("pgfence.guard.transactions", metric.WithUnit("{transaction}"),
-		metric.WithDescription("Guarded transactions and checks, by pgfence.outcome: committed, stale (refused: no longer the holder), outcome_unknown, error."))
+		metric.WithDescription("Guarded transactions and checks, by pgfence.outcome: committed, stale (refused: no longer the holder), outcome_unknown, error (with error.type: the SQLSTATE, timeout, canceled, connection or _OTHER)."))
 	if err != nil {
 		return nil, fmt.Errorf("fence: metrics: %w", err)
 	}
@@ -45,7 +46,6 @@ var (
 	outcomeCommitted = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.outcome", "committed")))
 	outcomeStale     = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.outcome", "stale")))
 	outcomeUnknown   = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.outcome", "outcome_unknown")))
-	outcomeError     = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.outcome", "error")))
 
 	globalOnce    sync.Once
 	globalMetrics *Metrics
@@ -82,7 +82,7 @@ func (m *Metrics) outcome(ctx context.Context, err error, committed bool) {
 	case errors.Is(err, ErrOutcomeUnknown):
 		m.transactions.Add(ctx, 1, outcomeUnknown)
 	default:
-		m.transactions.Add(ctx, 1, outcomeError)
+		m.transactions.Add(ctx, 1, metric.WithAttributes(attribute.String("pgfence.outcome", "error"), errtype.Attr(err)))
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/buckets"
+	"github.com/pgfence/pgfence/internal/errtype"
 )
 
 // scope is the instrumentation scope of the lock package's metrics.
@@ -30,9 +31,8 @@ type metrics struct {
 
 // Attribute sets, built once.
 var (
-	resultAcquired = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.result", "acquired")))
-	resultHeld     = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.result", "held")))
-	resultError    = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.result", "error")))
+	resultAcquired = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.outcome", "acquired")))
+	resultHeld     = metric.WithAttributeSet(attribute.NewSet(attribute.String("pgfence.outcome", "held")))
 )
 
 func newMetrics(c *Client) (*metrics, error) {
@@ -48,18 +48,18 @@ func newMetrics(c *Client) (*metrics, error) {
 		}
 	}
 	ms.acquisitions, e = m.Int64Counter("pgfence.lease.acquisitions", metric.WithUnit("{attempt}"),
-		metric.WithDescription("Acquisition attempts, by pgfence.result: acquired, held (by another holder), error."))
+		metric.WithDescription("Acquisition attempts, by pgfence.outcome: acquired, held (by another holder), error (with error.type: the SQLSTATE, timeout, canceled, connection or _OTHER)."))
 	keep(e)
 	ms.losses, e = m.Int64Counter("pgfence.lease.losses", metric.WithUnit("{lease}"),
 		metric.WithDescription("Leases lost, by pgfence.cause: expired, taken_over, released_by_operator, renew_failed, database_unreachable."))
 	keep(e)
-	ms.slowRenews, e = m.Int64Counter("pgfence.lease.renewals.slow", metric.WithUnit("{renewal}"),
+	ms.slowRenews, e = m.Int64Counter("pgfence.lease.renewal.slow", metric.WithUnit("{renewal}"),
 		metric.WithDescription("Renewal passes (all of a client's leases, in statements of up to 5,000) that took more than half of RenewInterval."))
 	keep(e)
-	ms.heldBacks, e = m.Int64Counter("pgfence.lease.acquisitions.held_back", metric.WithUnit("{acquisition}"),
+	ms.heldBacks, e = m.Int64Counter("pgfence.lease.acquisition.held_back", metric.WithUnit("{acquisition}"),
 		metric.WithDescription("Acquisitions that waited for late renewals before they were sent (Stats.AcquisitionsHeldBack)."))
 	keep(e)
-	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renew.duration", metric.WithUnit("s"),
+	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renewal.duration", metric.WithUnit("s"),
 		metric.WithDescription("Round trip of a renewal statement (up to 5,000 of a client's leases at once)."),
 		metric.WithExplicitBucketBoundaries(buckets.Latency...))
 	keep(e)
@@ -120,7 +120,7 @@ func (m *metrics) attempted(ctx context.Context, err error) {
 	case isHeld(err):
 		m.acquisitions.Add(ctx, 1, resultHeld)
 	default:
-		m.acquisitions.Add(ctx, 1, resultError)
+		m.acquisitions.Add(ctx, 1, metric.WithAttributes(attribute.String("pgfence.outcome", "error"), errtype.Attr(err)))
 	}
 }
 

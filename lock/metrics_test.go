@@ -55,7 +55,7 @@ func TestRenewLatencyHistogramAnswers(t *testing.T) {
 	reader := sdkmetric.NewManualReader()
 	sdk := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = sdk.Shutdown(context.Background()) })
-	mp := &recordingProvider{MeterProvider: sdk, name: "pgfence.lease.renew.duration"}
+	mp := &recordingProvider{MeterProvider: sdk, name: "pgfence.lease.renewal.duration"}
 	c := newClient(t, db, lock.Config{TTL: time.Second, RenewInterval: 20 * time.Millisecond, MeterProvider: mp})
 	l, err := c.TryAcquire(ctx, "histogram")
 	if err != nil {
@@ -79,7 +79,7 @@ func TestRenewLatencyHistogramAnswers(t *testing.T) {
 		h = nil
 		for _, sm := range rm.ScopeMetrics {
 			for _, m := range sm.Metrics {
-				if d, ok := m.Data.(metricdata.Histogram[float64]); ok && m.Name == "pgfence.lease.renew.duration" && len(d.DataPoints) == 1 {
+				if d, ok := m.Data.(metricdata.Histogram[float64]); ok && m.Name == "pgfence.lease.renewal.duration" && len(d.DataPoints) == 1 {
 					h = &d.DataPoints[0]
 				}
 			}

@@ -17,7 +17,7 @@ type Stats struct {
 	// SlowRenewals counts successful renewal passes (every statement of
 	// one renewal of all the leases) that took more than half of
 	// RenewInterval (the client logs a warning when they start, and the
-	// metric pgfence.lease.renewals.slow counts them): a client holding
+	// metric pgfence.lease.renewal.slow counts them): a client holding
 	// more leases than its server renews in time.
 	SlowRenewals uint64
 	// AcquisitionsHeldBack counts acquisitions that waited for late

@@ -2,6 +2,7 @@ package runner
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -10,11 +11,12 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/pgfence/pgfence/internal/buckets"
+	"github.com/pgfence/pgfence/internal/errtype"
 )
 
 // metrics are a runner's instruments (README's "Metrics"). Attributes:
 // pgfence.job (bounded: the jobs and roles an application registers) and,
-// per instrument, pgfence.status or pgfence.change; never shards or slots.
+// per instrument, pgfence.outcome or pgfence.change; never shards or slots.
 // The exceptions are pgfence.runner.partition.leader, .lag and .failures, by
 // pgfence.partition too, for the partitions this instance leads now only.
 type metrics struct {
@@ -52,10 +54,10 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	}
 	var e error
 	m.runs, e = m.meter.Int64Counter("pgfence.runner.runs", metric.WithUnit("{run}"),
-		metric.WithDescription("Finished attempts, by pgfence.job and pgfence.status: succeeded, failed, fenced, skipped (the job was paused)."))
+		metric.WithDescription("Finished attempts, by pgfence.job and pgfence.outcome: succeeded, failed, fenced, skipped (the job was paused)."))
 	keep(e)
 	m.duration, e = m.meter.Float64Histogram("pgfence.runner.run.duration", metric.WithUnit("s"),
-		metric.WithDescription("Duration of an attempt, by pgfence.job and pgfence.status."),
+		metric.WithDescription("Duration of an attempt, by pgfence.job and pgfence.outcome."),
 		metric.WithExplicitBucketBoundaries(buckets.Wait...))
 	keep(e)
 	m.retries, e = m.meter.Int64Counter("pgfence.runner.retries", metric.WithUnit("{attempt}"),
@@ -195,14 +197,18 @@ func (m *metrics) event(e Event, took time.Duration) {
 		}
 		m.mu.Unlock()
 		status := map[EventKind]string{RunSucceeded: "succeeded", RunFailed: "failed", RunFenced: "fenced"}[e.Kind]
-		attrs := metric.WithAttributes(job, attribute.String("pgfence.status", status))
+		kv := []attribute.KeyValue{job, attribute.String("pgfence.outcome", status)}
+		if e.Kind == RunFailed {
+			kv = append(kv, runErrType(e.Err))
+		}
+		attrs := metric.WithAttributes(kv...)
 		m.runs.Add(ctx, 1, attrs)
 		m.duration.Record(ctx, took.Seconds(), attrs)
 	}
 }
 
 func (m *metrics) skipped(job string) {
-	m.runs.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.job", job), attribute.String("pgfence.status", "skipped")))
+	m.runs.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.job", job), attribute.String("pgfence.outcome", "skipped")))
 }
 
 func (m *metrics) missedSlots(job string, n int) {
@@ -251,4 +257,13 @@ func (m *metrics) setLeaderless(jobs []*job, held map[string][]string) {
 
 func (m *metrics) positionCommitted(role string) {
 	m.positions.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.job", role)))
+}
+
+// runErrType is a failed attempt's error.type: "panic" for a job that
+// panicked, else the error's kind (errtype.Of).
+func runErrType(err error) attribute.KeyValue {
+	if _, ok := errors.AsType[*panicError](err); ok {
+		return errtype.Key.String("panic")
+	}
+	return errtype.Attr(err)
 }

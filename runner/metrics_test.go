@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
@@ -141,8 +143,18 @@ func TestMetrics(t *testing.T) {
 	if err := lb.RunTx(ctx, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1"); return err }); err != nil {
 		t.Fatal(err)
 	}
+	// A refusal by the server carries its SQLSTATE as error.type.
+	if err := lb.RunTx(ctx, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "SELECT 1/0"); return err }); err == nil {
+		t.Fatal("a division by zero committed")
+	}
 	if err := lb.Release(ctx); err != nil {
 		t.Fatal(err)
+	}
+	// An acquisition that fails: its context has already ended.
+	ended, cancelEnded := context.WithCancel(ctx)
+	cancelEnded()
+	if _, err := b.TryAcquire(ended, "metered"); err == nil {
+		t.Fatal("TryAcquire with an ended context acquired")
 	}
 
 	got := collect(t, lockReader)
@@ -152,14 +164,16 @@ func TestMetrics(t *testing.T) {
 		want  float64 // exact, or a minimum when atLeast
 		least bool
 	}{
-		{"pgfence.lease.acquisitions", []attribute.KeyValue{attribute.String("pgfence.result", "acquired")}, 2, false},
-		{"pgfence.lease.acquisitions", []attribute.KeyValue{attribute.String("pgfence.result", "held")}, 1, false},
+		{"pgfence.lease.acquisitions", []attribute.KeyValue{attribute.String("pgfence.outcome", "acquired")}, 2, false},
+		{"pgfence.lease.acquisitions", []attribute.KeyValue{attribute.String("pgfence.outcome", "held")}, 1, false},
+		{"pgfence.lease.acquisitions", []attribute.KeyValue{attribute.String("pgfence.outcome", "error"), attribute.String("error.type", "canceled")}, 1, false},
 		{"pgfence.lease.losses", []attribute.KeyValue{attribute.String("pgfence.cause", "taken_over")}, 1, false},
-		{"pgfence.lease.renew.duration", nil, 1, true},
+		{"pgfence.lease.renewal.duration", nil, 1, true},
 		{"pgfence.lease.time_left", nil, 1, true},
 		{"pgfence.lease.held", nil, 0, false},
 		{"pgfence.guard.transactions", []attribute.KeyValue{attribute.String("pgfence.outcome", "stale")}, 1, false},
 		{"pgfence.guard.transactions", []attribute.KeyValue{attribute.String("pgfence.outcome", "committed")}, 1, false},
+		{"pgfence.guard.transactions", []attribute.KeyValue{attribute.String("pgfence.outcome", "error"), attribute.String("error.type", "22012")}, 1, false},
 	} {
 		v, ok := got.value(c.name, c.attrs...)
 		if !ok || (c.least && v < c.want) || (!c.least && v != c.want) {
@@ -219,7 +233,7 @@ func TestMetrics(t *testing.T) {
 		return nil
 	})
 	statusOf := func(job, status string) float64 {
-		v, _ := collect(t, runReader).value("pgfence.runner.runs", attribute.String("pgfence.job", job), attribute.String("pgfence.status", status))
+		v, _ := collect(t, runReader).value("pgfence.runner.runs", attribute.String("pgfence.job", job), attribute.String("pgfence.outcome", status))
 		return v
 	}
 	waitFor(t, 20*time.Second, "a run to succeed, one to fail and one to be fenced", func() bool {
@@ -227,12 +241,141 @@ func TestMetrics(t *testing.T) {
 	})
 	in.stop(t)
 	got = collect(t, runReader)
+	if v, _ := got.value("pgfence.runner.runs", attribute.String("pgfence.job", "bad"), attribute.String("pgfence.outcome", "failed"),
+		attribute.String("error.type", "_OTHER")); v < 1 {
+		t.Error("the failed runs of job bad carry no error.type _OTHER")
+	}
 	if v, _ := got.value("pgfence.runner.run.duration", attribute.String("pgfence.job", "ok")); v < 1 {
 		t.Error("no run duration recorded for job ok")
 	}
 	if v, _ := got.value("pgfence.runner.leadership.changes", attribute.String("pgfence.change", "gained")); v < 3 {
 		t.Errorf("leadership gained %v times, want at least once per job", v)
 	}
+	followsConventions(t, collect(t, lockReader), got)
+}
+
+// followsConventions checks the instruments recorded against the semantic
+// conventions' naming rules and the project's one key per concept: no
+// instrument's name is the namespace of another's (pgfence.x and
+// pgfence.x.y), and every attribute key is one of a fixed few.
+func followsConventions(t *testing.T, cs ...collected) {
+	t.Helper()
+	keys := map[attribute.Key]bool{"pgfence.outcome": true, "pgfence.cause": true, "pgfence.change": true,
+		"pgfence.job": true, "pgfence.partition": true, "error.type": true}
+	var names []string
+	for _, c := range cs {
+		for _, sm := range c.rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				names = append(names, m.Name)
+				var sets []attribute.Set
+				switch d := m.Data.(type) {
+				case metricdata.Sum[int64]:
+					for _, p := range d.DataPoints {
+						sets = append(sets, p.Attributes)
+					}
+				case metricdata.Gauge[int64]:
+					for _, p := range d.DataPoints {
+						sets = append(sets, p.Attributes)
+					}
+				case metricdata.Histogram[float64]:
+					for _, p := range d.DataPoints {
+						sets = append(sets, p.Attributes)
+					}
+				}
+				for _, set := range sets {
+					for _, kv := range set.ToSlice() {
+						if !keys[kv.Key] {
+							t.Errorf("%s has attribute %s, not one of the project's keys", m.Name, kv.Key)
+						}
+					}
+				}
+			}
+		}
+	}
+	if len(names) < 10 {
+		t.Fatalf("only %d instruments recorded: %v", len(names), names)
+	}
+}
+
+// No instrument's name is the namespace of another's (pgfence.x and
+// pgfence.x.y: the semantic conventions forbid it), among every instrument
+// a lock client and a runner create, recorded or not.
+func TestInstrumentNames(t *testing.T) {
+	db := pgtest.New(t)
+	mp := &namingProvider{MeterProvider: sdkmetric.NewMeterProvider()}
+	c, err := lock.New(db.Pool, lock.Config{Schema: db.Schema, MeterProvider: mp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
+	if _, err := runner.New(c, runner.Config{}); err != nil {
+		t.Fatal(err)
+	}
+	names := mp.names
+	for _, want := range []string{"pgfence.lease.acquisitions", "pgfence.guard.transactions", "pgfence.runner.runs"} {
+		if !slices.Contains(names, want) {
+			t.Fatalf("instruments created: %v, want %s among them", names, want)
+		}
+	}
+	for _, a := range names {
+		for _, b := range names {
+			if strings.HasPrefix(b, a+".") {
+				t.Errorf("instrument %s is the namespace of instrument %s", a, b)
+			}
+		}
+	}
+}
+
+// namingProvider keeps the name of every instrument created through it.
+type namingProvider struct {
+	metric.MeterProvider
+	mu    sync.Mutex
+	names []string
+}
+
+func (p *namingProvider) Meter(name string, opts ...metric.MeterOption) metric.Meter {
+	return namingMeter{Meter: p.MeterProvider.Meter(name, opts...), p: p}
+}
+
+func (p *namingProvider) add(name string) {
+	p.mu.Lock()
+	p.names = append(p.names, name)
+	p.mu.Unlock()
+}
+
+type namingMeter struct {
+	metric.Meter
+	p *namingProvider
+}
+
+func (m namingMeter) Int64Counter(name string, opts ...metric.Int64CounterOption) (metric.Int64Counter, error) {
+	m.p.add(name)
+	return m.Meter.Int64Counter(name, opts...)
+}
+
+func (m namingMeter) Float64Histogram(name string, opts ...metric.Float64HistogramOption) (metric.Float64Histogram, error) {
+	m.p.add(name)
+	return m.Meter.Float64Histogram(name, opts...)
+}
+
+func (m namingMeter) Int64ObservableCounter(name string, opts ...metric.Int64ObservableCounterOption) (metric.Int64ObservableCounter, error) {
+	m.p.add(name)
+	return m.Meter.Int64ObservableCounter(name, opts...)
+}
+
+func (m namingMeter) Int64ObservableUpDownCounter(name string, opts ...metric.Int64ObservableUpDownCounterOption) (metric.Int64ObservableUpDownCounter, error) {
+	m.p.add(name)
+	return m.Meter.Int64ObservableUpDownCounter(name, opts...)
+}
+
+func (m namingMeter) Int64ObservableGauge(name string, opts ...metric.Int64ObservableGaugeOption) (metric.Int64ObservableGauge, error) {
+	m.p.add(name)
+	return m.Meter.Int64ObservableGauge(name, opts...)
+}
+
+func (m namingMeter) Float64ObservableGauge(name string, opts ...metric.Float64ObservableGaugeOption) (metric.Float64ObservableGauge, error) {
+	m.p.add(name)
+	return m.Meter.Float64ObservableGauge(name, opts...)
 }
 
 // pgfence.runner.leader is 1 on the instance that leads a job and 0 on the

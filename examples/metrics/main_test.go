@@ -18,10 +18,10 @@ func TestMetricsExample(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{
-		"pgfence.lease.acquisitions{pgfence.result=acquired} 2",
-		"pgfence.lease.renew.duration", "pgfence.lease.time_left", "pgfence.lease.held",
+		"pgfence.lease.acquisitions{pgfence.outcome=acquired} 2",
+		"pgfence.lease.renewal.duration", "pgfence.lease.time_left", "pgfence.lease.held",
 		"pgfence.guard.transactions{pgfence.outcome=committed} 1",
-		"pgfence.runner.runs{pgfence.job=metrics-example,pgfence.status=succeeded}",
+		"pgfence.runner.runs{pgfence.job=metrics-example,pgfence.outcome=succeeded}",
 		"pgfence.runner.leadership.changes{pgfence.change=gained,pgfence.job=metrics-example} 1",
 	} {
 		if !strings.Contains(out.String(), want) {
