@@ -31,15 +31,9 @@ func (t Token) Valid() bool { return t >= 1 }
 // MarshalText implements encoding.TextMarshaler (decimal).
 func (t Token) MarshalText() ([]byte, error) { return []byte(t.String()), nil }
 
-// UnmarshalText implements encoding.TextUnmarshaler; it accepts what
-// ParseToken accepts, and "0", which MarshalText writes for the zero value
-// ("no token": a job without a leader, a position never advanced), so that
-// every JSON shape reads back.
+// UnmarshalText implements encoding.TextUnmarshaler; it accepts exactly
+// what ParseToken accepts.
 func (t *Token) UnmarshalText(b []byte) error {
-	if string(b) == "0" {
-		*t = 0
-		return nil
-	}
 	v, err := ParseToken(string(b))
 	if err != nil {
 		return err
@@ -48,16 +42,19 @@ func (t *Token) UnmarshalText(b []byte) error {
 	return nil
 }
 
-// ParseToken parses a decimal token as written by Token.String. It returns an
-// error wrapping ErrInvalidToken for anything that is not a valid token.
+// ParseToken parses a decimal token as written by Token.String: an issued
+// token (1 and up), or "0", the zero value ("no token": a job without a
+// leader, an offset never committed), which String writes too (check
+// Valid where only an issued token will do). It returns an error wrapping
+// ErrInvalidToken for anything else: a negative number, or text that is
+// not a decimal integer.
 func ParseToken(s string) (Token, error) {
 	v, err := strconv.ParseInt(s, 10, 64)
 	if err != nil {
 		return 0, fmt.Errorf("%w: %q is not a decimal integer", ErrInvalidToken, s)
 	}
-	t := Token(v)
-	if !t.Valid() {
-		return 0, fmt.Errorf("%w: %d (tokens start at 1)", ErrInvalidToken, v)
+	if v < 0 {
+		return 0, fmt.Errorf("%w: %d is negative (tokens start at 1; 0 is no token)", ErrInvalidToken, v)
 	}
-	return t, nil
+	return Token(v), nil
 }

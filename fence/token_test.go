@@ -49,3 +49,26 @@ func TestTokensAreDecimalStringsInJSON(t *testing.T) {
 		t.Fatalf("a negative token read: %v, want ErrInvalidToken", err)
 	}
 }
+
+// ParseToken and Token.UnmarshalText accept the same texts, with the same
+// value: every token String writes (the zero value "0" included), and
+// nothing else.
+func TestParseTokenAgreesWithUnmarshalText(t *testing.T) {
+	for _, in := range []string{"0", "1", "42", "9223372036854775807", "-1", "", " 1", "1.0", "0x10", "9223372036854775808", "+5"} {
+		parsed, perr := fence.ParseToken(in)
+		var un fence.Token
+		uerr := un.UnmarshalText([]byte(in))
+		if (perr == nil) != (uerr == nil) || parsed != un {
+			t.Errorf("%q: ParseToken = %v, %v; UnmarshalText = %v, %v", in, parsed, perr, un, uerr)
+		}
+		if perr != nil && !errors.Is(perr, fence.ErrInvalidToken) {
+			t.Errorf("%q: %v does not match ErrInvalidToken", in, perr)
+		}
+		if perr == nil && parsed.String() != strings.TrimPrefix(in, "+") {
+			t.Errorf("%q parses to %v, which String writes back as %q", in, parsed, parsed.String())
+		}
+	}
+	if tok, err := fence.ParseToken(fence.Token(0).String()); err != nil || tok != 0 {
+		t.Errorf("the zero value's text does not parse back: %v, %v", tok, err)
+	}
+}
