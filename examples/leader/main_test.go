@@ -97,7 +97,9 @@ func TestLeaderFindsItsDatabase(t *testing.T) {
 			base = append(base, kv)
 		}
 	}
-	cmd := exec.Command(bin, "-schema", pgtest.Schema(t, "leader"), "-for", "500ms")
+	// -for bounds the whole run, migrations included: long enough for them
+	// on a loaded machine (500 ms was not).
+	cmd := exec.Command(bin, "-schema", pgtest.Schema(t, "leader"), "-for", "5s")
 	cmd.Env = append(base, fmt.Sprintf("PGPORT=%d", cfg.Port))
 	out, err := cmd.CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "database: libpq defaults") || !strings.Contains(string(out), "leading with token") {
