@@ -257,6 +257,45 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 	return r.holder, fence.Token(r.token), nil
 }
 
+// RevokeTx ends lease name's current term inside tx, by issuing it a new
+// token that nobody holds: once tx commits, the lease is free (waiters are
+// woken), its holder's renewals and guarded writes are refused (the token
+// they carry is no longer the newest), and its next holder gets a greater
+// token still. Until then, tx holds the lease row, and token, the revoking
+// token, guards what tx writes: a resource fenced by the lease's tokens
+// (a consumer group's offset, a fence.Resource) accepts it and refuses the
+// holder's older one. It waits, as an acquisition does, for the guarded
+// transactions of the current token to end, for as long as ctx allows.
+// holder is the holder it revoked ("" if the lease was free). A lease
+// never acquired is ErrNoLease.
+func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.Token, holder string, err error) {
+	if err := ctxcheck.NotNil(ctx, "lock: RevokeTx"); err != nil {
+		return 0, "", err
+	}
+	if tx == nil {
+		return 0, "", fmt.Errorf("lock: RevokeTx: %w", fence.ErrNilDB)
+	}
+	q, err := operatorFor(schema)
+	if err != nil {
+		return 0, "", err
+	}
+	if err := fence.ValidateName(name); err != nil {
+		return 0, "", err
+	}
+	var (
+		tok   int64
+		woken bool
+	)
+	err = tx.QueryRow(ctx, q.revoke, name).Scan(&tok, &holder, &woken)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, "", fmt.Errorf("%w: %q", ErrNoLease, name)
+	}
+	if err != nil {
+		return 0, "", fmt.Errorf("lock: revoke %q: %w", name, explainFor(tx, schema, err))
+	}
+	return fence.Token(tok), holder, nil
+}
+
 // blockers lists the sessions that block backend pid.
 func blockers(ctx context.Context, db fence.DB, q *queries, pid int64) ([]Backend, error) {
 	rows, err := db.Query(ctx, q.blockers, pid)

@@ -40,7 +40,7 @@ type waitSQL struct {
 }
 
 type operatorSQL struct {
-	inspectAll, inspectOne, forceRelease, blockers string
+	inspectAll, inspectOne, forceRelease, revoke, blockers string
 }
 
 // built holds each schema's statements, built on first use: the
@@ -275,11 +275,13 @@ SELECT l.name, l.holder IS NULL OR l.expires_at <= now(), (extract(epoch FROM l.
 	}
 }
 
-// newOperatorSQL: the operators' reads and force-release.
+// newOperatorSQL: the operators' reads, force-release and revocation.
 func newOperatorSQL(schema string) operatorSQL {
 	t := ident.Table(schema, "pgfence_leases")
 	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
 	inspect := inspectSQL(t)
+	ready := fmt.Sprintf(`(%s() = %s() OR %s())`, ident.Table(schema, "pgfence_timeline"),
+		ident.Table(schema, "pgfence_epoch_timeline"), ident.Table(schema, "pgfence_sync_epoch"))
 	return operatorSQL{
 		// The sessions that block backend $1, for an operator whose
 		// ForceRelease waits behind them.
@@ -294,6 +296,15 @@ func newOperatorSQL(schema string) operatorSQL {
 UPDATE %[1]s l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
   FROM old WHERE l.name = old.name
 RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake),
+
+		// Issues a new token for lease $1 to nobody (RevokeTx): the row
+		// lock FOR UPDATE waits for the guarded transactions that checked
+		// the current token, as an acquisition does (leaseSQL.acquire),
+		// and the epoch check runs before the sequence issues the token.
+		revoke: fmt.Sprintf(`WITH old AS (SELECT name, holder FROM %[1]s WHERE name = $1 FOR UPDATE)
+UPDATE %[1]s l SET token = DEFAULT, holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
+  FROM old WHERE l.name = old.name AND %[3]s
+RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake, ready),
 	}
 }
 

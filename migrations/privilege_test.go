@@ -116,8 +116,8 @@ func TestLeastPrivilege(t *testing.T) {
 	}
 	// And a continuous role, whose partition commits its position once.
 	advanced := make(chan struct{})
-	if err := r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: func(ctx context.Context, p *runner.Partition) error {
-		if p.Position() == 0 {
+	if err := r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Consume: func(ctx context.Context, p *runner.Partition) error {
+		if p.Offset() == 0 {
 			if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return 1, nil }); err != nil {
 				return err
 			}
@@ -157,7 +157,7 @@ func TestLeastPrivilege(t *testing.T) {
 
 	// What the application role must not be able to do, and what refuses it.
 	leases, runs, fences := ident.Table(schema, "pgfence_leases"), ident.Table(schema, "pgfence_runs"), ident.Table(schema, "pgfence_fences")
-	positions := ident.Table(schema, "pgfence_positions")
+	offsets := ident.Table(schema, "pgfence_offsets")
 	forbidden := []struct {
 		action, sql, code, refusedBy string
 	}{
@@ -171,9 +171,9 @@ func TestLeastPrivilege(t *testing.T) {
 		{"delete the latest run of a job (its slot would run again)", "DELETE FROM " + runs, "PF010", "trigger pgfence_runs_protect_delete"},
 		{"turn a succeeded run into another state", "UPDATE " + runs + " SET status = 'failed' WHERE status = 'succeeded'", "PF010", "trigger pgfence_runs_protect"},
 		{"truncate the ledger", "TRUNCATE " + runs, "42501", "no TRUNCATE privilege"},
-		{"insert a position with a token of its choosing", "INSERT INTO " + positions + " (role, partition, token) VALUES ('forged', 0, 1000000)", "42501", "INSERT on (role, partition) only"},
-		{"move a position to another partition", "UPDATE " + positions + " SET partition = partition + 1", "42501", "no UPDATE on the key"},
-		{"lower a position's token", "UPDATE " + positions + " SET token = token - 1", "PF010", "trigger pgfence_positions_protect"},
+		{"insert an offset with a token of its choosing", "INSERT INTO " + offsets + " (group_name, partition, token) VALUES ('forged', 0, 1000000)", "42501", "INSERT on (group_name, partition) only"},
+		{"move an offset to another partition", "UPDATE " + offsets + " SET partition = partition + 1", "42501", "no UPDATE on the key"},
+		{"lower an offset's token", "UPDATE " + offsets + " SET token = token - 1", "PF010", "trigger pgfence_offsets_protect"},
 		{"drop the leases table", "DROP TABLE " + leases, "42501", "not the owner"},
 		{"change the leases table", "ALTER TABLE " + leases + " SET (fillfactor = 100)", "42501", "not the owner"},
 		{"create objects in the schema", "CREATE TABLE " + ident.Table(schema, "intruder") + " (x int)", "42501", "no CREATE on the schema"},
@@ -232,6 +232,15 @@ func TestLeastPrivilege(t *testing.T) {
 	}
 	if st, err := migrations.Status(ctx, op, schema); err != nil || st.Current != migrations.Latest {
 		t.Fatalf("Status as the operator: %+v, %v", st, err)
+	}
+	// It seeks the group's partition (the partition has had its leader:
+	// the application committed its offset).
+	<-advanced
+	if before, err := runner.Seek(ctx, op, schema, "relay", 0, 0, "operator"); err != nil || before != 1 {
+		t.Fatalf("Seek as the operator: %d, %v; want 1 before", before, err)
+	}
+	if _, err := runner.Terms(ctx, op, schema, runner.TermFilter{Group: "relay"}); err != nil {
+		t.Fatalf("Terms as the operator: %v", err)
 	}
 	var pg *pgconn.PgError
 	if _, err := oc.TryAcquire(ctx, "operator-acquires"); !errors.As(err, &pg) || pg.Code != "42501" {

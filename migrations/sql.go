@@ -53,13 +53,15 @@ func appGrantSQL(schema, s, r string) []string {
 		"REVOKE UPDATE ON " + t("pgfence_fences") + " FROM " + r,
 		"GRANT UPDATE (token, updated_at) ON " + t("pgfence_fences") + " TO " + r,
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_runs") + ", " + t("pgfence_instances") + " TO " + r,
-		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_jobs") + ", " + t("pgfence_roles") + " TO " + r,
-		// Not the key of a position: the trigger refuses that anyway.
-		// A position row is created with its key only: a row inserted with
-		// a token of the application's choosing would refuse every leader.
-		"REVOKE INSERT, UPDATE ON " + t("pgfence_positions") + " FROM " + r,
-		"GRANT SELECT, INSERT (role, partition) ON " + t("pgfence_positions") + " TO " + r,
-		"GRANT UPDATE (position, token, holder, advanced_at, committed_at, commits, head, head_at) ON " + t("pgfence_positions") + " TO " + r,
+		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_jobs") + ", " + t("pgfence_groups") + " TO " + r,
+		// Not the key of an offset: the trigger refuses that anyway. An
+		// offset row is created with its key only: a row inserted with a
+		// token of the application's choosing would refuse every leader.
+		"REVOKE INSERT, UPDATE ON " + t("pgfence_offsets") + " FROM " + r,
+		"GRANT SELECT, INSERT (group_name, partition) ON " + t("pgfence_offsets") + " TO " + r,
+		"GRANT UPDATE (committed_offset, token, holder, advanced_at, committed_at, commits, end_offset, end_at) ON " + t("pgfence_offsets") + " TO " + r,
+		// The terms are a record for operators; no fence reads them.
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_terms") + " TO " + r,
 		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_check") + "(text, bigint), " + t("pgfence_admit") + "(text, bigint), " +
 			t("pgfence_wake_waiters") + "(text), " + t("pgfence_sync_epoch") + "(), " +
@@ -73,12 +75,18 @@ func operatorGrantSQL(schema, s, r string) []string {
 	return append([]string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
-			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_positions") + ", " + t("pgfence_epoch") + ", " +
-			t("pgfence_roles") + ", " + t(VersionTable) + " TO " + r,
-		"GRANT UPDATE ON " + t("pgfence_jobs") + ", " + t("pgfence_roles") + " TO " + r,
+			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_offsets") + ", " + t("pgfence_epoch") + ", " +
+			t("pgfence_groups") + ", " + t("pgfence_terms") + ", " + t(VersionTable) + " TO " + r,
+		"GRANT UPDATE ON " + t("pgfence_jobs") + ", " + t("pgfence_groups") + " TO " + r,
 		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
+		// Prune deletes the terms that ended with the runs; Seek closes
+		// the term it revokes, and sets the offset with the revoking token
+		// (lock.RevokeTx issues it: the epoch check's functions).
+		"GRANT UPDATE, DELETE ON " + t("pgfence_terms") + " TO " + r,
+		"GRANT UPDATE (committed_offset, token, holder, advanced_at, committed_at, commits) ON " + t("pgfence_offsets") + " TO " + r,
 		// pgfence_timeline: RunNow reads its transaction's id and timeline,
 		// to learn whether it committed if COMMIT's answer is lost.
-		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text), " + t("pgfence_timeline") + "() TO " + r,
+		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text), " + t("pgfence_timeline") + "(), " +
+			t("pgfence_sync_epoch") + "(), " + t("pgfence_epoch_timeline") + "() TO " + r,
 	}, leaseUpdateSQL(schema, r)...)
 }

@@ -186,7 +186,7 @@ func (p *promServer) query(expr string) []string {
 // what a running pgfence really emits (through the OpenTelemetry
 // Prometheus exporter): all empty while healthy, and each non-empty for
 // its fault only: a job failing every attempt, the database's connections
-// terminated, members that take their share of a role's partitions and of
+// terminated, members that take their share of a consumer group's partitions and of
 // the jobs but never lead them.
 func TestAlertExpressionsOnRealSeries(t *testing.T) {
 	needPrometheus(t)
@@ -233,9 +233,9 @@ func TestAlertExpressionsOnRealSeries(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	head := func(context.Context, int) (int64, error) { return 5, nil }
-	if err := r.RegisterRole(runner.Role{Name: "relay", Partitions: 4, Poll: 100 * time.Millisecond, Head: head,
-		Lead: func(ctx context.Context, p *runner.Partition) error { return p.Wait(ctx) }}); err != nil {
+	end := func(context.Context, int) (int64, error) { return 5, nil }
+	if err := r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 4, Poll: 100 * time.Millisecond, End: end,
+		Consume: func(ctx context.Context, p *runner.Partition) error { return p.Wait(ctx) }}); err != nil {
 		t.Fatal(err)
 	}
 	rctx, stop := context.WithCancel(ctx)
@@ -283,7 +283,7 @@ func TestAlertExpressionsOnRealSeries(t *testing.T) {
 		t.Logf("%s: %v", what, got)
 	}
 
-	// Healthy: both jobs and the role's 4 partitions led, scraped.
+	// Healthy: both jobs and the group's 4 partitions led, scraped.
 	pgtest.Eventually(t, 60*time.Second, "both jobs led and the series scraped", func() bool {
 		return len(prom.query(`pgfence_runner_leader == 1`)) == 2
 	})
@@ -298,7 +298,7 @@ func TestAlertExpressionsOnRealSeries(t *testing.T) {
 		}
 	}
 	// Every panel of the shipped dashboard has data from what pgfence emits
-	// (the lag and leaderless panels included: the role reports them).
+	// (the lag and leaderless panels included: the group reports them).
 	for _, expr := range dashboardQueries(t) {
 		pgtest.Eventually(t, 30*time.Second, "data for the dashboard's "+expr, func() bool { return len(prom.query(expr)) > 0 })
 	}
@@ -313,11 +313,11 @@ func TestAlertExpressionsOnRealSeries(t *testing.T) {
 	failing.Store(false)
 	onlyFiring("no alert once flaky succeeds again", map[string][]string{})
 
-	// Members that register the role and the jobs and never lead: the
+	// Members that register the group and the jobs and never lead: the
 	// partitions and the jobs given to them have no leader.
 	instances := pgx.Identifier{db.Schema, "pgfence_instances"}.Sanitize()
 	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+instances+` (id, started_at, heartbeat_at, expires_at, jobs)
-		SELECT 'stuck-' || n, now(), now(), now() + interval '1 hour', ARRAY['tick', 'flaky', 'pgfence/role/relay']
+		SELECT 'stuck-' || n, now(), now(), now() + interval '1 hour', ARRAY['tick', 'flaky', 'pgfence/group/relay']
 		  FROM generate_series(1, 5) n`); err != nil {
 		t.Fatal(err)
 	}
@@ -343,7 +343,7 @@ func TestAlertExpressionsOnRealSeries(t *testing.T) {
 			t.Errorf("PgfenceJobWithoutLeader does not name %s: %v", job, stuck["PgfenceJobWithoutLeader"])
 		}
 	}
-	if len(stuck) != 2 || !strings.HasSuffix(stuck["PgfencePartitionWithoutLeader"][0], "pgfence_job=relay") {
+	if len(stuck) != 2 || !strings.HasSuffix(stuck["PgfencePartitionWithoutLeader"][0], "pgfence_group=relay") {
 		t.Errorf("with stuck members, firing %v; want PgfenceJobWithoutLeader and PgfencePartitionWithoutLeader (relay) only", stuck)
 	}
 	if _, err := db.Pool.Exec(ctx, `DELETE FROM `+instances+` WHERE id LIKE 'stuck-%'`); err != nil {

@@ -249,7 +249,7 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 				owned++
 			}
 		}
-		if j.role == nil { // a role's partitions have gauges of their own
+		if j.group == nil { // a role's partitions have gauges of their own
 			r.m.setShards(j.Name, int64(owned))
 		}
 		for s := range j.shards {
@@ -260,8 +260,8 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 			case mine && !have:
 				sw := &worker{r: r, j: j, shard: s}
 				run := sw.loop
-				if j.role != nil {
-					run = sw.roleLoop
+				if j.group != nil {
+					run = sw.groupLoop
 				}
 				if cancel, ok := g.Start(run); ok {
 					workers[k] = cancel

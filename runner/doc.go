@@ -78,21 +78,25 @@
 // within about a TTL. Singleton workers start campaigning once their
 // instance's view has held still, as shard workers do.
 //
-// # Continuous roles
+// # Consumer groups
 //
-// RegisterRole adds work that never stops, split into partitions (an
-// outbox relay, a stream consumer): each partition has one leader at a
-// time among the replicas that register the role, spread and rebalanced as
-// shards are, and Role.Lead runs for as long as this replica leads it. A
-// partition's lease is "pgfence/role/" + role + "/" + partition. Its
-// position (pgfence_positions) is read when a term starts and advanced by
+// RegisterConsumer adds work that never stops, split into partitions (an
+// outbox relay, a stream consumer), consumed as a Kafka consumer group
+// consumes a topic: each partition has one leader at a time among the
+// replicas that register the group, spread and rebalanced as shards are,
+// and Consumer.Consume runs for as long as this replica leads it. A
+// partition's lease is "pgfence/group/" + group + "/" + partition. Its
+// committed offset (pgfence_offsets; as in Kafka, the offset of the next
+// item to read) is read when a term starts and committed by
 // Partition.Commit in the same guarded transaction as the work's effects,
 // conditioned on the token, so a stale leader's effects and progress are
-// refused together and the next leader resumes after the last committed
-// position. A rebalance or a shutdown ends Lead's context but lets a
-// Commit under way finish before the lease is released. Wake wakes a
-// partition's leader by NOTIFY; Role.Poll is the fallback. Partitions (and
-// `pgfence roles`) list positions and leaders.
+// refused together and the next leader resumes at the committed offset.
+// A rebalance or a shutdown ends Consume's context but lets a Commit under
+// way finish before the lease is released. Wake wakes a partition's leader
+// by NOTIFY; Consumer.Poll is the fallback. Seek sets an offset through the
+// partition's fence. Partitions (and `pgfence groups`) list offsets, lag
+// and leaders; Terms lists the leadership terms of jobs and partitions,
+// with why each ended (pgfence_terms).
 //
 // # Leases and the ledger's upkeep
 //

@@ -64,7 +64,7 @@ func ExampleRunner() {
 	// compacted one slot with token 1
 }
 
-func ExampleRunner_RegisterRole() {
+func ExampleRunner_RegisterConsumer() {
 	db, cleanup, err := pgfencetest.Open(context.Background())
 	if err != nil {
 		log.Fatal(err)
@@ -94,23 +94,24 @@ func ExampleRunner_RegisterRole() {
 		log.Fatal(err)
 	}
 	var delivered atomic.Int64
-	err = r.RegisterRole(runner.Role{
-		Name:       "outbox-relay",
+	err = r.RegisterConsumer(runner.Consumer{
+		Group:      "outbox-relay",
 		Partitions: 2, // recorded in the schema by the first replica; each partition has one leader
-		Lead: func(ctx context.Context, p *runner.Partition) error {
+		Consume: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
 				// In one statement (one snapshot): deliver the events of up to
-				// 100 whole transactions with ids above the position, all ended
-				// (below the snapshot's xmin), and move the position.
+				// 100 whole transactions from the offset on (the next
+				// transaction id to read), all ended (below the snapshot's
+				// xmin), and commit the offset after the last one.
 				var n int64
 				err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
-					var last int64
-					err := tx.QueryRow(ctx, `WITH txs AS (SELECT DISTINCT txid FROM `+s+`.outbox WHERE part = $1 AND txid > $2
+					var next int64
+					err := tx.QueryRow(ctx, `WITH txs AS (SELECT DISTINCT txid FROM `+s+`.outbox WHERE part = $1 AND txid >= $2
   AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint ORDER BY txid LIMIT 100),
 batch AS (SELECT id, body, txid FROM `+s+`.outbox JOIN txs USING (txid) WHERE part = $1),
 ins AS (INSERT INTO `+s+`.sink SELECT id, body FROM batch)
-SELECT count(*), coalesce(max(txid), $2) FROM batch`, p.Index, p.Position()).Scan(&n, &last)
-					return last, err // effects and position commit together, fenced
+SELECT count(*), coalesce(max(txid) + 1, $2) FROM batch`, p.Index, p.Offset()).Scan(&n, &next)
+					return next, err // effects and offset commit together, fenced
 				})
 				if err != nil {
 					return err // called again after a backoff, while still leading
@@ -137,11 +138,11 @@ SELECT count(*), coalesce(max(txid), $2) FROM batch`, p.Index, p.Position()).Sca
 	// delivered 6 events exactly once
 }
 
-// A role's lag: Head reports the newest position available for a
-// partition (here, the newest ended transaction in its part of an outbox),
-// and operators read each partition's lag (runner.Partitions, `pgfence
-// roles`, the status page, pgfence.runner.partition.lag).
-func ExampleRole() {
+// A consumer group's lag: End reports a partition's end offset (here, one
+// past the newest ended transaction in its part of an outbox), and
+// operators read each partition's lag (runner.Partitions, `pgfence
+// groups`, the status page, pgfence.runner.partition.lag).
+func ExampleConsumer() {
 	db, cleanup, err := pgfencetest.Open(context.Background())
 	if err != nil {
 		log.Fatal(err)
@@ -168,18 +169,19 @@ func ExampleRole() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	err = r.RegisterRole(runner.Role{
-		Name:       "relay",
+	err = r.RegisterConsumer(runner.Consumer{
+		Group:      "relay",
 		Partitions: 1,
 		Poll:       50 * time.Millisecond,
-		// The newest ended transaction with events in the partition.
-		Head: func(ctx context.Context, partition int) (int64, error) {
-			var head int64
-			err := db.Pool.QueryRow(ctx, "SELECT coalesce(max(txid), 0) FROM "+s+".outbox WHERE part = $1"+
-				" AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint", partition).Scan(&head)
-			return head, err
+		// One past the newest ended transaction with events in the
+		// partition: the offset the next one will be read at.
+		End: func(ctx context.Context, partition int) (int64, error) {
+			var end int64
+			err := db.Pool.QueryRow(ctx, "SELECT coalesce(max(txid) + 1, 0) FROM "+s+".outbox WHERE part = $1"+
+				" AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint", partition).Scan(&end)
+			return end, err
 		},
-		Lead: func(ctx context.Context, p *runner.Partition) error {
+		Consume: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
 				if err := p.Wait(ctx); err != nil { // delivers nothing: its lag stays
 					return nil
@@ -194,9 +196,9 @@ func ExampleRole() {
 	go func() {
 		for ctx.Err() == nil {
 			parts, err := runner.Partitions(ctx, db.Pool, s, "relay")
-			if err == nil && len(parts) == 1 && !parts[0].HeadAt.IsZero() {
-				p := parts[0] // Lag is Head - Position: here, transaction ids not yet delivered past
-				fmt.Println("lag = head - position:", p.Lag == p.Head-p.Position, "; behind:", p.Lag > 0)
+			if err == nil && len(parts) == 1 && !parts[0].EndAt.IsZero() {
+				p := parts[0] // Lag is End - Offset: here, transaction ids not yet delivered
+				fmt.Println("lag = end - offset:", p.Lag == p.End-p.Offset, "; behind:", p.Lag > 0)
 				stop()
 				return
 			}
@@ -207,12 +209,12 @@ func ExampleRole() {
 		log.Fatal(err)
 	}
 	// Output:
-	// lag = head - position: true ; behind: true
+	// lag = end - offset: true ; behind: true
 }
 
 // Poison items: an item that fails every time would hold its partition up
-// for good. After three failures in a row, Lead sets it aside in a
-// dead-letter table, in the same Commit that moves the position past it
+// for good. After three failures in a row, Consume sets it aside in a
+// dead-letter table, in the same Commit that moves the offset past it
 // (so it is set aside once, fenced like the rest), and goes on.
 func ExamplePartition_Failures() {
 	db, cleanup, err := pgfencetest.Open(context.Background())
@@ -248,16 +250,16 @@ func ExamplePartition_Failures() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	err = r.RegisterRole(runner.Role{
-		Name:       "worker",
+	err = r.RegisterConsumer(runner.Consumer{
+		Group:      "worker",
 		Partitions: 1,
-		Lead: func(ctx context.Context, p *runner.Partition) error {
+		Consume: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
 				var (
 					id   int64
 					body string
 				)
-				err := db.Pool.QueryRow(ctx, "SELECT id, body FROM "+s+".items WHERE id > $1 ORDER BY id LIMIT 1", p.Position()).Scan(&id, &body)
+				err := db.Pool.QueryRow(ctx, "SELECT id, body FROM "+s+".items WHERE id >= $1 ORDER BY id LIMIT 1", p.Offset()).Scan(&id, &body)
 				if errors.Is(err, pgx.ErrNoRows) {
 					stop() // a real worker waits for more: p.Wait(ctx)
 					return nil
@@ -276,7 +278,7 @@ func ExamplePartition_Failures() {
 					} else {
 						_, err = tx.Exec(ctx, "INSERT INTO "+s+".done VALUES ($1)", id)
 					}
-					return id, err
+					return id + 1, err // the offset of the next item to read
 				})
 				if err != nil {
 					return err

@@ -31,11 +31,11 @@ type InstanceInfo struct {
 	// crash, a kill, a lost network).
 	StoppedAt *time.Time `json:"stopped_at"`
 	// Jobs names the jobs the instance registered (it runs them when it
-	// leads them), and Roles the roles.
-	Jobs  []string `json:"jobs"`
-	Roles []string `json:"roles"`
+	// leads them), and Groups the consumer groups it is a member of.
+	Jobs   []string `json:"jobs"`
+	Groups []string `json:"groups"`
 	// Leads lists the jobs and shards whose lease the instance holds, and
-	// Partitions the roles' partitions.
+	// Partitions the consumer groups' partitions.
 	Leads      []Lead          `json:"leads"`
 	Partitions []PartitionLead `json:"partitions"`
 	// Now is the database's time when read.
@@ -49,10 +49,10 @@ type Lead struct {
 	Token fence.Token `json:"token"`
 }
 
-// PartitionLead is one partition of a role an instance leads, with its
-// lease token.
+// PartitionLead is one partition of a consumer group an instance leads,
+// with its lease token.
 type PartitionLead struct {
-	Role      string      `json:"role"`
+	Group     string      `json:"group"`
 	Partition int         `json:"partition"`
 	Token     fence.Token `json:"token"`
 }
@@ -70,7 +70,7 @@ func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo,
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("runner: %w", err)
 	}
-	rows, err := db.Query(ctx, sqlFor(schema).instances, jobLeasePrefix, roleLeasePrefix)
+	rows, err := db.Query(ctx, sqlFor(schema).instances, jobLeasePrefix, groupLeasePrefix)
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the instances: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
@@ -78,16 +78,16 @@ func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo,
 		var (
 			ii                   InstanceInfo
 			registered           []string
-			jobs, roles          []string
+			jobs, groups         []string
 			shards, parts        []int
 			tokens, partitionTok []int64
 		)
 		err := r.Scan(&ii.ID, &ii.StartedAt, &ii.HeartbeatAt, &ii.ExpiresAt, &ii.Live, &ii.StoppedAt, &registered,
-			&jobs, &shards, &tokens, &roles, &parts, &partitionTok, &ii.Now)
-		ii.Jobs, ii.Roles = []string{}, []string{}
+			&jobs, &shards, &tokens, &groups, &parts, &partitionTok, &ii.Now)
+		ii.Jobs, ii.Groups = []string{}, []string{}
 		for _, name := range registered {
-			if role, ok := strings.CutPrefix(name, roleLeasePrefix); ok {
-				ii.Roles = append(ii.Roles, role)
+			if group, ok := strings.CutPrefix(name, groupLeasePrefix); ok {
+				ii.Groups = append(ii.Groups, group)
 			} else {
 				ii.Jobs = append(ii.Jobs, name)
 			}
@@ -96,8 +96,8 @@ func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo,
 		for i := range jobs {
 			ii.Leads = append(ii.Leads, Lead{Job: jobs[i], Shard: shards[i], Token: fence.Token(tokens[i])})
 		}
-		for i := range roles {
-			ii.Partitions = append(ii.Partitions, PartitionLead{Role: roles[i], Partition: parts[i], Token: fence.Token(partitionTok[i])})
+		for i := range groups {
+			ii.Partitions = append(ii.Partitions, PartitionLead{Group: groups[i], Partition: parts[i], Token: fence.Token(partitionTok[i])})
 		}
 		return ii, err
 	})
@@ -107,40 +107,71 @@ func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo,
 	return infos, nil
 }
 
-// Term is one leadership term of a job (shard) as the ledger records it:
-// the token its leader ran attempts with, and when.
+// Term is one leadership term of a job's lease (a singleton job's, or a
+// sharded job's shard) or of a consumer group's partition: who led it with
+// which token, from when to when, why it ended, and the attempts it ran.
 type Term struct {
-	Job    string      `json:"job"`
-	Shard  int         `json:"shard"`
+	// Job is the job's name, or the consumer group's (Group true), and
+	// Shard the shard (0 for a singleton job) or the partition.
+	Job   string `json:"job"`
+	Group bool   `json:"group"`
+	Shard int    `json:"shard"`
+	// Token is the term's lease token, and Holder the instance that led.
 	Token  fence.Token `json:"token"`
 	Holder string      `json:"holder"`
+	// Started is when the term began (database clock), and Ended when it
+	// ended (zero while it goes on).
+	Started time.Time `json:"started"`
+	Ended   time.Time `json:"ended"`
+	// EndCause says why it ended ("" while it goes on): released (Run or
+	// the job's own end), moved (a rebalance gave it to another replica),
+	// handed_over (to the job's preferred replica), shutdown, lease_lost
+	// (its leader lost the lease: a renewal refused or too late), failed
+	// (an error ended it), or expired (its leader did not end it: killed,
+	// frozen past its lease, cut off from the database; the next leader
+	// closed it), or revoked (an operator's Seek ended it).
+	EndCause string `json:"end_cause"`
 	// FirstRun and LastRun are when the term's first and latest attempts
-	// started; Attempts counts them.
+	// started, and Attempts counts them (a consumer group's partitions
+	// have none); Until is when its last attempt ended (one that still
+	// runs counts from its start). Fenced counts the attempts refused as
+	// stale or taken over.
 	FirstRun time.Time `json:"first_run"`
 	LastRun  time.Time `json:"last_run"`
+	Until    time.Time `json:"until"`
 	Attempts int       `json:"attempts"`
-	// Until is when the term's last attempt to end ended (an attempt that
-	// still runs counts from its start): the term's last sign of life in
-	// the ledger.
-	Until time.Time `json:"until"`
-	// Fenced counts the term's attempts refused as stale or taken over.
-	Fenced int `json:"fenced"`
+	Fenced   int       `json:"fenced"`
+	// Now is the database's clock when read.
+	Now time.Time `json:"now"`
 }
+
+// The causes of a term's end (Term.EndCause, and the attribute pgfence.cause
+// of pgfence.runner.leadership.changes).
+const (
+	EndReleased   = "released"
+	EndMoved      = "moved"
+	EndHandedOver = "handed_over"
+	EndShutdown   = "shutdown"
+	EndLeaseLost  = "lease_lost"
+	EndFailed     = "failed"
+	EndExpired    = "expired"
+	EndRevoked    = "revoked"
+)
 
 // TermFilter selects terms for Terms. The zero value selects the 20 most
 // recent terms of every job.
 type TermFilter struct {
 	// Job, if set, selects one job's terms.
 	Job string
+	// Group, if set, selects one consumer group's terms instead.
+	Group string
 	// Limit is the most terms returned. Default 20.
 	Limit int
 }
 
-// Terms returns the most recent leadership terms recorded in the ledger of
-// schema ("" means "pgfence") that f selects, newest first: a change of
-// leader shows as a new term with a greater token. A term in
-// which no attempt ran is not in the ledger; the current leader of each job
-// is in Jobs.
+// Terms returns the most recent leadership terms of schema ("" means
+// "pgfence") that f selects, newest first: a change of leader shows as a
+// new term with a greater token, and the term before it says why it ended.
 func Terms(ctx context.Context, db fence.DB, schema string, f TermFilter) ([]Term, error) {
 	if err := ctxcheck.NotNil(ctx, "runner: Terms"); err != nil {
 		return nil, err
@@ -157,17 +188,34 @@ func Terms(ctx context.Context, db fence.DB, schema string, f TermFilter) ([]Ter
 	if f.Limit < 0 {
 		return nil, fmt.Errorf("runner: TermFilter.Limit %d is negative", f.Limit)
 	}
-	rows, err := db.Query(ctx, sqlFor(schema).terms, f.Limit, f.Job)
+	if f.Job != "" && f.Group != "" {
+		return nil, fmt.Errorf("runner: TermFilter: Job %q and Group %q both set", f.Job, f.Group)
+	}
+	kind, name := termJob, f.Job
+	if f.Group != "" {
+		kind, name = termGroup, f.Group
+	}
+	rows, err := db.Query(ctx, sqlFor(schema).terms, f.Limit, name, kind)
 	if err != nil {
 		return nil, fmt.Errorf("runner: read the terms: %w", hint.Wrap(err, schema, hint.Role(db)))
 	}
 	terms, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Term, error) {
 		var (
-			t   Term
-			tok int64
+			t                     Term
+			tok                   int64
+			ended, first, last, u *time.Time
 		)
-		err := r.Scan(&t.Job, &t.Shard, &tok, &t.Holder, &t.FirstRun, &t.LastRun, &t.Until, &t.Attempts, &t.Fenced)
-		t.Token = fence.Token(tok)
+		err := r.Scan(&t.Job, &t.Shard, &tok, &t.Holder, &t.Started, &ended, &t.EndCause,
+			&first, &last, &u, &t.Attempts, &t.Fenced, &t.Now)
+		t.Token, t.Group = fence.Token(tok), kind == termGroup
+		for _, c := range []struct {
+			dst *time.Time
+			src *time.Time
+		}{{&t.Ended, ended}, {&t.FirstRun, first}, {&t.LastRun, last}, {&t.Until, u}} {
+			if c.src != nil {
+				*c.dst = *c.src
+			}
+		}
 		return t, err
 	})
 	if err != nil {

@@ -15,37 +15,38 @@ import (
 )
 
 // metrics are a runner's instruments (README's "Metrics"). Attributes:
-// pgfence.job (bounded: the jobs and roles an application registers) and,
-// per instrument, pgfence.outcome or pgfence.change; never shards or slots.
-// The exceptions are pgfence.runner.partition.leader, .lag and .failures, by
-// pgfence.partition too, for the partitions this instance leads now only.
+// pgfence.job (bounded: the jobs an application registers) or pgfence.group
+// (its consumer groups) and, per instrument, pgfence.outcome or
+// pgfence.change; never shards or slots. The exceptions are
+// pgfence.runner.partition.leader, .lag and .failures, by pgfence.partition
+// too, for the partitions this instance leads now only.
 type metrics struct {
-	runs, retries, leadership, missed, positions metric.Int64Counter
-	duration                                     metric.Float64Histogram
-	owned, leader, partLeader, lag, leaderless   metric.Int64ObservableGauge
-	partFailures, jobFailures                    metric.Int64ObservableGauge
-	meter                                        metric.Meter
+	runs, retries, leadership, missed, offsets metric.Int64Counter
+	duration                                   metric.Float64Histogram
+	owned, leader, partLeader, lag, leaderless metric.Int64ObservableGauge
+	partFailures, jobFailures                  metric.Int64ObservableGauge
+	meter                                      metric.Meter
 
 	mu      sync.Mutex
 	shards  map[string]int64  // job -> shards this instance owns
 	jobs    []string          // the registered jobs, for the leader gauge
 	leading map[string]int    // job -> its leases (job or shards) this instance holds
-	roles   map[string]int    // role -> its partition count, for the partition gauge
-	led     map[partKey]bool  // the role partitions this instance leads
+	groups  map[string]int    // group -> its partition count, for the partition gauge
+	led     map[partKey]bool  // the group partitions this instance leads
 	lags    map[partKey]int64 // the lag of the partitions it leads, once their head is known
-	fails   map[partKey]int64 // the consecutive Lead failures of the partitions it leads
+	fails   map[partKey]int64 // the consecutive Consume failures of the partitions it leads
 	jobFail map[string]int64  // job -> its attempts failed in a row here (reset by a success)
-	orphans map[string]int64  // role -> its partitions without a leader, at the last look
+	orphans map[string]int64  // group -> its partitions without a leader, at the last look
 }
 
 type partKey struct {
-	role      string
+	group     string
 	partition int
 }
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}, leading: map[string]int{},
-		roles: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, fails: map[partKey]int64{}, jobFail: map[string]int64{}, orphans: map[string]int64{}}
+		groups: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, fails: map[partKey]int64{}, jobFail: map[string]int64{}, orphans: map[string]int64{}}
 	var err error
 	keep := func(e error) {
 		if err == nil {
@@ -72,23 +73,23 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m.owned, e = m.meter.Int64ObservableGauge("pgfence.runner.shards.owned", metric.WithUnit("{shard}"),
 		metric.WithDescription("Shards of a sharded job this instance is assigned, by pgfence.job."))
 	keep(e)
-	m.positions, e = m.meter.Int64Counter("pgfence.runner.positions.committed", metric.WithUnit("{commit}"),
-		metric.WithDescription("Partition positions committed (Partition.Commit), by pgfence.job (the role)."))
+	m.offsets, e = m.meter.Int64Counter("pgfence.runner.offsets.committed", metric.WithUnit("{commit}"),
+		metric.WithDescription("Partition offsets committed (Partition.Commit), by pgfence.group."))
 	keep(e)
 	m.partLeader, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.leader",
-		metric.WithDescription("1 while this instance leads the role's partition, else 0, by pgfence.job (the role) and pgfence.partition."))
+		metric.WithDescription("1 while this instance leads the consumer group's partition (no series otherwise), by pgfence.group and pgfence.partition."))
 	keep(e)
-	m.lag, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.lag", metric.WithUnit("{position}"),
-		metric.WithDescription("Head - Position of a partition this instance leads (Role.Head), by pgfence.job (the role) and pgfence.partition."))
+	m.lag, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.lag", metric.WithUnit("{offset}"),
+		metric.WithDescription("End - Offset of a partition this instance leads (Consumer.End): the items not consumed yet, by pgfence.group and pgfence.partition."))
 	keep(e)
 	m.partFailures, e = m.meter.Int64ObservableGauge("pgfence.runner.partition.failures", metric.WithUnit("{failure}"),
-		metric.WithDescription("Consecutive failures of Lead on a partition this instance leads (Partition.Failures), by pgfence.job (the role) and pgfence.partition."))
+		metric.WithDescription("Consecutive failures of Consume on a partition this instance leads (Partition.Failures), by pgfence.group and pgfence.partition."))
 	keep(e)
 	m.jobFailures, e = m.meter.Int64ObservableGauge("pgfence.runner.job.failures", metric.WithUnit("{attempt}"),
 		metric.WithDescription("Attempts of the job that failed (or panicked) in a row while this instance leads it, 0 after a success, by pgfence.job."))
 	keep(e)
 	m.leaderless, e = m.meter.Int64ObservableGauge("pgfence.runner.partitions.leaderless", metric.WithUnit("{partition}"),
-		metric.WithDescription("Partitions of the role whose lease nobody holds, as this instance's balancer last saw them, by pgfence.job (the role)."))
+		metric.WithDescription("Partitions of the consumer group whose lease nobody holds, as this instance's balancer last saw them, by pgfence.group."))
 	keep(e)
 	m.leader, e = m.meter.Int64ObservableGauge("pgfence.runner.leader",
 		metric.WithDescription("1 while this instance leads the job (holds its lease, or a shard's), else 0, by pgfence.job."))
@@ -100,10 +101,10 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 }
 
 // observe registers the gauges' callback for the time of Run, for jobs
-// (and roles, with their partition counts).
-func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registration, error) {
+// (and groups, with their partition counts).
+func (m *metrics) observe(jobs []string, groups map[string]int) (metric.Registration, error) {
 	m.mu.Lock()
-	m.jobs, m.roles = jobs, roles
+	m.jobs, m.groups = jobs, groups
 	m.mu.Unlock()
 	return m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		m.mu.Lock()
@@ -118,14 +119,14 @@ func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registrat
 			}
 			o.ObserveInt64(m.leader, leads, metric.WithAttributes(attribute.String("pgfence.job", job)))
 		}
-		// Only the partitions this instance leads now: a role of many
+		// Only the partitions this instance leads now: a group of many
 		// partitions does not make as many series on every instance, and a
 		// partition's series ends when it moves away.
 		for k, leads := range m.led {
 			if !leads {
 				continue
 			}
-			attrs := metric.WithAttributes(attribute.String("pgfence.job", k.role), attribute.Int("pgfence.partition", k.partition))
+			attrs := metric.WithAttributes(attribute.String("pgfence.group", k.group), attribute.Int("pgfence.partition", k.partition))
 			o.ObserveInt64(m.partLeader, 1, attrs)
 			if lag, ok := m.lags[k]; ok {
 				o.ObserveInt64(m.lag, lag, attrs)
@@ -139,8 +140,8 @@ func (m *metrics) observe(jobs []string, roles map[string]int) (metric.Registrat
 				o.ObserveInt64(m.jobFailures, m.jobFail[job], metric.WithAttributes(attribute.String("pgfence.job", job)))
 			}
 		}
-		for role, n := range m.orphans {
-			o.ObserveInt64(m.leaderless, n, metric.WithAttributes(attribute.String("pgfence.job", role)))
+		for group, n := range m.orphans {
+			o.ObserveInt64(m.leaderless, n, metric.WithAttributes(attribute.String("pgfence.group", group)))
 		}
 		return nil
 	}, m.owned, m.leader, m.partLeader, m.lag, m.leaderless, m.partFailures, m.jobFailures)
@@ -155,7 +156,13 @@ func (m *metrics) setShards(job string, n int64) {
 // event records what a runner event says.
 func (m *metrics) event(e Event, took time.Duration) {
 	ctx := context.Background()
+	m.mu.Lock()
+	_, isGroup := m.groups[e.Job]
+	m.mu.Unlock()
 	job := attribute.String("pgfence.job", e.Job)
+	if isGroup {
+		job = attribute.String("pgfence.group", e.Job)
+	}
 	switch e.Kind {
 	case LeadershipGained, LeadershipLost:
 		change, delta := "gained", 1
@@ -167,7 +174,7 @@ func (m *metrics) event(e Event, took time.Duration) {
 		if m.leading[e.Job] <= 0 {
 			delete(m.jobFail, e.Job)
 		}
-		if _, role := m.roles[e.Job]; role {
+		if isGroup {
 			k := partKey{e.Job, e.Shard}
 			if delta > 0 {
 				m.led[k] = true
@@ -218,31 +225,31 @@ func (m *metrics) missedSlots(job string, n int) {
 }
 
 // setLag records the lag of a partition this instance leads.
-func (m *metrics) setLag(role string, partition int, lag int64) {
+func (m *metrics) setLag(group string, partition int, lag int64) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if k := (partKey{role, partition}); m.led[k] {
+	if k := (partKey{group, partition}); m.led[k] {
 		m.lags[k] = lag
 	}
 }
 
-// setFailures records the consecutive Lead failures of a partition this
+// setFailures records the consecutive Consume failures of a partition this
 // instance leads.
-func (m *metrics) setFailures(role string, partition int, n int) {
+func (m *metrics) setFailures(group string, partition int, n int) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if k := (partKey{role, partition}); m.led[k] {
+	if k := (partKey{group, partition}); m.led[k] {
 		m.fails[k] = int64(n)
 	}
 }
 
-// setLeaderless records how many partitions of each role the balancer saw
+// setLeaderless records how many partitions of each group the balancer saw
 // without a leader (held: the holder of each partition, "" for none).
 func (m *metrics) setLeaderless(jobs []*job, held map[string][]string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, j := range jobs {
-		if j.role == nil {
+		if j.group == nil {
 			continue
 		}
 		var n int64
@@ -255,8 +262,8 @@ func (m *metrics) setLeaderless(jobs []*job, held map[string][]string) {
 	}
 }
 
-func (m *metrics) positionCommitted(role string) {
-	m.positions.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.job", role)))
+func (m *metrics) offsetCommitted(group string) {
+	m.offsets.Add(context.Background(), 1, metric.WithAttributes(attribute.String("pgfence.group", group)))
 }
 
 // runErrType is a failed attempt's error.type: "panic" for a job that

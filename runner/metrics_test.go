@@ -261,7 +261,7 @@ func TestMetrics(t *testing.T) {
 func followsConventions(t *testing.T, cs ...collected) {
 	t.Helper()
 	keys := map[attribute.Key]bool{"pgfence.outcome": true, "pgfence.cause": true, "pgfence.change": true,
-		"pgfence.job": true, "pgfence.partition": true, "error.type": true}
+		"pgfence.job": true, "pgfence.group": true, "pgfence.partition": true, "error.type": true}
 	var names []string
 	for _, c := range cs {
 		for _, sm := range c.rm.ScopeMetrics {
@@ -426,9 +426,9 @@ func TestRoleMetrics(t *testing.T) {
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
 	lead := func(ctx context.Context, p *runner.Partition) error {
-		if p.Position() < 2 {
+		if p.Offset() < 2 {
 			for range 2 {
-				if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return p.Position() + 1, nil }); err != nil {
+				if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return p.Offset() + 1, nil }); err != nil {
 					return err
 				}
 			}
@@ -437,12 +437,12 @@ func TestRoleMetrics(t *testing.T) {
 	}
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", MeterProvider: mp}, runner.Config{},
 		func(r *runner.Runner) error {
-			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 3, Lead: lead})
+			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 3, Consume: lead})
 		})
-	role := attribute.String("pgfence.job", "relay")
+	role := attribute.String("pgfence.group", "relay")
 	waitFor(t, 30*time.Second, "6 positions committed and 3 partitions led", func() bool {
 		c := collect(t, reader)
-		commits, _ := c.value("pgfence.runner.positions.committed", role)
+		commits, _ := c.value("pgfence.runner.offsets.committed", role)
 		led, _ := c.value("pgfence.runner.partition.leader", role)
 		return commits == 6 && led == 3
 	})
@@ -511,8 +511,8 @@ func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
 	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
 	const poll = 50 * time.Millisecond
 	lead := func(ctx context.Context, p *runner.Partition) error {
-		for p.Position() < 3 {
-			if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return p.Position() + 1, nil }); err != nil {
+		for p.Offset() < 3 {
+			if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return p.Offset() + 1, nil }); err != nil {
 				return err
 			}
 		}
@@ -522,9 +522,9 @@ func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: time.Second, PollInterval: poll, MeterProvider: mp},
 		runner.Config{RebalanceInterval: 200 * time.Millisecond},
 		func(r *runner.Runner) error {
-			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 4, Poll: poll, Lead: lead, Head: head})
+			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 4, Poll: poll, Consume: lead, End: head})
 		})
-	role := attribute.String("pgfence.job", "relay")
+	role := attribute.String("pgfence.group", "relay")
 	waitFor(t, 30*time.Second, "a lag of 7 on each of the 4 partitions, and none without a leader", func() bool {
 		c := collect(t, reader)
 		lag, _ := c.value("pgfence.runner.partition.lag", role)
@@ -536,15 +536,15 @@ func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
 		t.Fatalf("Partitions: %v, %v", infos, err)
 	}
 	for _, p := range infos {
-		if p.Head != 10 || p.Lag != 7 || p.HeadAt.IsZero() {
-			t.Errorf("partition %d: head %d, lag %d, head at %v; want 10, 7, set", p.Partition, p.Head, p.Lag, p.HeadAt)
+		if p.End != 10 || p.Lag != 7 || p.EndAt.IsZero() {
+			t.Errorf("partition %d: head %d, lag %d, head at %v; want 10, 7, set", p.Partition, p.End, p.Lag, p.EndAt)
 		}
 	}
 
 	// A member that takes nothing: its share of the partitions is led by
 	// nobody, and the live instance's gauge says how many.
 	mustExec(t, db, "INSERT INTO "+tbl(db, "pgfence_instances")+` (id, started_at, heartbeat_at, expires_at, jobs)
-		VALUES ('stuck', now(), now(), now() + interval '1 hour', ARRAY['pgfence/role/relay'])`)
+		VALUES ('stuck', now(), now(), now() + interval '1 hour', ARRAY['pgfence/group/relay'])`)
 	var orphans, unled float64
 	waitFor(t, 30*time.Second, "the partitions given to the stuck member to count as leaderless, as Partitions shows them", func() bool {
 		orphans, _ = collect(t, reader).value("pgfence.runner.partitions.leaderless", role)
@@ -578,12 +578,12 @@ func TestPartitionFailuresMetric(t *testing.T) {
 	var seen atomic.Int64 // the Failures Lead saw at its last call
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", PollInterval: 10 * time.Millisecond, MeterProvider: mp}, runner.Config{},
 		func(r *runner.Runner) error {
-			return r.RegisterRole(runner.Role{Name: "poisoned", Partitions: 1, Lead: func(ctx context.Context, p *runner.Partition) error {
+			return r.RegisterConsumer(runner.Consumer{Group: "poisoned", Partitions: 1, Consume: func(ctx context.Context, p *runner.Partition) error {
 				seen.Store(int64(p.Failures()))
 				return errors.New("the item cannot be processed")
 			}})
 		})
-	attrs := []attribute.KeyValue{attribute.String("pgfence.job", "poisoned"), attribute.Int("pgfence.partition", 0)}
+	attrs := []attribute.KeyValue{attribute.String("pgfence.group", "poisoned"), attribute.Int("pgfence.partition", 0)}
 	waitFor(t, 30*time.Second, "3 consecutive failures in the metric", func() bool {
 		v, _ := collect(t, reader).value("pgfence.runner.partition.failures", attrs...)
 		return v >= 3

@@ -17,9 +17,9 @@ import (
 // once, two ways in the same run: a SKIP LOCKED pool of 8 workers (each
 // transaction deletes up to 50 rows and inserts them into the sink: the
 // baseline, exactly once but with no order per key and no fencing of a
-// stale worker's effects beyond its own row locks) and a role of 8
+// stale worker's effects beyond its own row locks) and a consumer group of 8
 // partitions (each Commit delivers up to 50 rows of its partition in the
-// order written and advances the fenced position). It reports rows per
+// order written and commits the fenced offset). It reports rows per
 // second of each and their ratio, relay over baseline. Rows are written
 // before the clock starts, 8 per writing transaction (one per partition);
 // the relay is timed from when all 8 partitions are led.
@@ -89,7 +89,7 @@ func BenchmarkOutboxDelivery(b *testing.B) {
 		baseline = float64(b.N) / time.Since(start).Seconds()
 		b.ReportMetric(baseline, "rows/s")
 	})
-	b.Run("role-relay", func(b *testing.B) {
+	b.Run("group-relay", func(b *testing.B) {
 		db := pgtest.New(b)
 		b.StopTimer()
 		fill(b, db)
@@ -119,7 +119,7 @@ SELECT count(*), coalesce(max(txid), $2) FROM batch`
 				var n int64
 				if err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
 					var last int64
-					err := tx.QueryRow(ctx, deliver, p.Index, p.Position()).Scan(&n, &last)
+					err := tx.QueryRow(ctx, deliver, p.Index, p.Offset()).Scan(&n, &last)
 					return last, err
 				}); err != nil {
 					return err
@@ -140,7 +140,7 @@ SELECT count(*), coalesce(max(txid), $2) FROM batch`
 		if err != nil {
 			b.Fatal(err)
 		}
-		if err := r.RegisterRole(runner.Role{Name: "relay", Partitions: parts, Lead: lead}); err != nil {
+		if err := r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: parts, Consume: lead}); err != nil {
 			b.Fatal(err)
 		}
 		ctx, cancel := context.WithCancel(context.Background())

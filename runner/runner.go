@@ -60,17 +60,17 @@ type Runner struct {
 type job struct {
 	Job
 	sched  Schedule
-	shards int   // 0: singleton; a role's partitions
-	role   *Role // a continuous role, not a scheduled job
+	shards int       // 0: singleton; a consumer group's partitions
+	group  *Consumer // a consumer group's member, not a scheduled job
 }
 
 // member is the name the job is listed under in pgfence_instances, by
-// which its members are found: a role's is prefixed, so that a role and a
+// which its members are found: a group's is prefixed, so that a group and a
 // job of the same name in two services sharing a schema are not taken for
 // one.
 func (j *job) member() string {
-	if j.role != nil {
-		return roleLeasePrefix + j.Name
+	if j.group != nil {
+		return groupLeasePrefix + j.Name
 	}
 	return j.Name
 }
@@ -250,16 +250,16 @@ func (r *Runner) Run(ctx context.Context) error {
 	}
 	r.live.Store(true)
 	defer r.live.Store(false)
-	var names []string // the jobs, for the job gauges; roles have gauges of their own
-	roles := make(map[string]int)
+	var names []string // the jobs, for the job gauges; groups have gauges of their own
+	groups := make(map[string]int)
 	for _, j := range jobs {
-		if j.role != nil {
-			roles[j.Name] = j.shards
+		if j.group != nil {
+			groups[j.Name] = j.shards
 		} else {
 			names = append(names, j.Name)
 		}
 	}
-	if reg, err := r.m.observe(names, roles); err == nil {
+	if reg, err := r.m.observe(names, groups); err == nil {
 		defer func() { _ = reg.Unregister() }()
 	}
 	work, stopWork := context.WithCancelCause(context.Background())
@@ -343,7 +343,7 @@ func (r *Runner) heldJobs() []string {
 	defer r.heldMu.Unlock()
 	names := make([]string, 0, len(r.held))
 	for l := range r.held {
-		names = append(names, strings.TrimPrefix(strings.TrimPrefix(l.Name(), jobLeasePrefix), roleLeasePrefix))
+		names = append(names, strings.TrimPrefix(strings.TrimPrefix(l.Name(), jobLeasePrefix), groupLeasePrefix))
 	}
 	slices.Sort(names)
 	return names
@@ -377,14 +377,14 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 	var (
 		names, schedules []string
 		shards, attempts []int
-		roles            []string
+		groups           []string
 		partitions       []int
 	)
 	for _, j := range jobs {
-		if j.role != nil {
-			// A role has no schedule nor ledger (pgfence_positions); its
+		if j.group != nil {
+			// A group has no schedule nor ledger (pgfence_offsets); its
 			// partition count is registered apart.
-			roles, partitions = append(roles, j.Name), append(partitions, j.shards)
+			groups, partitions = append(groups, j.Name), append(partitions, j.shards)
 			continue
 		}
 		names, schedules = append(names, j.Name), append(schedules, j.Schedule)
@@ -394,13 +394,13 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 	var failing retry.Failing
 	for {
 		err := schemaver.Verify(ctx, r.pool, r.lcfg.Schema)
-		// The roles first: a runner refused for a role's count registers
-		// nothing.
-		if err == nil && len(roles) > 0 {
+		// The groups first: a runner refused for a group's count
+		// registers nothing.
+		if err == nil && len(groups) > 0 {
 			var mismatch error
-			mismatch, err = r.registerRoles(ctx, roles, partitions)
+			mismatch, err = r.registerGroups(ctx, groups, partitions)
 			if mismatch != nil {
-				r.log.Error("pgfence runner: not starting: a role's partition count differs from the registered one",
+				r.log.Error("pgfence runner: not starting: a consumer group's partition count differs from the registered one",
 					"err", mismatch)
 				return mismatch
 			}
@@ -424,31 +424,31 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 	}
 }
 
-// registerRoles registers the roles' partition counts and returns a
-// *PartitionCountError for the first role whose registered count is not
+// registerGroups registers the groups' partition counts and returns a
+// *PartitionCountError for the first group whose registered count is not
 // the one given (as mismatch), or the statement's error.
-func (r *Runner) registerRoles(ctx context.Context, roles []string, partitions []int) (mismatch, err error) {
-	rows, err := r.pool.Query(ctx, r.q.registerRoles, roles, partitions, r.lcfg.Holder)
+func (r *Runner) registerGroups(ctx context.Context, groups []string, partitions []int) (mismatch, err error) {
+	rows, err := r.pool.Query(ctx, r.q.registerGroups, groups, partitions, r.lcfg.Holder)
 	if err != nil {
-		return nil, fmt.Errorf("register the roles: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
+		return nil, fmt.Errorf("register the consumer groups: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
 	}
-	given := make(map[string]int, len(roles))
-	for i, ro := range roles {
+	given := make(map[string]int, len(groups))
+	for i, ro := range groups {
 		given[ro] = partitions[i]
 	}
 	var bad []*PartitionCountError
 	for rows.Next() {
 		e := &PartitionCountError{}
-		if err := rows.Scan(&e.Role, &e.Registered, &e.RegisteredAt, &e.RegisteredBy); err != nil {
+		if err := rows.Scan(&e.Group, &e.Registered, &e.RegisteredAt, &e.RegisteredBy); err != nil {
 			rows.Close()
-			return nil, fmt.Errorf("register the roles: %w", err)
+			return nil, fmt.Errorf("register the consumer groups: %w", err)
 		}
-		if e.Given = given[e.Role]; e.Given != e.Registered {
+		if e.Given = given[e.Group]; e.Given != e.Registered {
 			bad = append(bad, e)
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("register the roles: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
+		return nil, fmt.Errorf("register the consumer groups: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
 	}
 	if len(bad) > 0 {
 		return bad[0], nil

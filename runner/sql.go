@@ -25,7 +25,7 @@ type queries struct {
 	ledgerSQL
 	fleetSQL
 	controlSQL
-	roleSQL
+	groupSQL
 }
 
 type ledgerSQL struct {
@@ -35,11 +35,11 @@ type ledgerSQL struct {
 }
 
 type fleetSQL struct {
-	register, registerRoles, heartbeat, announce, leave, holders, instances, terms string
+	register, registerGroups, heartbeat, announce, leave, holders, instances, terms, termStart, termEnd string
 }
 
-type roleSQL struct {
-	position, advance, head, partitions string
+type groupSQL struct {
+	offset, advance, end, partitions, seek string
 }
 
 type controlSQL struct {
@@ -56,64 +56,78 @@ func sqlFor(schema string) *queries {
 	if q, ok := built.Load(schema); ok {
 		return q.(*queries)
 	}
-	q, _ := built.LoadOrStore(schema, &queries{newLedgerSQL(schema), newFleetSQL(schema), newControlSQL(schema), newRoleSQL(schema)})
+	q, _ := built.LoadOrStore(schema, &queries{newLedgerSQL(schema), newFleetSQL(schema), newControlSQL(schema), newGroupSQL(schema)})
 	return q.(*queries)
 }
 
 // tables are schema's tables and functions, quoted.
 type tables struct {
-	runs, jobs, inst, leases, wake, positions, roles string
+	runs, jobs, inst, leases, wake, offsets, groups, terms string
 }
 
 func tablesOf(schema string) tables {
 	return tables{
-		runs:      ident.Table(schema, "pgfence_runs"),
-		jobs:      ident.Table(schema, "pgfence_jobs"),
-		inst:      ident.Table(schema, "pgfence_instances"),
-		leases:    ident.Table(schema, "pgfence_leases"),
-		wake:      ident.Table(schema, "pgfence_wake_waiters"),
-		positions: ident.Table(schema, "pgfence_positions"),
-		roles:     ident.Table(schema, "pgfence_roles"),
+		runs:    ident.Table(schema, "pgfence_runs"),
+		jobs:    ident.Table(schema, "pgfence_jobs"),
+		inst:    ident.Table(schema, "pgfence_instances"),
+		leases:  ident.Table(schema, "pgfence_leases"),
+		wake:    ident.Table(schema, "pgfence_wake_waiters"),
+		offsets: ident.Table(schema, "pgfence_offsets"),
+		groups:  ident.Table(schema, "pgfence_groups"),
+		terms:   ident.Table(schema, "pgfence_terms"),
 	}
 }
 
-// newRoleSQL: continuous roles' positions.
-func newRoleSQL(schema string) roleSQL {
+// newGroupSQL: consumer groups' offsets.
+func newGroupSQL(schema string) groupSQL {
 	t := tablesOf(schema)
-	return roleSQL{
-		// A partition's position ($1 role, $2 partition), its row created
-		// at 0 the first time: one row either way (the inserted row is
-		// not visible to the second branch, which finds an existing one).
-		position: `WITH ins AS (INSERT INTO ` + t.positions + ` (role, partition) VALUES ($1, $2)
-    ON CONFLICT DO NOTHING RETURNING position)
-SELECT position FROM ins UNION ALL SELECT position FROM ` + t.positions + ` WHERE role = $1 AND partition = $2`,
+	return groupSQL{
+		// A partition's committed offset ($1 group, $2 partition), its row
+		// created at 0 the first time: one row either way (the inserted
+		// row is not visible to the second branch, which finds an
+		// existing one).
+		offset: `WITH ins AS (INSERT INTO ` + t.offsets + ` (group_name, partition) VALUES ($1, $2)
+    ON CONFLICT DO NOTHING RETURNING committed_offset)
+SELECT committed_offset FROM ins UNION ALL SELECT committed_offset FROM ` + t.offsets + ` WHERE group_name = $1 AND partition = $2`,
 
-		// Advances a partition's position from $6 to $3 inside its
-		// leader's guarded transaction (token $4, holder $5), with when it
-		// last moved (advanced_at, only if it does) and was committed: a
-		// compare-and-set, so a position that moved (an earlier commit
+		// Advances a partition's offset from $6 to $3 inside its leader's
+		// guarded transaction (token $4, holder $5), with when it last
+		// moved (advanced_at, only if it does) and was committed: a
+		// compare-and-set, so an offset that moved (an earlier commit
 		// whose answer was lost did commit) is not advanced twice. The
 		// guard has checked the token and holds the lease row until the
 		// end of the transaction; the token condition and the trigger
 		// refuse a token going down.
-		advance: `UPDATE ` + t.positions + ` SET position = $3, token = $4, holder = $5,
-    advanced_at = CASE WHEN position <> $3 THEN now() ELSE advanced_at END, committed_at = now(), commits = commits + 1
- WHERE role = $1 AND partition = $2 AND token <= $4 AND position = $6`,
+		advance: `UPDATE ` + t.offsets + ` SET committed_offset = $3, token = $4, holder = $5,
+    advanced_at = CASE WHEN committed_offset <> $3 THEN now() ELSE advanced_at END, committed_at = now(), commits = commits + 1
+ WHERE group_name = $1 AND partition = $2 AND token <= $4 AND committed_offset = $6`,
 
-		// Records the head (newest position available, $3) the role's
-		// Head reported for partition $2 of role $1: informational, for
-		// the lag shown to operators; no fence needed.
-		head: `UPDATE ` + t.positions + ` SET head = $3, head_at = now() WHERE role = $1 AND partition = $2`,
+		// Records the end offset ($3) the group's End reported for
+		// partition $2 of group $1: informational, for the lag shown to
+		// operators; no fence needed.
+		end: `UPDATE ` + t.offsets + ` SET end_offset = $3, end_at = now() WHERE group_name = $1 AND partition = $2`,
 
-		// Every partition that has had a leader (of role $2, or of all
-		// when $2 is ''), with its lease ($1 the role lease prefix).
-		partitions: `SELECT p.role, p.partition, p.position, p.token, coalesce(p.holder, ''), p.advanced_at, p.committed_at, p.commits,
-       p.head, p.head_at,
+		// Every partition that has had a leader (of group $2, or of all
+		// when $2 is ''), with its lease ($1 the group lease prefix).
+		partitions: `SELECT p.group_name, p.partition, p.committed_offset, p.token, coalesce(p.holder, ''), p.advanced_at, p.committed_at, p.commits,
+       p.end_offset, p.end_at,
        coalesce(l.holder, ''), coalesce(l.token, 0), coalesce(l.holder IS NOT NULL AND l.expires_at > now(), false), now()
-  FROM ` + t.positions + ` p
-  LEFT JOIN ` + t.leases + ` l ON l.name = $1 || p.role || '/' || p.partition
- WHERE $2 = '' OR p.role = $2
- ORDER BY p.role, p.partition`,
+  FROM ` + t.offsets + ` p
+  LEFT JOIN ` + t.leases + ` l ON l.name = $1 || p.group_name || '/' || p.partition
+ WHERE $2 = '' OR p.group_name = $2
+ ORDER BY p.group_name, p.partition`,
+
+		// Sets the offset of partition $2 of group $1 to $3 with the
+		// revoking token $4 (by $5), in the transaction that revoked the
+		// partition's lease; closes the term it ended (as revoked) and
+		// returns the offset before.
+		seek: `WITH old AS (SELECT committed_offset FROM ` + t.offsets + ` WHERE group_name = $1 AND partition = $2 FOR UPDATE),
+term AS (UPDATE ` + t.terms + ` SET ended_at = now(), end_cause = 'revoked'
+    WHERE kind = 'group' AND name = $1 AND shard = $2 AND token < $4 AND ended_at IS NULL)
+UPDATE ` + t.offsets + ` o SET committed_offset = $3, token = $4, holder = $5,
+    advanced_at = CASE WHEN o.committed_offset <> $3 THEN now() ELSE o.advanced_at END, committed_at = now(), commits = o.commits + 1
+  FROM old WHERE o.group_name = $1 AND o.partition = $2
+RETURNING old.committed_offset`,
 	}
 }
 
@@ -232,7 +246,7 @@ SELECT attempt, status FROM took UNION ALL SELECT attempt, status FROM ins`
 // operators' view of them.
 func newFleetSQL(schema string) fleetSQL {
 	t := tablesOf(schema)
-	runs, jobs, inst, leases, wake, roles := t.runs, t.jobs, t.inst, t.leases, t.wake, t.roles
+	runs, jobs, inst, leases, wake, groups := t.runs, t.jobs, t.inst, t.leases, t.wake, t.groups
 	return fleetSQL{
 		// Registers this instance's jobs ($1 names, $2 schedules, $3 shard
 		// counts, $4 max attempts, by $5), keeping a pause.
@@ -241,15 +255,15 @@ SELECT j, s, n, a, now(), $5 FROM unnest($1::text[], $2::text[], $3::int[], $4::
 ON CONFLICT (job) DO UPDATE SET schedule = EXCLUDED.schedule, shards = EXCLUDED.shards,
    max_attempts = EXCLUDED.max_attempts, registered_at = now(), registered_by = EXCLUDED.registered_by`,
 
-		// Registers this instance's roles ($1 names, $2 partition counts,
-		// by $3): the first registration sets a role's count; each row
+		// Registers this instance's groups ($1 names, $2 partition counts,
+		// by $3): the first registration sets a group's count; each row
 		// comes back with the count registered (the no-op update locks
 		// and returns the committed row, also when another instance
 		// registered it concurrently).
-		registerRoles: `INSERT INTO ` + roles + ` AS r (role, partitions, registered_at, registered_by)
+		registerGroups: `INSERT INTO ` + groups + ` AS r (group_name, partitions, registered_at, registered_by)
 SELECT n, p, now(), $3 FROM unnest($1::text[], $2::int[]) AS t(n, p)
-ON CONFLICT (role) DO UPDATE SET partitions = r.partitions
-RETURNING role, partitions, registered_at, registered_by`,
+ON CONFLICT (group_name) DO UPDATE SET partitions = r.partitions
+RETURNING group_name, partitions, registered_at, registered_by`,
 
 		// Renews this instance's row (with the jobs it runs),
 		// deletes rows of instances dead for longer than $4, and returns
@@ -286,7 +300,7 @@ SELECT %[2]s($2) FROM gone`, inst, wake),
        coalesce(array_agg(h.job ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
        coalesce(array_agg(h.shard ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
        coalesce(array_agg(h.token ORDER BY h.job, h.shard) FILTER (WHERE h.job IS NOT NULL), '{}'),
-       rp.roles, rp.parts, rp.tokens, now()
+       rp.groups, rp.parts, rp.tokens, now()
   FROM ` + inst + ` i
   LEFT JOIN LATERAL (
          SELECT j.job, g.shard, l.token
@@ -294,24 +308,52 @@ SELECT %[2]s($2) FROM gone`, inst, wake),
           WHERE l.name = $1 || j.job || CASE WHEN j.shards = 0 THEN '' ELSE '/' || g.shard END
             AND l.holder = i.id AND l.expires_at > now()) AS h ON true
   LEFT JOIN LATERAL (
-         SELECT coalesce(array_agg(r.role ORDER BY r.role, g.p), '{}') AS roles,
-                coalesce(array_agg(g.p ORDER BY r.role, g.p), '{}') AS parts,
-                coalesce(array_agg(l.token ORDER BY r.role, g.p), '{}') AS tokens
-           FROM ` + roles + ` r CROSS JOIN LATERAL generate_series(0, r.partitions - 1) AS g(p)
-           JOIN ` + leases + ` l ON l.name = $2 || r.role || '/' || g.p
+         SELECT coalesce(array_agg(r.group_name ORDER BY r.group_name, g.p), '{}') AS groups,
+                coalesce(array_agg(g.p ORDER BY r.group_name, g.p), '{}') AS parts,
+                coalesce(array_agg(l.token ORDER BY r.group_name, g.p), '{}') AS tokens
+           FROM ` + groups + ` r CROSS JOIN LATERAL generate_series(0, r.partitions - 1) AS g(p)
+           JOIN ` + leases + ` l ON l.name = $2 || r.group_name || '/' || g.p
           WHERE l.holder = i.id AND l.expires_at > now()) AS rp ON true
- GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.stopped_at, i.jobs, rp.roles, rp.parts, rp.tokens
+ GROUP BY i.id, i.started_at, i.heartbeat_at, i.expires_at, i.stopped_at, i.jobs, rp.groups, rp.parts, rp.tokens
  ORDER BY i.id`,
 
-		// The latest $1 leadership terms in the ledger: attempts grouped
-		// by job, shard and token, newest first.
-		terms: `SELECT job, shard, token, min(holder), min(started_at), max(started_at),
-       max(coalesce(finished_at, started_at)), count(*), count(*) FILTER (WHERE status = 'fenced')
-  FROM ` + runs + `
- WHERE token IS NOT NULL AND ($2 = '' OR job = $2)
- GROUP BY job, shard, token
- ORDER BY min(started_at) DESC, job, shard
+		// The latest $1 leadership terms of kind $3 (of name $2, or of
+		// all when $2 is ''), newest first: the terms recorded, with
+		// their attempts in the ledger, and the ledger's terms whose
+		// record is missing (its start could not be written).
+		terms: `WITH t AS (SELECT name, shard, token, holder, started_at, ended_at, end_cause FROM ` + t.terms + `
+    WHERE kind = $3 AND ($2 = '' OR name = $2)),
+r AS (SELECT job, shard, token, min(holder) AS holder, min(started_at) AS first, max(started_at) AS last,
+             max(coalesce(finished_at, started_at)) AS until, count(*) AS n, count(*) FILTER (WHERE status = 'fenced') AS fenced
+        FROM ` + runs + `
+       WHERE $3 = 'job' AND token IS NOT NULL AND ($2 = '' OR job = $2)
+       GROUP BY job, shard, token)
+SELECT coalesce(t.name, r.job), coalesce(t.shard, r.shard), coalesce(t.token, r.token), coalesce(t.holder, r.holder),
+       coalesce(t.started_at, r.first), t.ended_at, coalesce(t.end_cause, ''),
+       r.first, r.last, r.until, coalesce(r.n, 0), coalesce(r.fenced, 0), now()
+  FROM t FULL JOIN r ON r.job = t.name AND r.shard = t.shard AND r.token = t.token
+ ORDER BY coalesce(t.started_at, r.first) DESC, 1, 2
  LIMIT $1`,
+
+		// Records the start of a term (kind $1, name $2, shard $3, token
+		// $4, holder $5), closes the earlier terms of the same lease that
+		// their leaders left open (as expired), and returns the previous
+		// term: its holder, token and why it ended.
+		termStart: `WITH closed AS (
+    UPDATE ` + t.terms + ` SET ended_at = now(), end_cause = 'expired'
+     WHERE kind = $1 AND name = $2 AND shard = $3 AND token < $4 AND ended_at IS NULL
+    RETURNING token, end_cause),
+ins AS (INSERT INTO ` + t.terms + ` (kind, name, shard, token, holder, started_at)
+    VALUES ($1, $2, $3, $4, $5, now()) ON CONFLICT DO NOTHING)
+SELECT p.holder, p.token, coalesce(c.end_cause, p.end_cause, '')
+  FROM ` + t.terms + ` p LEFT JOIN closed c ON c.token = p.token
+ WHERE p.kind = $1 AND p.name = $2 AND p.shard = $3 AND p.token < $4
+ ORDER BY p.token DESC LIMIT 1`,
+
+		// Closes a term (kind $1, name $2, shard $3, token $4) with why
+		// it ended ($5), unless the next leader already has.
+		termEnd: `UPDATE ` + t.terms + ` SET ended_at = now(), end_cause = $5
+ WHERE kind = $1 AND name = $2 AND shard = $3 AND token = $4 AND ended_at IS NULL`,
 	}
 }
 
@@ -321,25 +363,28 @@ func newControlSQL(schema string) controlSQL {
 	t := tablesOf(schema)
 	runs, jobs, leases, wake := t.runs, t.jobs, t.leases, t.wake
 	return controlSQL{
-		// Sets role $1's partition count to $2 (by $3) if no live
+		// Sets group $1's partition count to $2 (by $3) if no live
 		// instance runs it ($4: its member name), and returns the count
-		// before, whether the role is registered, and the live
+		// before, whether the group is registered, and the live
 		// instances that run it (then nothing is changed). The row is
-		// locked first, so a replica registering the role meanwhile waits.
-		setPartitions: `WITH role AS (SELECT partitions FROM ` + t.roles + ` WHERE role = $1 FOR UPDATE),
+		// locked first, so a replica registering the group meanwhile
+		// waits.
+		setPartitions: `WITH grp AS (SELECT partitions FROM ` + t.groups + ` WHERE group_name = $1 FOR UPDATE),
 live AS (SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids FROM ` + t.inst + `
     WHERE expires_at > now() AND stopped_at IS NULL AND $4 = ANY(jobs)),
-upd AS (UPDATE ` + t.roles + ` SET partitions = $2, registered_at = now(), registered_by = $3
-    WHERE role = $1 AND (SELECT cardinality(ids) FROM live) = 0 RETURNING role)
-SELECT (SELECT partitions FROM role), EXISTS (SELECT 1 FROM role), (SELECT ids FROM live)`,
+upd AS (UPDATE ` + t.groups + ` SET partitions = $2, registered_at = now(), registered_by = $3
+    WHERE group_name = $1 AND (SELECT cardinality(ids) FROM live) = 0 RETURNING group_name)
+SELECT (SELECT partitions FROM grp), EXISTS (SELECT 1 FROM grp), (SELECT ids FROM live)`,
 
 		// Finished attempts that started before $1, except those of the
 		// latest scheduled slot of each job and shard (a new leader
 		// resumes from it).
-		prune: fmt.Sprintf(`DELETE FROM %[1]s r
+		// Leadership terms that ended before $1 go with them.
+		prune: fmt.Sprintf(`WITH terms AS (DELETE FROM %[2]s WHERE ended_at < $1)
+DELETE FROM %[1]s r
  WHERE r.started_at < $1 AND r.status NOT IN ('running', 'pending')
    AND (r.kind = 'manual'
-        OR r.slot < (SELECT max(l.slot) FROM %[1]s l WHERE l.job = r.job AND l.shard = r.shard AND l.kind = 'scheduled'))`, runs),
+        OR r.slot < (SELECT max(l.slot) FROM %[1]s l WHERE l.job = r.job AND l.shard = r.shard AND l.kind = 'scheduled'))`, runs, t.terms),
 
 		// Recent attempts, newest first, optionally of one job and one
 		// status.

@@ -28,8 +28,8 @@ type worker struct {
 }
 
 func (w *worker) leaseName() string {
-	if w.j.role != nil {
-		return roleLeasePrefix + w.j.Name + "/" + strconv.Itoa(w.shard)
+	if w.j.group != nil {
+		return groupLeasePrefix + w.j.Name + "/" + strconv.Itoa(w.shard)
 	}
 	if w.j.shards == 0 {
 		return jobLeasePrefix + w.j.Name
@@ -61,9 +61,23 @@ func (w *worker) election(lead func(ctx context.Context, l *lock.Lease) error) *
 		Name:   w.leaseName(),
 		Lead: func(ctx context.Context, l *lock.Lease) error {
 			defer w.r.hold(l)()
-			log.Info("pgfence runner: leading", "token", l.Token())
+			prev := w.startTerm(l)
+			if prev.holder == "" {
+				log.Info("pgfence runner: leading", "token", l.Token())
+			} else {
+				log.Info("pgfence runner: leading", "token", l.Token(), "previous_holder", prev.holder,
+					"previous_token", prev.token, "previous_end", prev.cause)
+			}
 			w.event(LeadershipGained, slotRef{}, l, 0, nil)
-			return lead(ctx, l)
+			err := lead(ctx, l)
+			// The term is closed before the election releases the lease,
+			// so that the next leader finds it closed with its cause.
+			end := err
+			if lost := l.Err(); end == nil && lost != nil && !errors.Is(lost, lock.ErrReleased) {
+				end = lost
+			}
+			w.endTerm(l, termCause(end))
+			return err
 		},
 		OnStop: func(l *lock.Lease, err error) {
 			w.event(LeadershipLost, slotRef{}, l, 0, err)
@@ -170,13 +184,13 @@ func (w *worker) electionEnded(err error) {
 	}
 }
 
-// log is the runner's logger with the worker's job and shard, or role and
-// partition.
+// log is the runner's logger with the worker's job and shard, or group and
+// partition, and the instance (holder).
 func (w *worker) log() *slog.Logger {
-	if w.j.role != nil {
-		return w.r.log.With("role", w.j.Name, "partition", w.shard)
+	if w.j.group != nil {
+		return w.r.log.With("group", w.j.Name, "partition", w.shard, "holder", w.r.lcfg.Holder)
 	}
-	return w.r.log.With("job", w.j.Name, "shard", w.shard)
+	return w.r.log.With("job", w.j.Name, "shard", w.shard, "holder", w.r.lcfg.Holder)
 }
 
 // errMoved ends a partition's term when a rebalance moves the partition to
@@ -188,48 +202,40 @@ var errMoved = errors.New("runner: moved to another replica by a rebalance")
 // down) rather than a loss or a failure.
 func termEnd(err error) (why string, ordinary bool) {
 	c := termCause(err)
-	return termWhy[c], c != causeLost && c != causeFailed
+	return termWhy[c], c != EndLeaseLost && c != EndFailed
 }
 
-// The causes of a term's end, as the metric pgfence.runner.leadership.changes
-// labels them (pgfence.cause), and as the log says them.
-const (
-	causeReleased   = "released"
-	causeMoved      = "moved"
-	causeHandedOver = "handed_over"
-	causeShutdown   = "shutdown"
-	causeLost       = "lease_lost"
-	causeFailed     = "failed"
-)
-
+// termWhy says each cause of a term's end (Term.EndCause) in words.
 var termWhy = map[string]string{
-	causeReleased:   "released",
-	causeMoved:      "moved to another replica by a rebalance",
-	causeHandedOver: "handed over to its preferred replica",
-	causeShutdown:   "shutting down",
-	causeLost:       "lease lost",
-	causeFailed:     "failed",
+	EndReleased:   "released",
+	EndMoved:      "moved to another replica by a rebalance",
+	EndHandedOver: "handed over to its preferred replica",
+	EndShutdown:   "shutting down",
+	EndLeaseLost:  "lease lost",
+	EndFailed:     "failed",
+	EndExpired:    "its leader did not end it (killed, frozen past its lease, or cut off)",
+	EndRevoked:    "revoked by a seek",
 }
 
 // termCause is the cause of a term's end.
 func termCause(err error) string {
 	switch {
 	case err == nil, errors.Is(err, lock.ErrReleased):
-		return causeReleased
+		return EndReleased
 	case errors.Is(err, errMoved):
-		return causeMoved
+		return EndMoved
 	case errors.Is(err, errHandOver):
-		return causeHandedOver
+		return EndHandedOver
 	case errors.Is(err, errShutdown):
-		return causeShutdown
+		return EndShutdown
 	case errors.Is(err, context.Canceled):
 		// The balancer stopped this instance's worker: the job's shard (or
 		// the partition) is another instance's now.
-		return causeMoved
+		return EndMoved
 	case errors.Is(err, lock.ErrLeaseLost):
-		return causeLost
+		return EndLeaseLost
 	}
-	return causeFailed
+	return EndFailed
 }
 
 // slotRef names a slot of the worker's job and shard: a scheduled one, or

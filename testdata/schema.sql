@@ -145,16 +145,16 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION pgfence.pgfence_positions_protect() RETURNS trigger
+CREATE FUNCTION pgfence.pgfence_offsets_protect() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    IF NEW.role <> OLD.role OR NEW.partition <> OLD.partition THEN
-        RAISE EXCEPTION 'pgfence: a position keeps its role and partition (%, %)', OLD.role, OLD.partition
+    IF NEW.group_name <> OLD.group_name OR NEW.partition <> OLD.partition THEN
+        RAISE EXCEPTION 'pgfence: an offset keeps its group and partition (%, %)', OLD.group_name, OLD.partition
             USING ERRCODE = 'PF010';
     END IF;
     IF NEW.token < OLD.token THEN
-        RAISE EXCEPTION 'pgfence: position of %/% is held by token %, refusing token %', OLD.role, OLD.partition, OLD.token, NEW.token
+        RAISE EXCEPTION 'pgfence: offset of %/% is held by token %, refusing token %', OLD.group_name, OLD.partition, OLD.token, NEW.token
             USING ERRCODE = 'PF010';
     END IF;
     RETURN NEW;
@@ -283,6 +283,14 @@ CREATE TABLE pgfence.pgfence_fences (
     CONSTRAINT pgfence_fences_token_check CHECK ((token >= 1))
 );
 
+CREATE TABLE pgfence.pgfence_groups (
+    group_name text NOT NULL,
+    partitions integer NOT NULL,
+    registered_at timestamp with time zone NOT NULL,
+    registered_by text NOT NULL,
+    CONSTRAINT pgfence_groups_partitions_check CHECK (((partitions >= 1) AND (partitions <= 65536)))
+);
+
 CREATE TABLE pgfence.pgfence_instances (
     id text NOT NULL,
     started_at timestamp with time zone NOT NULL,
@@ -328,27 +336,19 @@ ALTER TABLE pgfence.pgfence_leases ALTER COLUMN token ADD GENERATED ALWAYS AS ID
     CACHE 1
 );
 
-CREATE TABLE pgfence.pgfence_positions (
-    role text NOT NULL,
+CREATE TABLE pgfence.pgfence_offsets (
+    group_name text NOT NULL,
     partition integer NOT NULL,
-    "position" bigint DEFAULT 0 NOT NULL,
+    committed_offset bigint DEFAULT 0 NOT NULL,
     token bigint DEFAULT 0 NOT NULL,
     holder text,
     advanced_at timestamp with time zone,
-    commits bigint DEFAULT 0 NOT NULL,
     committed_at timestamp with time zone,
-    head bigint,
-    head_at timestamp with time zone,
-    CONSTRAINT pgfence_positions_partition_check CHECK ((partition >= 0)),
-    CONSTRAINT pgfence_positions_token_check CHECK ((token >= 0))
-);
-
-CREATE TABLE pgfence.pgfence_roles (
-    role text NOT NULL,
-    partitions integer NOT NULL,
-    registered_at timestamp with time zone NOT NULL,
-    registered_by text NOT NULL,
-    CONSTRAINT pgfence_roles_partitions_check CHECK (((partitions >= 1) AND (partitions <= 65536)))
+    commits bigint DEFAULT 0 NOT NULL,
+    end_offset bigint,
+    end_at timestamp with time zone,
+    CONSTRAINT pgfence_offsets_partition_check CHECK ((partition >= 0)),
+    CONSTRAINT pgfence_offsets_token_check CHECK ((token >= 0))
 );
 
 CREATE TABLE pgfence.pgfence_runs (
@@ -372,6 +372,20 @@ CREATE TABLE pgfence.pgfence_runs (
     CONSTRAINT pgfence_runs_token_check CHECK ((token >= 1))
 );
 
+CREATE TABLE pgfence.pgfence_terms (
+    kind text NOT NULL,
+    name text NOT NULL,
+    shard integer NOT NULL,
+    token bigint NOT NULL,
+    holder text NOT NULL,
+    started_at timestamp with time zone NOT NULL,
+    ended_at timestamp with time zone,
+    end_cause text,
+    CONSTRAINT pgfence_terms_check CHECK (((ended_at IS NULL) = (end_cause IS NULL))),
+    CONSTRAINT pgfence_terms_kind_check CHECK ((kind = ANY (ARRAY['job'::text, 'group'::text]))),
+    CONSTRAINT pgfence_terms_shard_check CHECK ((shard >= 0))
+);
+
 ALTER TABLE ONLY pgfence.pgfence_db_version
     ADD CONSTRAINT pgfence_db_version_pkey PRIMARY KEY (id);
 
@@ -380,6 +394,9 @@ ALTER TABLE ONLY pgfence.pgfence_epoch
 
 ALTER TABLE ONLY pgfence.pgfence_fences
     ADD CONSTRAINT pgfence_fences_pkey PRIMARY KEY (resource);
+
+ALTER TABLE ONLY pgfence.pgfence_groups
+    ADD CONSTRAINT pgfence_groups_pkey PRIMARY KEY (group_name);
 
 ALTER TABLE ONLY pgfence.pgfence_instances
     ADD CONSTRAINT pgfence_instances_pkey PRIMARY KEY (id);
@@ -390,20 +407,22 @@ ALTER TABLE ONLY pgfence.pgfence_jobs
 ALTER TABLE ONLY pgfence.pgfence_leases
     ADD CONSTRAINT pgfence_leases_pkey PRIMARY KEY (name);
 
-ALTER TABLE ONLY pgfence.pgfence_positions
-    ADD CONSTRAINT pgfence_positions_pkey PRIMARY KEY (role, partition);
-
-ALTER TABLE ONLY pgfence.pgfence_roles
-    ADD CONSTRAINT pgfence_roles_pkey PRIMARY KEY (role);
+ALTER TABLE ONLY pgfence.pgfence_offsets
+    ADD CONSTRAINT pgfence_offsets_pkey PRIMARY KEY (group_name, partition);
 
 ALTER TABLE ONLY pgfence.pgfence_runs
     ADD CONSTRAINT pgfence_runs_pkey PRIMARY KEY (job, shard, kind, slot, attempt);
+
+ALTER TABLE ONLY pgfence.pgfence_terms
+    ADD CONSTRAINT pgfence_terms_pkey PRIMARY KEY (kind, name, shard, token);
 
 CREATE INDEX pgfence_instances_expires ON pgfence.pgfence_instances USING btree (expires_at);
 
 CREATE INDEX pgfence_runs_pending ON pgfence.pgfence_runs USING btree (job, shard) WHERE (status = 'pending'::text);
 
 CREATE INDEX pgfence_runs_recent ON pgfence.pgfence_runs USING btree (started_at DESC);
+
+CREATE INDEX pgfence_terms_started ON pgfence.pgfence_terms USING btree (started_at);
 
 CREATE TRIGGER pgfence_fences_protect_delete BEFORE DELETE ON pgfence.pgfence_fences FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_fences_protect();
 
@@ -419,7 +438,7 @@ CREATE TRIGGER pgfence_leases_protect_delete BEFORE DELETE ON pgfence.pgfence_le
 
 CREATE TRIGGER pgfence_leases_protect_truncate BEFORE TRUNCATE ON pgfence.pgfence_leases FOR EACH STATEMENT EXECUTE FUNCTION pgfence.pgfence_leases_protect();
 
-CREATE TRIGGER pgfence_positions_protect BEFORE UPDATE ON pgfence.pgfence_positions FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_positions_protect();
+CREATE TRIGGER pgfence_offsets_protect BEFORE UPDATE ON pgfence.pgfence_offsets FOR EACH ROW EXECUTE FUNCTION pgfence.pgfence_offsets_protect();
 
 CREATE TRIGGER pgfence_runs_protect BEFORE UPDATE ON pgfence.pgfence_runs FOR EACH ROW WHEN (((old.status = 'succeeded'::text) AND (new.* IS DISTINCT FROM old.*))) EXECUTE FUNCTION pgfence.pgfence_runs_protect();
 

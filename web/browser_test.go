@@ -318,19 +318,50 @@ func TestStatusPageInBrowser(t *testing.T) {
 		until(row("web-stopped")+` === "stopped" && `+row("web-crashed")+` === "gone"`, withinRefresh),
 		until(`[...document.querySelectorAll("#instances th.name")].some(e => e.textContent === "app-1")`, withinRefresh),
 		until(`document.querySelectorAll("#terms tbody tr th").length > 0`, withinRefresh),
-		// The role partitions table's columns line up: as many cells as
-		// headers in every row (the role and its partition had shared one).
+		// The partitions table's columns line up: as many cells as headers
+		// in every row (the group and its partition had shared one).
 		until(`document.querySelectorAll("#partitions tbody tr th.name").length >= 2`, withinRefresh),
-		// The instance leading the role's two partitions says so, and
+		// The instance leading the group's two partitions says so, and
 		// counts them apart from its jobs.
 		until(`document.querySelector('#instances tr[data-instance="app-1"] .partition-count')?.textContent === "2 partition(s)"`, withinRefresh),
-		check(`document.querySelector('#instances tr[data-instance="app-1"] .registered').textContent.endsWith("1 role(s)")`,
-			"the fleet page counts the role as a job"),
+		check(`document.querySelector('#instances tr[data-instance="app-1"] .registered').textContent.endsWith("1 consumer group(s)")`,
+			"the fleet page counts the consumer group as a job"),
 		check(`[...document.querySelectorAll("#partitions tbody tr")].every(r => r.children.length === document.querySelectorAll("#partitions thead th").length)`,
-			"a row of the role partitions table has not as many cells as it has headers"),
-		// Each partition's lag behind the head its role reports: 5 - 3.
+			"a row of the partitions table has not as many cells as it has headers"),
+		// Each partition's lag behind the end offset its group reports: 5 - 3.
 		until(`[...document.querySelectorAll("#partitions tbody td.lag")].every(e => e.textContent.startsWith("2 "))`, withinRefresh),
 		shoot(dir, "status-fleet"),
+	)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The consumer group's page, reached from the fleet page: its
+	// partitions (columns lined up, lag), its leadership history with
+	// why each term ended, and a fenced seek from its form: partition 0
+	// back to offset 1, its term revoked, its lag now 5 - 1.
+	cells := func(table string) string {
+		return `[...document.querySelectorAll("` + table + ` tbody tr")].every(r => r.children.length === document.querySelectorAll("` + table + ` thead th").length)`
+	}
+	err = chromedp.Do(ctx,
+		chromedp.Navigate(base+"fleet"),
+		chromedp.WaitVisible(chromedp.CSS(`#partitions tbody tr th.name a`)),
+		chromedp.Click(chromedp.CSS(`#partitions tbody tr th.name a`)),
+		chromedp.WaitVisible(chromedp.CSS(`#group-terms`)),
+		until(`document.querySelectorAll("#group-terms tbody tr[data-partition]").length >= 2`, withinRefresh),
+		check(cells("#partitions"), "a row of the group's partitions table has not as many cells as it has headers"),
+		check(cells("#group-terms"), "a row of the group's history has not as many cells as it has headers"),
+		until(`[...document.querySelectorAll("#partitions tbody td.lag")].every(e => e.textContent.startsWith("2 "))`, withinRefresh),
+		chromedp.SetValue(chromedp.CSS(`#seek-partition`), "0"),
+		chromedp.SetValue(chromedp.CSS(`#seek-offset`), "1"),
+		chromedp.Click(chromedp.CSS(`#seek-apply`)),
+		chromedp.WaitVisible(chromedp.CSS(`#notice`)),
+		until(`document.querySelector('#notice')?.textContent.startsWith("Partition 0 sought from offset 3 to 1")`, 10*time.Second),
+		until(`[...document.querySelectorAll('#group-terms tr[data-partition="0"] td.why')].some(e => e.textContent === "revoked by a seek")`, withinRefresh),
+		until(`document.querySelector('#partitions tr[data-partition="0"] td.offset')?.textContent === "1"`, withinRefresh),
+		until(`document.querySelector('#partitions tr[data-partition="0"] td.lag')?.textContent.startsWith("4 ")`, withinRefresh),
+		check(cells("#group-terms"), "a row of the group's history has not as many cells as it has headers"),
+		shoot(dir, "status-group"),
 	)
 	if err != nil {
 		t.Fatal(err)

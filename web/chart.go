@@ -142,22 +142,30 @@ type leadTerm struct {
 	from, to time.Time
 	attempts int
 	fenced   int
-	current  bool // the lease is held in this term now
+	end      string // why it ended ("" while it goes on)
+	current  bool   // the lease is held in this term now
 }
 
 // leadershipChart draws who led the job when: a lane per instance, a bar
-// per term (from its first attempt to its last attempt's end in the
-// ledger, or to now for the term that leads now) labelled with its token,
-// and a red mark at each fenced attempt. Terms in which nothing ran are
-// not in the ledger; the current one is drawn from the lease.
+// per term (from its start to its end, or to now for the term that leads
+// now; from its first attempt to its last for a term whose record was
+// pruned or missed) labelled with its token, why each ended in its title,
+// and a red mark at each fenced attempt.
 func leadershipChart(terms []runner.Term, shards []runner.JobInfo, fenced []runner.RunInfo, now time.Time) chart {
 	c := chart{Label: "Leadership timeline: which instance held the job's lease when, with each term's fencing token; red marks are fenced attempts.",
 		Empty: "No term yet: nothing has run, and no replica holds the job's lease."}
 	sharded := len(shards) > 0 && shards[0].Shards > 0
 	var all []leadTerm
 	for _, t := range terms {
-		all = append(all, leadTerm{shard: t.Shard, token: t.Token, holder: t.Holder, from: t.FirstRun, to: t.Until,
-			attempts: t.Attempts, fenced: t.Fenced})
+		from, to := t.Started, t.Ended
+		if from.IsZero() { // a term known from the ledger only
+			from = t.FirstRun
+		}
+		if to.IsZero() { // going on, or its leader died: its last sign of life
+			to = maxTime(t.Until, from)
+		}
+		all = append(all, leadTerm{shard: t.Shard, token: t.Token, holder: t.Holder, from: from, to: to,
+			attempts: t.Attempts, fenced: t.Fenced, end: t.EndCause})
 	}
 	for _, ji := range shards {
 		if ji.Leader == "" || ji.LeaderSince == nil {
@@ -200,6 +208,9 @@ func leadershipChart(terms []runner.Term, shards []runner.JobInfo, fenced []runn
 		}
 		if t.fenced > 0 {
 			title += fmt.Sprintf(", %d fenced", t.fenced)
+		}
+		if t.end != "" {
+			title += "; ended: " + endWords(t.end)
 		}
 		c.bar(s, at[t.holder], t.from, t.to, class, text, title)
 	}
@@ -292,4 +303,27 @@ func maxTime(a, b time.Time) time.Time {
 		return b
 	}
 	return a
+}
+
+// endWords says why a term ended (runner.Term.EndCause) in words.
+func endWords(cause string) string {
+	switch cause {
+	case runner.EndReleased:
+		return "released"
+	case runner.EndMoved:
+		return "moved to another replica by a rebalance"
+	case runner.EndHandedOver:
+		return "handed over to its preferred replica"
+	case runner.EndShutdown:
+		return "its replica shut down"
+	case runner.EndLeaseLost:
+		return "lease lost (a renewal refused or too late)"
+	case runner.EndFailed:
+		return "failed"
+	case runner.EndExpired:
+		return "expired: its leader did not end it (killed, frozen, cut off)"
+	case runner.EndRevoked:
+		return "revoked by a seek"
+	}
+	return cause
 }

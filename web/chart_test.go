@@ -81,6 +81,13 @@ func TestLeadershipChart(t *testing.T) {
 	if m := c.Marks[0]; m.Y1 < c.Lanes[0].Y || m.Y2 > c.Lanes[0].LineY || !(m.X > b1.X+b1.W && m.X < b2.X+b2.W) {
 		t.Errorf("fenced mark %+v not on n1's lane at minute 31", m)
 	}
+	// A recorded term is drawn from its start to its end, with why it
+	// ended: here, a term with no attempt, ended by a rebalance.
+	recorded := []runner.Term{{Token: 4, Holder: "n4", Started: at(10), Ended: at(15), EndCause: runner.EndMoved}}
+	if c := leadershipChart(recorded, nil, nil, at(60)); len(c.Bars) != 1 || c.Bars[0].X != chartLeft ||
+		!strings.Contains(c.Bars[0].Title, "ended: moved to another replica by a rebalance") {
+		t.Errorf("a recorded term: %+v", c.Bars)
+	}
 	if empty := leadershipChart(nil, []runner.JobInfo{{Job: "j"}}, nil, at(60)); len(empty.Bars) != 0 || empty.Empty == "" {
 		t.Errorf("no terms: %+v", empty)
 	}

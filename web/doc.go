@@ -45,7 +45,8 @@
 //   - GET api/jobs[?job=NAME]: [runner.JobInfo] (`pgfence jobs status --json`)
 //   - GET api/runs[?job=NAME][&status=S][&limit=N]: [runner.RunInfo] (`pgfence jobs --json`)
 //   - GET api/fleet: {"instances": [runner.InstanceInfo], "partitions": [runner.PartitionInfo], "terms": [runner.Term]}
-//   - GET api/roles[?role=NAME]: [runner.PartitionInfo] (`pgfence roles --json`)
+//   - GET api/groups[?group=NAME]: [runner.PartitionInfo] (`pgfence groups --json`)
+//   - GET api/terms[?job=NAME|group=NAME]: [runner.Term], newest first
 //   - GET api/epoch: migrations.Epoch, the database history tokens are issued in
 //
 // GET healthz answers 200 "ok" while the database answers a ping within

@@ -129,6 +129,8 @@ func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
 	mux.HandleFunc("GET /jobs", h.page("jobs", h.jobs))
 	mux.HandleFunc("GET /fleet", h.page("fleet", h.fleet))
 	mux.HandleFunc("GET /job", h.page("job", h.job))
+	mux.HandleFunc("GET /group", h.page("group", h.group))
+	mux.HandleFunc("POST /seek", h.action(h.seek))
 	mux.HandleFunc("GET /release", h.action(h.confirmRelease))
 	mux.HandleFunc("POST /release", h.action(h.release))
 	mux.HandleFunc("POST /run", h.action(h.runNow))
@@ -144,8 +146,11 @@ func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
 	mux.HandleFunc("GET /api/fleet", h.api(func(ctx context.Context, r *http.Request) (any, error) {
 		return h.readFleet(ctx)
 	}))
-	mux.HandleFunc("GET /api/roles", h.api(func(ctx context.Context, r *http.Request) (any, error) {
-		return orEmpty(runner.Partitions(ctx, h.pool, h.schema, r.FormValue("role")))
+	mux.HandleFunc("GET /api/groups", h.api(func(ctx context.Context, r *http.Request) (any, error) {
+		return orEmpty(runner.Partitions(ctx, h.pool, h.schema, r.FormValue("group")))
+	}))
+	mux.HandleFunc("GET /api/terms", h.api(func(ctx context.Context, r *http.Request) (any, error) {
+		return orEmpty(runner.Terms(ctx, h.pool, h.schema, runner.TermFilter{Job: r.FormValue("job"), Group: r.FormValue("group")}))
 	}))
 	mux.HandleFunc("GET /api/epoch", h.api(func(ctx context.Context, r *http.Request) (any, error) {
 		return h.epoch(ctx)
@@ -310,7 +315,7 @@ type view struct {
 // page serves a live page: the whole page, or with ?partial=1 (the
 // page's own script asks for it) the part that updates.
 func (h *Handler) page(name string, read func(context.Context, *http.Request) (any, time.Time, error)) http.HandlerFunc {
-	title := map[string]string{"leases": "Leases", "jobs": "Jobs", "fleet": "Fleet", "job": "Job"}[name]
+	title := map[string]string{"leases": "Leases", "jobs": "Jobs", "fleet": "Fleet", "job": "Job", "group": "Consumer group"}[name]
 	return func(w http.ResponseWriter, r *http.Request) {
 		body, now, err := read(r.Context(), r)
 		if err != nil {
@@ -324,6 +329,9 @@ func (h *Handler) page(name string, read func(context.Context, *http.Request) (a
 		v := view{Page: name, Title: title, Schema: h.schema, Refresh: h.cfg.Refresh.Milliseconds(), Actions: h.cfg.AllowActions, Now: now, Body: body}
 		if b, ok := body.(jobBody); ok {
 			v.Title = "Job " + printable.String(b.Job)
+		}
+		if b, ok := body.(groupBody); ok {
+			v.Title = "Consumer group " + printable.String(b.Group)
 		}
 		tmpl := "layout"
 		if r.FormValue("partial") == "1" {
@@ -447,6 +455,8 @@ func parsePages() (map[string]*template.Template, error) {
 		// Text from the database: control and format characters made
 		// visible; html/template escapes the rest.
 		"shown": printable.String,
+		// Why a term ended, in words.
+		"ends": endWords,
 		// An error message: its lines kept, the rest as "shown".
 		"text":      printable.Text,
 		"valueOf":   valueOf,
@@ -469,7 +479,7 @@ func parsePages() (map[string]*template.Template, error) {
 		return nil, fmt.Errorf("web: %w", err)
 	}
 	pages := map[string]*template.Template{}
-	for _, name := range []string{"leases", "jobs", "fleet", "job", "release", "error"} {
+	for _, name := range []string{"leases", "jobs", "fleet", "job", "group", "release", "error"} {
 		t, err := base.Clone()
 		if err == nil {
 			_, err = t.New("body").Parse(`{{template "` + name + `" .}}`)

@@ -97,9 +97,9 @@ func TestJSONEndpointsAndPages(t *testing.T) {
 		t.Fatalf("api/fleet: %+v", fleet)
 	}
 	var parts []runner.PartitionInfo
-	pgtest.Eventually(t, 30*time.Second, "both partitions of relay at position 3 in api/roles", func() bool {
-		getJSON(t, rg.srv.URL+"/api/roles?role=relay", &parts)
-		return len(parts) == 2 && parts[0].Position == 3 && parts[1].Position == 3 && parts[1].Leader == "app-1"
+	pgtest.Eventually(t, 30*time.Second, "both partitions of relay at offset 3 in api/groups", func() bool {
+		getJSON(t, rg.srv.URL+"/api/groups?group=relay", &parts)
+		return len(parts) == 2 && parts[0].Offset == 3 && parts[1].Offset == 3 && parts[1].Leader == "app-1"
 	})
 	var ep migrations.Epoch
 	getJSON(t, rg.srv.URL+"/api/epoch", &ep)
@@ -117,7 +117,8 @@ func TestJSONEndpointsAndPages(t *testing.T) {
 		{"/", "nightly-billing"},
 		{"/jobs", "charge"},
 		{"/fleet", "app-1"},
-		{"/fleet", "relay</th>\n<td class=\"num\">1</td>"}, // the role, then its partition, each in its own cell
+		{"/fleet", "relay</a></th>\n<td class=\"num\">1</td>"}, // the group, then its partition, each in its own cell
+		{"/group?name=relay", "Leadership history"},
 		{"/jobs?partial=1", "charge"},
 	} {
 		code, h, body := get(t, rg.srv.URL+page.path)
@@ -349,7 +350,7 @@ func TestOperatorRoleIsEnough(t *testing.T) {
 		runs, err := runner.Runs(ctx, rg.db.Pool, rg.db.Schema, runner.RunFilter{})
 		return err == nil && len(runs) > 0
 	})
-	for _, p := range []string{"/", "/jobs", "/fleet", "/api/leases", "/api/jobs", "/api/runs", "/api/fleet", "/api/roles", "/api/epoch", "/release?name=held"} {
+	for _, p := range []string{"/", "/jobs", "/fleet", "/api/leases", "/api/jobs", "/api/runs", "/api/fleet", "/api/groups", "/api/terms", "/group?name=relay", "/api/epoch", "/release?name=held"} {
 		if code, _, body := get(t, srv+p); code != http.StatusOK {
 			t.Fatalf("GET %s as the operator role: %d\n%s", p, code, body)
 		}

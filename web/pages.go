@@ -53,7 +53,7 @@ func (h *Handler) leases(ctx context.Context, r *http.Request) (any, time.Time, 
 	now := time.Now()
 	b := leasesBody{Epoch: ep,
 		App:    leaseTable{ID: "leases", Caption: "The application's leases", Actions: h.cfg.AllowActions},
-		Runner: leaseTable{ID: "runner-leases", Caption: "The runner's leases (pgfence/job/..., pgfence/role/...)", Actions: h.cfg.AllowActions}}
+		Runner: leaseTable{ID: "runner-leases", Caption: "The runner's leases (pgfence/job/..., pgfence/group/...)", Actions: h.cfg.AllowActions}}
 	for i, in := range infos {
 		if i == 0 {
 			now = in.ExpiresAt.Add(-in.ExpiresIn) // the database's clock

@@ -92,12 +92,12 @@ func TestPageRefusesWhatItMust(t *testing.T) {
 
 	// Parameters that are not text, or do not decode: 400 naming the
 	// parameter, not the database's error as a 500; as JSON from the API.
-	for _, q := range []string{"/api/runs?job=%00", "/jobs?job=%ff%fe", "/api/roles?role=a%00b",
+	for _, q := range []string{"/api/runs?job=%00", "/jobs?job=%ff%fe", "/api/groups?group=a%00b",
 		"/api/runs?limit=5&job=%zz", "/jobs?x=1&job=%zz"} {
 		code, body := do(t, http.MethodGet, rg.srv.URL+q, "", nil, nil)
 		name := "job"
-		if strings.Contains(q, "role=") {
-			name = "role"
+		if strings.Contains(q, "group=") {
+			name = "group"
 		}
 		if code != http.StatusBadRequest || !strings.Contains(body, `"`+name+`"`) {
 			t.Errorf("GET %s: %d %q, want 400 naming %q", q, code, body, name)

@@ -286,7 +286,7 @@ func cmdJobsPrune(ctx context.Context, e *env, args []string) error {
 	return nil
 }
 
-// validName refuses a name no lease, job or role can have, as a usage
+// validName refuses a name no lease, job or consumer group can have, as a usage
 // error (exit 2) that says what is wrong with it.
 func validName(kind, name string) error {
 	if err := fence.ValidateName(name); err != nil {

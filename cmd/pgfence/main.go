@@ -23,8 +23,10 @@
 //	jobs resume JOB       let the replicas start JOB's scheduled slots again
 //	jobs prune --older-than D
 //	                      delete finished runs older than D (the latest slot of each job is kept)
-//	roles [ROLE] [--json]
-//	                      each role's partitions: leader, token, position, lag, when it last moved
+//	groups [GROUP] [--json]
+//	                      each consumer group's partitions: leader, token, offset, end, lag, when it last moved
+//	groups seek GROUP PARTITION OFFSET [--yes] [--timeout 10s]
+//	                      set a partition's committed offset, fenced: its leader's term is revoked
 //	grant app|operator ROLE [--print]
 //	                      give ROLE what an application (or this CLI) needs in the schema
 //	ui [--listen 127.0.0.1:8080] [--host NAME] [--allow-actions] [--refresh 1s]
@@ -45,7 +47,7 @@
 //	1   error (database unreachable, query failed, confirmation declined)
 //	2   usage error (unknown command or flag, bad duration, missing command after --)
 //	3   no such lease (release)
-//	4   no such job or shard (jobs status, run, pause, resume), or role (roles)
+//	4   no such job or shard (jobs status, run, pause, resume), or consumer group (groups)
 //	5   the run failed or panicked (jobs run --wait)
 //	6   a job (or shard) listed has no leader (jobs status): it runs nowhere
 //	75  the lease is held elsewhere (run without --wait)

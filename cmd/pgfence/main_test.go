@@ -463,7 +463,7 @@ func TestUsageErrorsAndStartChecks(t *testing.T) {
 		{[]string{"leases", "extra-arg"}, exitUsage, "leases takes no arguments"},
 		{[]string{"release", ""}, exitUsage, `lease name "": `},
 		{[]string{"release", strings.Repeat("x", 10000), "--yes"}, exitUsage, "lease name"},
-		{[]string{"roles", "a", "b"}, exitUsage, "at most one role name"},
+		{[]string{"groups", "a", "b"}, exitUsage, "at most one consumer group name"},
 		{[]string{"help"}, exitOK, "$PGFENCE_SCHEMA"},
 		{[]string{"help"}, exitOK, "$DATABASE_URL"},
 		{[]string{"--schema", "pgfence_not_migrated", "ui", "--listen", "127.0.0.1:0"}, exitError, "migrate up"},

@@ -3,8 +3,8 @@
 // An orders service writes each order's events to an outbox table in its
 // own transactions (partition = hash of the order id, 8 partitions). Relay
 // replicas, separate processes, drain the partitions into a sink table: one
-// leader per partition (runner.RegisterRole), each batch delivered and the
-// partition's position advanced in one guarded transaction
+// leader per partition (runner.RegisterConsumer), each batch delivered and the
+// partition's offset committed in one guarded transaction
 // (Partition.Commit). Meanwhile the orchestrator freezes a relay in the
 // middle of a batch for longer than its lease (SIGSTOP), kills another
 // (SIGKILL) and restarts it, and adds a fourth relay and removes it. Every
@@ -50,7 +50,7 @@ import (
 
 const (
 	partitions = 8
-	role       = "outbox-relay"
+	group      = "outbox-relay"
 	urlEnv     = "PGFENCE_DEMO_URL" // the resolved database, for the relays
 )
 
@@ -84,17 +84,18 @@ func partitionOf(order string) int {
 }
 
 // The relay's read: the events of partition $1 written by transactions
-// after position $2 (a transaction id) and before every transaction still
+// from offset $2 on (a transaction id: the next to read) and before every
+// transaction still
 // open (pg_snapshot_xmin), by transaction then id, whole transactions at a
 // time. Ordering by id alone would lose events: an id is taken when the row
 // is written, and a transaction that took a lower id may commit after one
-// that took a higher id, so a position past the higher one would skip the
+// that took a higher id, so an offset past the higher one would skip the
 // lower for good. Transaction ids below the snapshot's xmin belong to
 // transactions that have all ended, so none can appear later below the
-// position.
+// offset.
 const readSQL = `WITH txs AS (
   SELECT DISTINCT txid FROM %[1]s.outbox
-   WHERE partition = $1 AND txid > $2 AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint
+   WHERE partition = $1 AND txid >= $2 AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint
    ORDER BY txid LIMIT 20)
 SELECT o.id, o.txid, o.order_id, o.seq FROM %[1]s.outbox o JOIN txs USING (txid)
  WHERE o.partition = $1 ORDER BY o.txid, o.id`
@@ -142,15 +143,15 @@ func runRelay(id, schema string, ttl time.Duration, unfenced bool) error {
 		}
 	}()
 
-	err = r.RegisterRole(runner.Role{
-		Name:       role,
+	err = r.RegisterConsumer(runner.Consumer{
+		Group:      group,
 		Partitions: partitions,
 		Poll:       500 * time.Millisecond,
-		Lead: func(ctx context.Context, p *runner.Partition) error {
-			say("leading partition %d with token %d from position %d", p.Index, p.Token, p.Position())
-			position := p.Position()
+		Consume: func(ctx context.Context, p *runner.Partition) error {
+			say("leading partition %d with token %d from offset %d", p.Index, p.Token, p.Offset())
+			offset := p.Offset()
 			for ctx.Err() == nil {
-				rows, err := pool.Query(ctx, read, p.Index, position)
+				rows, err := pool.Query(ctx, read, p.Index, offset)
 				if err != nil {
 					return err
 				}
@@ -167,13 +168,13 @@ func runRelay(id, schema string, ttl time.Duration, unfenced bool) error {
 					}
 					continue
 				}
-				say("READ partition %d: %d events after position %d", p.Index, len(batch), position)
+				say("READ partition %d: %d events from offset %d", p.Index, len(batch), offset)
 				if freeze.CompareAndSwap(true, false) {
-					say("FROZEN holding partition %d's batch after position %d", p.Index, position)
+					say("FROZEN holding partition %d's batch from offset %d", p.Index, offset)
 					_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
 				}
-				time.Sleep(20 * time.Millisecond) // the sink takes a while
-				last := batch[len(batch)-1].txid
+				time.Sleep(20 * time.Millisecond)    // the sink takes a while
+				next := batch[len(batch)-1].txid + 1 // the offset after the batch
 				write := func(ctx context.Context, tx pgx.Tx) error {
 					for _, e := range batch {
 						if _, err := tx.Exec(ctx, deliver, e.id, e.order, e.seq, id, int64(p.Token)); err != nil {
@@ -189,13 +190,13 @@ func runRelay(id, schema string, ttl time.Duration, unfenced bool) error {
 						if err := write(context.Background(), tx); err != nil {
 							return err
 						}
-						_, err := tx.Exec(context.Background(), "UPDATE "+q+".pgfence_positions SET position = $3 WHERE role = $1 AND partition = $2",
-							role, p.Index, last)
+						_, err := tx.Exec(context.Background(), "UPDATE "+q+".pgfence_offsets SET committed_offset = $3 WHERE group_name = $1 AND partition = $2",
+							group, p.Index, next)
 						return err
 					})
 				} else {
 					err = p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
-						return last, write(ctx, tx)
+						return next, write(ctx, tx)
 					})
 				}
 				var stale *fence.StaleTokenError
@@ -211,8 +212,8 @@ func runRelay(id, schema string, ttl time.Duration, unfenced bool) error {
 				case err != nil:
 					return err
 				}
-				position = last
-				say("delivered partition %d: %d events, position %d", p.Index, len(batch), last)
+				offset = next
+				say("delivered partition %d: %d events, offset %d", p.Index, len(batch), next)
 			}
 			return nil
 		},
@@ -255,9 +256,9 @@ func orchestrate(schema string, ttl time.Duration, orders, events int, unfenced 
 		mu       sync.Mutex
 		refused  int
 		readers  = map[string]chan struct{}{} // relay id -> signalled when it has frozen itself
-		readLine = regexp.MustCompile(`^(\S+): FROZEN holding partition (\d+)'s batch after position (\d+)`)
-		// The frozen relay's batch: its partition, and the position it
-		// was read after.
+		readLine = regexp.MustCompile(`^(\S+): FROZEN holding partition (\d+)'s batch from offset (\d+)`)
+		// The frozen relay's batch: its partition, and the offset it was
+		// read from.
 		frozenPart int
 		frozenPos  int64
 	)
@@ -372,7 +373,7 @@ func orchestrate(schema string, ttl time.Duration, orders, events int, unfenced 
 	mu.Unlock()
 	if err := watch.until(60*time.Second, "the frozen batch delivered by the partition's new leader", func(s leaderState) bool {
 		for _, p := range s {
-			if p.Partition == part && p.Position > pos { // relay-1 is frozen: someone else
+			if p.Partition == part && p.Offset > pos { // relay-1 is frozen: someone else
 				return true
 			}
 		}
@@ -480,7 +481,7 @@ func writeOrders(ctx context.Context, pool *pgxpool.Pool, schema string, orders,
 					if _, err := tx.Exec(ctx, insert, order, seq, part); err != nil {
 						return err
 					}
-					return runner.Wake(ctx, tx, schema, role, part)
+					return runner.Wake(ctx, tx, schema, group, part)
 				})
 				if err != nil {
 					errs <- fmt.Errorf("order %s event %d: %w", order, seq, err)
@@ -542,7 +543,7 @@ func (w *leaderWatch) run(ctx context.Context) {
 	t := time.NewTicker(50 * time.Millisecond)
 	defer t.Stop()
 	for {
-		if infos, err := runner.Partitions(ctx, w.pool, w.schema, role); err == nil {
+		if infos, err := runner.Partitions(ctx, w.pool, w.schema, group); err == nil {
 			w.observe(infos, time.Now())
 		}
 		select {

@@ -281,13 +281,13 @@ func TestRoleThroughPgBouncer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Poll: 200 * time.Millisecond,
-		Lead: func(ctx context.Context, p *runner.Partition) error {
+	err = r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Poll: 200 * time.Millisecond,
+		Consume: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
 				if err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
 					var last int64
 					err := tx.QueryRow(ctx, "WITH d AS (UPDATE "+work+" SET done = true WHERE n > $1 RETURNING n) SELECT coalesce(max(n), $1) FROM d",
-						p.Position()).Scan(&last)
+						p.Offset()).Scan(&last)
 					return last, err
 				}); err != nil {
 					return err
@@ -330,7 +330,7 @@ func TestRoleThroughPgBouncer(t *testing.T) {
 	}
 	pgtest.Eventually(t, 10*time.Second, "the work done and the position at 3 (Poll every 200ms)", func() bool {
 		ps, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
-		return err == nil && len(ps) == 1 && ps[0].Position == 3
+		return err == nil && len(ps) == 1 && ps[0].Offset == 3
 	})
 	var left int
 	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+work+" WHERE NOT done").Scan(&left); err != nil || left != 0 {

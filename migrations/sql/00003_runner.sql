@@ -112,46 +112,7 @@ CREATE TABLE pgfence_instances (
 );
 CREATE INDEX pgfence_instances_expires ON pgfence_instances (expires_at);
 
--- The fenced position of each partition of a continuous role (runner.Role):
--- how far its work has committed (an outbox id, a stream offset, an LSN).
--- A partition's leader advances it in the same transaction as the work's
--- effects, guarded by its lease token, so a zombie's progress and effects
--- are refused together; token is the lease token of the last advance, and
--- never goes down (trigger below), nor does a row change its key.
-CREATE TABLE pgfence_positions (
-    role        text        NOT NULL,
-    partition   integer     NOT NULL CHECK (partition >= 0),
-    position    bigint      NOT NULL DEFAULT 0,
-    token       bigint      NOT NULL DEFAULT 0 CHECK (token >= 0),
-    holder      text,
-    advanced_at timestamptz,
-    commits     bigint      NOT NULL DEFAULT 0,
-    PRIMARY KEY (role, partition)
-);
-
--- +goose StatementBegin
-CREATE FUNCTION pgfence_positions_protect() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.role <> OLD.role OR NEW.partition <> OLD.partition THEN
-        RAISE EXCEPTION 'pgfence: a position keeps its role and partition (%, %)', OLD.role, OLD.partition
-            USING ERRCODE = 'PF010';
-    END IF;
-    IF NEW.token < OLD.token THEN
-        RAISE EXCEPTION 'pgfence: position of %/% is held by token %, refusing token %', OLD.role, OLD.partition, OLD.token, NEW.token
-            USING ERRCODE = 'PF010';
-    END IF;
-    RETURN NEW;
-END
-$$;
--- +goose StatementEnd
-
-CREATE TRIGGER pgfence_positions_protect BEFORE UPDATE ON pgfence_positions
-    FOR EACH ROW EXECUTE FUNCTION pgfence_positions_protect();
-
 -- +goose Down
-DROP TABLE pgfence_positions;
-DROP FUNCTION pgfence_positions_protect();
 DROP TABLE pgfence_instances;
 DROP TABLE pgfence_jobs;
 DROP TABLE pgfence_runs;

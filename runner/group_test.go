@@ -18,24 +18,24 @@ import (
 	"github.com/pgfence/pgfence/runner"
 )
 
-// counterRole is a role whose every partition appends rows (partition, n)
-// for n = position+1 up to target, one per Commit, in the same transaction
-// as its position.
-func counterRole(db *pgtest.DB, name string, partitions int, target *atomic.Int64, poll time.Duration) runner.Role {
-	return waitingCounterRole(db, name, partitions, target, poll, nil)
+// counterGroup is a group whose every partition appends rows (partition, n)
+// for n = offset+1 up to target, one per Commit, in the same transaction
+// as its offset.
+func counterGroup(db *pgtest.DB, name string, partitions int, target *atomic.Int64, poll time.Duration) runner.Consumer {
+	return waitingCounterGroup(db, name, partitions, target, poll, nil)
 }
 
-// waitingCounterRole is counterRole that also calls waiting(partition) as
+// waitingCounterGroup is counterGroup that also calls waiting(partition) as
 // a partition's leader calls Wait.
-func waitingCounterRole(db *pgtest.DB, name string, partitions int, target *atomic.Int64, poll time.Duration, waiting func(int)) runner.Role {
+func waitingCounterGroup(db *pgtest.DB, name string, partitions int, target *atomic.Int64, poll time.Duration, waiting func(int)) runner.Consumer {
 	effects := tbl(db, "effects")
-	return runner.Role{
-		Name:       name,
+	return runner.Consumer{
+		Group:      name,
 		Partitions: partitions,
 		Poll:       poll,
-		Lead: func(ctx context.Context, p *runner.Partition) error {
+		Consume: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
-				if p.Position() >= target.Load() {
+				if p.Offset() >= target.Load() {
 					if waiting != nil {
 						waiting(p.Index)
 					}
@@ -45,7 +45,7 @@ func waitingCounterRole(db *pgtest.DB, name string, partitions int, target *atom
 					continue
 				}
 				err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
-					next := p.Position() + 1
+					next := p.Offset() + 1
 					_, err := tx.Exec(ctx, "INSERT INTO "+effects+" (partition, n, token) VALUES ($1, $2, $3)", p.Index, next, int64(p.Token))
 					return next, err
 				})
@@ -67,7 +67,7 @@ func createEffects(t *testing.T, db *pgtest.DB) {
 }
 
 // checkEffects fails unless every partition holds exactly the rows 1..want
-// (no duplicate, no gap) and its position is want.
+// (no duplicate, no gap) and its offset is want.
 func checkEffects(t *testing.T, db *pgtest.DB, role string, partitions int, want int64) {
 	t.Helper()
 	for p := range partitions {
@@ -88,17 +88,17 @@ func checkEffects(t *testing.T, db *pgtest.DB, role string, partitions int, want
 		t.Fatalf("Partitions lists %d partitions, want %d", len(infos), partitions)
 	}
 	for _, in := range infos {
-		if in.Position != want || in.Commits != want {
-			t.Errorf("partition %d: position %d after %d commits, want %d", in.Partition, in.Position, in.Commits, want)
+		if in.Offset != want || in.Commits != want {
+			t.Errorf("partition %d: offset %d after %d commits, want %d", in.Partition, in.Offset, in.Commits, want)
 		}
 	}
 }
 
-// A role's partitions are spread over the replicas; each leader commits
-// its effects with its position; when a replica stops, its partitions move
-// to the other, which resumes exactly after the last committed position:
+// A group's partitions are spread over the replicas; each leader commits
+// its effects with its offset; when a replica stops, its partitions move
+// to the other, which resumes exactly after the last committed offset:
 // every effect exactly once.
-func TestRolePartitionsSpreadAndResume(t *testing.T) {
+func TestGroupPartitionsSpreadAndResume(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	createEffects(t, db)
@@ -110,7 +110,7 @@ func TestRolePartitionsSpreadAndResume(t *testing.T) {
 			runner.Config{RebalanceInterval: 500 * time.Millisecond}
 	}
 	reg := func(r *runner.Runner) error {
-		return r.RegisterRole(counterRole(db, "relay", parts, &target, 50*time.Millisecond))
+		return r.RegisterConsumer(counterGroup(db, "relay", parts, &target, 50*time.Millisecond))
 	}
 	a := startWith(t, db.Pool, "a", cfg, reg)
 	startWith(t, db.Pool, "b", cfg, reg)
@@ -121,7 +121,7 @@ func TestRolePartitionsSpreadAndResume(t *testing.T) {
 		}
 		leaders = map[string]int{}
 		for _, in := range infos {
-			sum += in.Position
+			sum += in.Offset
 			if in.Leading {
 				leaders[in.Leader]++
 			}
@@ -147,7 +147,7 @@ func TestRolePartitionsSpreadAndResume(t *testing.T) {
 }
 
 // A partition leader whose lease has passed to another holder cannot
-// commit an effect or a position: the database refuses its token, and
+// commit an effect or a offset: the database refuses its token, and
 // nothing of its transaction commits.
 func TestStalePartitionLeaderIsRefused(t *testing.T) {
 	t.Parallel()
@@ -175,11 +175,11 @@ func TestStalePartitionLeaderIsRefused(t *testing.T) {
 	// (the next renewal is 10 s away), so the database must refuse it.
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "zombie", TTL: 30 * time.Second}, runner.Config{},
 		func(r *runner.Runner) error {
-			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: lead})
+			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Consume: lead})
 		})
 	p := <-captured
 	ctx := context.Background()
-	name := "pgfence/role/relay/0"
+	name := "pgfence/group/relay/0"
 	if _, _, err := lock.ForceRelease(ctx, db.Pool, db.Schema, name); err != nil {
 		t.Fatal(err)
 	}
@@ -204,8 +204,8 @@ func TestStalePartitionLeaderIsRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(infos) != 1 || infos[0].Position != 0 || infos[0].Commits != 0 {
-		t.Fatalf("partitions after the refusal: %+v, want position 0, no commit", infos)
+	if len(infos) != 1 || infos[0].Offset != 0 || infos[0].Commits != 0 {
+		t.Fatalf("partitions after the refusal: %+v, want offset 0, no commit", infos)
 	}
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
@@ -225,7 +225,7 @@ func TestPartitionHandedOverAfterItsTransaction(t *testing.T) {
 	finish := make(chan struct{})
 	result := make(chan error, 1)
 	lead := func(ctx context.Context, p *runner.Partition) error {
-		if p.Position() > 0 {
+		if p.Offset() > 0 {
 			<-ctx.Done()
 			return nil
 		}
@@ -247,11 +247,11 @@ func TestPartitionHandedOverAfterItsTransaction(t *testing.T) {
 	}
 	in := start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{ShutdownTimeout: time.Minute},
 		func(r *runner.Runner) error {
-			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: lead})
+			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Consume: lead})
 		})
 	<-inTx
 	in.cancel() // shutdown begins while the transaction is open
-	info, err := lock.Inspect(context.Background(), db.Pool, db.Schema, "pgfence/role/relay/0")
+	info, err := lock.Inspect(context.Background(), db.Pool, db.Schema, "pgfence/group/relay/0")
 	if err != nil || !info.Held || info.Holder != "a" {
 		t.Fatalf("the lease during the open transaction: %+v, %v; want it still held by a", info, err)
 	}
@@ -275,7 +275,7 @@ func TestWakeReachesThePartitionLeader(t *testing.T) {
 	)
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{},
 		func(r *runner.Runner) error {
-			return r.RegisterRole(waitingCounterRole(db, "relay", 2, &target, time.Hour, func(p int) { waiting[p].Store(true) }))
+			return r.RegisterConsumer(waitingCounterGroup(db, "relay", 2, &target, time.Hour, func(p int) { waiting[p].Store(true) }))
 		})
 	// Both partitions led, and both leaders waiting (a leader that had not
 	// reached Wait yet would see the new target without a wake-up).
@@ -305,9 +305,9 @@ func TestWakeReachesThePartitionLeader(t *testing.T) {
 	}
 }
 
-// RegisterRole refuses bad roles with a *JobError naming the field, and a
+// RegisterConsumer refuses bad groups with a *JobError naming the field, and a
 // name taken by a job.
-func TestRegisterRoleRefusesBadRoles(t *testing.T) {
+func TestRegisterConsumerRefusesBadConsumers(t *testing.T) {
 	db := pgtest.New(t)
 	r, err := runner.New(lockClient(t, db.Pool, lock.Config{Schema: db.Schema}), runner.Config{})
 	if err != nil {
@@ -315,38 +315,38 @@ func TestRegisterRoleRefusesBadRoles(t *testing.T) {
 	}
 	lead := func(context.Context, *runner.Partition) error { return nil }
 	for _, tc := range []struct {
-		role  runner.Role
+		role  runner.Consumer
 		field string
 	}{
-		{runner.Role{Name: "r", Partitions: 0, Lead: lead}, "Partitions"},
-		{runner.Role{Name: "r", Partitions: 1 << 17, Lead: lead}, "Partitions"},
-		{runner.Role{Name: "r", Partitions: 1}, "Lead"},
-		{runner.Role{Name: "", Partitions: 1, Lead: lead}, "Name"},
-		{runner.Role{Name: "r", Partitions: 1, Lead: lead, Poll: -time.Second}, "Poll"},
+		{runner.Consumer{Group: "r", Partitions: 0, Consume: lead}, "Partitions"},
+		{runner.Consumer{Group: "r", Partitions: 1 << 17, Consume: lead}, "Partitions"},
+		{runner.Consumer{Group: "r", Partitions: 1}, "Consume"},
+		{runner.Consumer{Group: "", Partitions: 1, Consume: lead}, "Group"},
+		{runner.Consumer{Group: "r", Partitions: 1, Consume: lead, Poll: -time.Second}, "Poll"},
 	} {
-		err := r.RegisterRole(tc.role)
+		err := r.RegisterConsumer(tc.role)
 		var je *runner.JobError
 		if !errors.As(err, &je) || je.Field != tc.field || !errors.Is(err, runner.ErrInvalidJob) {
-			t.Errorf("RegisterRole(%+v): %v, want a JobError on %s", tc.role, err, tc.field)
+			t.Errorf("RegisterConsumer(%+v): %v, want a JobError on %s", tc.role, err, tc.field)
 		}
 	}
 	if err := r.Register(chargeJob(db, "taken", "@every 1h")); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.RegisterRole(runner.Role{Name: "taken", Partitions: 2, Lead: lead}); !errors.Is(err, runner.ErrDuplicateJob) {
-		t.Fatalf("a role named as a job: %v, want ErrDuplicateJob", err)
+	if err := r.RegisterConsumer(runner.Consumer{Group: "taken", Partitions: 2, Consume: lead}); !errors.Is(err, runner.ErrDuplicateJob) {
+		t.Fatalf("a group named as a job: %v, want ErrDuplicateJob", err)
 	}
 	if err := runner.Wake(context.Background(), db.Pool, db.Schema, "r", -1); !errors.Is(err, runner.ErrNoSuchShard) {
 		t.Fatalf("Wake of partition -1: %v", err)
 	}
 }
 
-// Commit advances a position only from the value the term knows: when the
-// stored position has moved (here set by hand, as an earlier commit whose
+// Commit advances a offset only from the value the term knows: when the
+// stored offset has moved (here set by hand, as an earlier commit whose
 // answer was lost would have moved it), Commit is refused with
-// ErrPositionMoved, nothing of its transaction commits, and Position is the
+// ErrOffsetMoved, nothing of its transaction commits, and Offset is the
 // stored one.
-func TestCommitRefusesAMovedPosition(t *testing.T) {
+func TestCommitRefusesAMovedOffset(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	createEffects(t, db)
@@ -355,7 +355,7 @@ func TestCommitRefusesAMovedPosition(t *testing.T) {
 	result := make(chan error, 1)
 	position := make(chan int64, 1)
 	lead := func(ctx context.Context, p *runner.Partition) error {
-		if p.Position() != 0 {
+		if p.Offset() != 0 {
 			<-ctx.Done()
 			return nil
 		}
@@ -365,34 +365,34 @@ func TestCommitRefusesAMovedPosition(t *testing.T) {
 			return 1, err
 		})
 		result <- err
-		position <- p.Position()
+		position <- p.Offset()
 		<-ctx.Done()
 		return nil
 	}
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{},
 		func(r *runner.Runner) error {
-			return r.RegisterRole(runner.Role{Name: "relay", Partitions: 1, Lead: lead})
+			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Consume: lead})
 		})
 	waitFor(t, 30*time.Second, "the partition led", func() bool {
 		infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, "relay")
 		return err == nil && len(infos) == 1 && infos[0].Leading
 	})
-	if _, err := db.Pool.Exec(context.Background(), "UPDATE "+tbl(db, "pgfence_positions")+" SET position = 5"); err != nil {
+	if _, err := db.Pool.Exec(context.Background(), "UPDATE "+tbl(db, "pgfence_offsets")+" SET committed_offset = 5"); err != nil {
 		t.Fatal(err)
 	}
 	close(moved)
-	if err := <-result; !errors.Is(err, runner.ErrPositionMoved) {
-		t.Fatalf("Commit over a moved position: %v, want ErrPositionMoved", err)
+	if err := <-result; !errors.Is(err, runner.ErrOffsetMoved) {
+		t.Fatalf("Commit over a moved offset: %v, want ErrOffsetMoved", err)
 	}
 	if p := <-position; p != 5 {
-		t.Fatalf("Position after the refusal: %d, want the stored 5", p)
+		t.Fatalf("Offset after the refusal: %d, want the stored 5", p)
 	}
 	if n := queryInt(t, db, "SELECT count(*) FROM "+effects); n != 0 {
 		t.Fatalf("%d effects of the refused Commit committed", n)
 	}
 }
 
-// A replica that gives a role another partition count than the one
+// A replica that gives a group another partition count than the one
 // registered does not start: Run returns a *PartitionCountError at once,
 // logged as an ERROR, and the replicas that agree keep a leader for every
 // partition (before the count was in the schema, a replica with 4 of 8 was
@@ -409,7 +409,7 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 	rcfg := runner.Config{RebalanceInterval: 200 * time.Millisecond}
 	for _, who := range []string{"a", "b"} {
 		start(t, db.Pool, lcfg(who), rcfg, func(r *runner.Runner) error {
-			return r.RegisterRole(counterRole(db, "relay", 8, &target, poll))
+			return r.RegisterConsumer(counterGroup(db, "relay", 8, &target, poll))
 		})
 	}
 	ctx := pgtest.Context(t, time.Minute)
@@ -435,7 +435,7 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.RegisterRole(counterRole(db, "relay", 4, &target, poll)); err != nil {
+	if err := r.RegisterConsumer(counterGroup(db, "relay", 4, &target, poll)); err != nil {
 		t.Fatal(err)
 	}
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -443,8 +443,8 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 	began := time.Now()
 	err = r.Run(rctx)
 	var pc *runner.PartitionCountError
-	if !errors.As(err, &pc) || !errors.Is(err, runner.ErrPartitionCount) || pc.Registered != 8 || pc.Given != 4 || pc.Role != "relay" {
-		t.Fatalf("Run with 4 partitions of a role registered with 8: %v (after %v), want a *PartitionCountError 8/4", err, time.Since(began))
+	if !errors.As(err, &pc) || !errors.Is(err, runner.ErrPartitionCount) || pc.Registered != 8 || pc.Given != 4 || pc.Group != "relay" {
+		t.Fatalf("Run with 4 partitions of a group registered with 8: %v (after %v), want a *PartitionCountError 8/4", err, time.Since(began))
 	}
 	t.Logf("refused after %v: %v", time.Since(began).Round(time.Millisecond), err)
 	if len(logs.Find(slog.LevelError, "partition count")) == 0 {
@@ -460,7 +460,7 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 	}
 }
 
-// SetPartitions changes a role's count only while no replica runs it (the
+// SetPartitions changes a group's count only while no replica runs it (the
 // error names those that do); then replicas with the new count run it, and
 // one with the old count is refused.
 func TestSetPartitions(t *testing.T) {
@@ -490,14 +490,14 @@ func TestSetPartitions(t *testing.T) {
 		}
 	}
 	if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op"); !errors.Is(err, runner.ErrUnknownJob) {
-		t.Fatalf("SetPartitions of a role never registered: %v, want ErrUnknownJob", err)
+		t.Fatalf("SetPartitions of a group never registered: %v, want ErrUnknownJob", err)
 	}
 	a := start(t, db.Pool, lcfg("a"), rcfg, func(r *runner.Runner) error {
-		return r.RegisterRole(counterRole(db, "relay", 8, &target, poll))
+		return r.RegisterConsumer(counterGroup(db, "relay", 8, &target, poll))
 	})
 	waitFor(t, 30*time.Second, "a leader for each of the 8 partitions", led(8))
-	if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op"); !errors.Is(err, runner.ErrRoleRunning) || !strings.Contains(err.Error(), "run by a") {
-		t.Fatalf("SetPartitions while replica a runs the role: %v, want ErrRoleRunning naming a", err)
+	if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op"); !errors.Is(err, runner.ErrGroupRunning) || !strings.Contains(err.Error(), "run by a") {
+		t.Fatalf("SetPartitions while replica a runs the group: %v, want ErrGroupRunning naming a", err)
 	}
 	a.stop(t)
 	before, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op")
@@ -505,14 +505,14 @@ func TestSetPartitions(t *testing.T) {
 		t.Fatalf("SetPartitions once every replica stopped: %d, %v; want 8, nil", before, err)
 	}
 	start(t, db.Pool, lcfg("c"), rcfg, func(r *runner.Runner) error {
-		return r.RegisterRole(counterRole(db, "relay", 4, &target, poll))
+		return r.RegisterConsumer(counterGroup(db, "relay", 4, &target, poll))
 	})
 	waitFor(t, 30*time.Second, "a leader for each of the 4 partitions", led(4))
 	r, err := runner.New(lockClient(t, db.Pool, lcfg("d")), rcfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.RegisterRole(counterRole(db, "relay", 8, &target, poll)); err != nil {
+	if err := r.RegisterConsumer(counterGroup(db, "relay", 8, &target, poll)); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.Run(ctx); !errors.Is(err, runner.ErrPartitionCount) {
@@ -520,17 +520,17 @@ func TestSetPartitions(t *testing.T) {
 	}
 }
 
-// A Commit that returns the same position counts as a commit and sets
+// A Commit that returns the same offset counts as a commit and sets
 // CommittedAt, but leaves AdvancedAt: a consumer stuck on an item does not
 // look as if it were moving.
-func TestAdvancedAtOnlyWhenThePositionMoves(t *testing.T) {
+func TestAdvancedAtOnlyWhenTheOffsetMoves(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := pgtest.Context(t, time.Minute)
 	done := make(chan struct{})
 	var once sync.Once
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a"}, runner.Config{}, func(r *runner.Runner) error {
-		return r.RegisterRole(runner.Role{Name: "stuck", Partitions: 1, Lead: func(ctx context.Context, p *runner.Partition) error {
+		return r.RegisterConsumer(runner.Consumer{Group: "stuck", Partitions: 1, Consume: func(ctx context.Context, p *runner.Partition) error {
 			for _, next := range []int64{1, 1} {
 				if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return next, nil }); err != nil {
 					return err
@@ -544,21 +544,21 @@ func TestAdvancedAtOnlyWhenThePositionMoves(t *testing.T) {
 	select {
 	case <-done:
 	case <-ctx.Done():
-		t.Fatal("the role's two commits did not happen")
+		t.Fatal("the group's two commits did not happen")
 	}
 	infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "stuck")
 	if err != nil || len(infos) != 1 {
 		t.Fatalf("Partitions: %v, %v", infos, err)
 	}
 	p := infos[0]
-	if p.Position != 1 || p.Commits != 2 || p.AdvancedAt.IsZero() || !p.CommittedAt.After(p.AdvancedAt) {
-		t.Errorf("after a commit to 1 and one that stayed at 1: position %d, commits %d, advanced at %v, committed at %v; "+
-			"want 1, 2, the first commit's time, and the second's (later)", p.Position, p.Commits, p.AdvancedAt, p.CommittedAt)
+	if p.Offset != 1 || p.Commits != 2 || p.AdvancedAt.IsZero() || !p.CommittedAt.After(p.AdvancedAt) {
+		t.Errorf("after a commit to 1 and one that stayed at 1: offset %d, commits %d, advanced at %v, committed at %v; "+
+			"want 1, 2, the first commit's time, and the second's (later)", p.Offset, p.Commits, p.AdvancedAt, p.CommittedAt)
 	}
 }
 
 // A replica that gives a partition up to a joining one says so in its log,
-// under role and partition, with why the term ended (not an error).
+// under group and partition, with why the term ended (not an error).
 func TestRebalanceLogsWhyATermEnded(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -574,7 +574,7 @@ func TestRebalanceLogsWhyATermEnded(t *testing.T) {
 	acfg := lcfg("a")
 	acfg.Logger = slog.New(logs)
 	start(t, db.Pool, acfg, rcfg, func(r *runner.Runner) error {
-		return r.RegisterRole(counterRole(db, "relay", 4, &target, poll))
+		return r.RegisterConsumer(counterGroup(db, "relay", 4, &target, poll))
 	})
 	ctx := pgtest.Context(t, time.Minute)
 	ledBy := func(who string) int {
@@ -591,8 +591,10 @@ func TestRebalanceLogsWhyATermEnded(t *testing.T) {
 		return n
 	}
 	waitFor(t, 30*time.Second, "a to lead the 4 partitions", func() bool { return ledBy("a") == 4 })
-	start(t, db.Pool, lcfg("b"), rcfg, func(r *runner.Runner) error {
-		return r.RegisterRole(counterRole(db, "relay", 4, &target, poll))
+	bcfg := lcfg("b")
+	bcfg.Logger = slog.New(logs)
+	start(t, db.Pool, bcfg, rcfg, func(r *runner.Runner) error {
+		return r.RegisterConsumer(counterGroup(db, "relay", 4, &target, poll))
 	})
 	waitFor(t, 30*time.Second, "b to lead some partitions", func() bool { return ledBy("b") > 0 })
 	waitFor(t, 10*time.Second, "a's line about a partition it gave up", func() bool {
@@ -604,9 +606,156 @@ func TestRebalanceLogsWhyATermEnded(t *testing.T) {
 	for _, r := range logs.Find(slog.LevelInfo, "stopped leading") {
 		attrs := map[string]string{}
 		r.Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.String(); return true })
-		if attrs["role"] != "relay" || attrs["partition"] == "" || attrs["job"] != "" ||
+		if attrs["group"] != "relay" || attrs["partition"] == "" || attrs["job"] != "" ||
 			attrs["why"] != "moved to another replica by a rebalance" {
 			t.Errorf("a partition moved by a rebalance is logged with %v", attrs)
 		}
+	}
+	// The taker's side names the previous holder and why its term ended,
+	// and the terms record says the same.
+	bLeading := func() (out []slog.Record) {
+		for _, r := range logs.Find(slog.LevelInfo, "runner: leading") {
+			r.Attrs(func(a slog.Attr) bool {
+				if a.Key == "holder" && a.Value.String() == "b" {
+					out = append(out, r)
+				}
+				return true
+			})
+		}
+		return out
+	}
+	waitFor(t, 10*time.Second, "b's line about a partition it took over", func() bool { return len(bLeading()) > 0 })
+	took := 0
+	for _, r := range bLeading() {
+		attrs := map[string]string{}
+		r.Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.String(); return true })
+		if attrs["holder"] == "b" {
+			took++
+			if attrs["previous_holder"] != "a" || attrs["previous_end"] != runner.EndMoved || attrs["previous_token"] == "" {
+				t.Errorf("b took a partition over with %v; want previous_holder a, previous_end moved and a token", attrs)
+			}
+		}
+	}
+	if took == 0 {
+		t.Error("b logged no partition it took over")
+	}
+	terms, err := runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Group: "relay", Limit: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	moved := 0
+	for _, tm := range terms {
+		if !tm.Group || tm.Job != "relay" {
+			t.Errorf("a term of another kind or name: %+v", tm)
+		}
+		if tm.Holder == "a" && tm.EndCause == runner.EndMoved {
+			moved++
+			if tm.Ended.Before(tm.Started) {
+				t.Errorf("a term ended before it started: %+v", tm)
+			}
+		}
+	}
+	if moved == 0 {
+		t.Errorf("no term of a ended as moved: %+v", terms)
+	}
+}
+
+// A term whose leader never closed it (killed, frozen past its lease, cut
+// off) is closed by the next leader as expired, and the next leader's log
+// names it.
+func TestTermLeftOpenEndsAsExpired(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	createEffects(t, db)
+	ctx := pgtest.Context(t, time.Minute)
+	// The row a leader killed in its term leaves behind, for partition 0
+	// of relay (tokens start at 1: the next leader's is greater).
+	if _, err := db.Pool.Exec(ctx, "INSERT INTO "+tbl(db, "pgfence_terms")+
+		" (kind, name, shard, token, holder, started_at) VALUES ('group', 'relay', 0, 0, 'killed', now())"); err != nil {
+		t.Fatal(err)
+	}
+	logs := pgtest.NewLogs()
+	logs.LogOnFailure(t)
+	var target atomic.Int64
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "next", Logger: slog.New(logs)}, runner.Config{}, func(r *runner.Runner) error {
+		return r.RegisterConsumer(counterGroup(db, "relay", 1, &target, 50*time.Millisecond))
+	})
+	var terms []runner.Term
+	waitFor(t, 30*time.Second, "the next leader's term", func() bool {
+		var err error
+		terms, err = runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Group: "relay"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(terms) == 2
+	})
+	if now, old := terms[0], terms[1]; now.Holder != "next" || !now.Ended.IsZero() || now.EndCause != "" ||
+		old.Holder != "killed" || old.EndCause != runner.EndExpired || old.Ended.IsZero() {
+		t.Fatalf("terms: %+v; want next's going on, and killed's ended as expired", terms)
+	}
+	var named bool
+	for _, r := range logs.Find(slog.LevelInfo, "leading") {
+		r.Attrs(func(a slog.Attr) bool {
+			named = named || a.Key == "previous_end" && a.Value.String() == runner.EndExpired
+			return true
+		})
+	}
+	if !named {
+		t.Error("the next leader's log does not say the previous term expired")
+	}
+}
+
+// Seek sets a partition's offset through its fence: the leader's lease is
+// revoked in the same transaction (its guarded writes are refused from
+// then on, and it loses the lease), the offset carries the revoking token,
+// and the next term resumes at the sought offset.
+func TestSeekFencesTheLeader(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	type term struct {
+		lease  *lock.Lease
+		offset int64
+	}
+	terms := make(chan term, 10)
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: 3 * time.Second, PollInterval: 50 * time.Millisecond}, runner.Config{},
+		func(r *runner.Runner) error {
+			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Poll: 50 * time.Millisecond,
+				Consume: func(ctx context.Context, p *runner.Partition) error {
+					terms <- term{p.Lease(), p.Offset()}
+					<-ctx.Done()
+					return nil
+				}})
+		})
+	if _, err := runner.Seek(ctx, db.Pool, db.Schema, "relay", 1, 7, "operator"); !errors.Is(err, runner.ErrUnknownJob) {
+		t.Fatalf("Seek of a partition never led: %v, want ErrUnknownJob", err)
+	}
+	first := <-terms
+	before, err := runner.Seek(ctx, db.Pool, db.Schema, "relay", 0, 7, "operator")
+	if err != nil || before != 0 {
+		t.Fatalf("Seek: %d, %v; want 0 before", before, err)
+	}
+	// The old term's guarded writes are refused at once.
+	stale := first.lease.Guard().RunTx(ctx, db.Pool, func(tx pgx.Tx) error { return nil })
+	if !errors.Is(stale, fence.ErrFenced) {
+		t.Fatalf("a guarded write of the revoked term: %v, want ErrFenced", stale)
+	}
+	select {
+	case <-first.lease.Done():
+	case <-ctx.Done():
+		t.Fatal("the revoked term's lease was never lost")
+	}
+	next := <-terms
+	if next.offset != 7 || next.lease.Token() <= first.lease.Token()+1 {
+		t.Fatalf("next term: token %v from offset %d; want a token above the revoking one (> %v) and offset 7",
+			next.lease.Token(), next.offset, first.lease.Token()+1)
+	}
+	infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+	if err != nil || len(infos) != 1 || infos[0].Offset != 7 || infos[0].Committer != "operator" || infos[0].Token <= first.lease.Token() {
+		t.Fatalf("Partitions after the seek: %+v, %v", infos, err)
+	}
+	ts, err := runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Group: "relay"})
+	if err != nil || len(ts) != 2 || ts[1].Token != first.lease.Token() || ts[1].EndCause != runner.EndRevoked {
+		t.Fatalf("terms after the seek: %+v, %v; want the first ended as revoked", ts, err)
 	}
 }
