@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"net/url"
@@ -33,7 +34,12 @@ import (
 	"github.com/pgfence/pgfence/runner"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(replicaEnv) != "" {
+		os.Exit(replicaMain())
+	}
+	pgtest.Main(m)
+}
 
 // metricName finds the series names in a rule's expression (not its
 // labels, pgfence_job and the like).
@@ -100,6 +106,13 @@ type promServer struct {
 
 func startPrometheus(t *testing.T, target string) *promServer {
 	t.Helper()
+	return startPrometheusOf(t, map[string]string{"app-1": target})
+}
+
+// startPrometheusOf is startPrometheus scraping several targets, by their
+// instance label.
+func startPrometheusOf(t *testing.T, targets map[string]string) *promServer {
+	t.Helper()
 	dir := t.TempDir()
 	rules, err := filepath.Abs("pgfence-alerts.yml")
 	if err != nil {
@@ -109,8 +122,12 @@ func startPrometheus(t *testing.T, target string) *promServer {
 rule_files: [%q]
 scrape_configs:
   - job_name: pgfence
-    static_configs: [{targets: [%q], labels: {instance: app-1}}]
-`, rules, target)
+    scrape_timeout: 900ms
+    static_configs:
+`, rules)
+	for _, instance := range slices.Sorted(maps.Keys(targets)) {
+		conf += fmt.Sprintf("      - {targets: [%q], labels: {instance: %s}}\n", targets[instance], instance)
+	}
 	if err := os.WriteFile(filepath.Join(dir, "prometheus.yml"), []byte(conf), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -149,6 +166,24 @@ scrape_configs:
 // query evaluates expr now and returns each result's labels as text.
 func (p *promServer) query(expr string) []string {
 	p.t.Helper()
+	var out []string
+	for _, m := range p.results(expr) {
+		var kv []string
+		for k, v := range m {
+			if k != "instance" && k != "job" {
+				kv = append(kv, k+"="+v)
+			}
+		}
+		sort.Strings(kv)
+		out = append(out, strings.Join(kv, ","))
+	}
+	sort.Strings(out)
+	return out
+}
+
+// results evaluates expr now and returns each result's labels.
+func (p *promServer) results(expr string) []map[string]string {
+	p.t.Helper()
 	resp, err := http.Get(p.base + "/api/v1/query?query=" + url.QueryEscape(expr))
 	if err != nil {
 		p.t.Fatal(err)
@@ -167,18 +202,10 @@ func (p *promServer) query(expr string) []string {
 	if err := json.Unmarshal(body, &r); err != nil || r.Status != "success" {
 		p.t.Fatalf("query %q: %v %s", expr, err, body)
 	}
-	var out []string
+	var out []map[string]string
 	for _, res := range r.Data.Result {
-		var kv []string
-		for k, v := range res.Metric {
-			if k != "instance" && k != "job" {
-				kv = append(kv, k+"="+v)
-			}
-		}
-		sort.Strings(kv)
-		out = append(out, strings.Join(kv, ","))
+		out = append(out, res.Metric)
 	}
-	sort.Strings(out)
 	return out
 }
 
