@@ -132,7 +132,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			if ctx.Err() != nil {
 				c.handOff(ctx, what, free)
 			} else if rerr := c.cleanup(ctx, what, free); rerr != nil {
-				c.cfg.Logger.Warn("pgfence: could not free a late acquisition; it expires within its TTL",
+				c.log.Warn("pgfence: could not free a late acquisition; it expires within its TTL",
 					"lease", name, "token", g.token, "err", rerr)
 			}
 			return nil, fmt.Errorf("lock: acquire %q: renew the late acquisition: %w", name, err)
@@ -185,7 +185,7 @@ func (c *Client) attempt(ctx context.Context, req acquisition, since time.Time) 
 		return g, r, err
 	case r.held != nil && r.mine && r.live && c.cfg.window().adoptable(since, c.clock.Now()):
 		// An earlier attempt of this Acquire won; its reply was lost.
-		c.cfg.Logger.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
+		c.log.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
 		return grant{token: int64(r.held.Token), expiresAt: r.held.ExpiresAt, sent: since}, casResult{won: true}, nil
 	case r.held != nil:
 		return g, r, nil
@@ -324,7 +324,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		if !errors.As(err, &held) {
 			switch {
 			case err == nil:
-				failing.Recover(c.cfg.Logger, "pgfence: acquire recovered", "lease", name)
+				failing.Recover(c.log, "pgfence: acquire recovered", "lease", name)
 				c.m.waitTime.Record(ctx, time.Since(began).Seconds())
 				return l, nil
 			case ctx.Err() != nil:
@@ -339,13 +339,13 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 				return nil, err
 			}
 			last = err
-			failing.Fail(c.cfg.Logger, "pgfence: acquire failing; retrying with backoff", err, "lease", name)
+			failing.Fail(c.log, "pgfence: acquire failing; retrying with backoff", err, "lease", name)
 			if !wait.Sleep(ctx, c.backoff.Wait(failing.Count()-1)) {
 				return nil, gaveUp()
 			}
 			continue
 		}
-		failing.Recover(c.cfg.Logger, "pgfence: acquire recovered", "lease", name)
+		failing.Recover(c.log, "pgfence: acquire recovered", "lease", name)
 		last = nil // held by another: waiting, not failing
 		// Waiting: subscribe to releases (once), then register with the
 		// poller, which asks the holder's release to send a NOTIFY and

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 
@@ -39,6 +40,7 @@ import (
 type Client struct {
 	pool *pgxpool.Pool
 	cfg  Config
+	log  *slog.Logger // cfg.Logger with the holder on every line
 	q    *queries
 	lis  *listener
 	poll *poller
@@ -84,6 +86,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		return nil, err
 	}
 	c := &Client{
+		log:      cfg.Logger.With("holder", cfg.Holder),
 		pool:     pool,
 		cfg:      cfg,
 		q:        sqlFor(cfg.Schema),
@@ -268,7 +271,7 @@ func (c *Client) handOff(ctx context.Context, what string, f func(ctx context.Co
 	run := func(ctx context.Context) {
 		err := f(ctx)
 		if err != nil {
-			c.cfg.Logger.Warn("pgfence: cleanup failed; a lease it did not free expires by its TTL", "what", what, "err", err)
+			c.log.Warn("pgfence: cleanup failed; a lease it did not free expires by its TTL", "what", what, "err", err)
 		}
 		done <- err
 	}

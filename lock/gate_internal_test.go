@@ -125,7 +125,7 @@ func TestLatenessLogsOncePerPeriod(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(&buf, nil))
 	var l lateness
 	for _, late := range []bool{false, true, true, false, false, true, false, false, false, false, true} {
-		l.pass(log, late, 100000, time.Second, "h")
+		l.pass(log, late, 100000, time.Second)
 	}
 	if w, i := strings.Count(buf.String(), "renewals are late"), strings.Count(buf.String(), "on time again"); w != 2 || i != 1 {
 		t.Fatalf("%d warnings and %d recoveries logged, want 2 and 1:\n%s", w, i, buf.String())

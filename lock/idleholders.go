@@ -204,13 +204,13 @@ func (c *Client) watchIdleHolders(ctx context.Context, name string, waiter *int6
 	return watchIdleHolders(ctx, name, look, func(ended []Backend, err error) {
 		for _, b := range ended {
 			c.stats.idleEnded.Add(1)
-			c.cfg.Logger.Warn("pgfence: ended a session idle in a transaction on an expired lease's row, which blocked its acquisition",
+			c.log.Warn("pgfence: ended a session idle in a transaction on an expired lease's row, which blocked its acquisition",
 				"lease", name, "pid", b.PID, "application", b.Application, "user", b.User,
 				"xact_start", b.XactStart, "query", b.Query)
 		}
 		if err != nil && !warned && !errors.Is(err, ErrClosed) {
 			warned = true
-			c.cfg.Logger.Warn("pgfence: an acquisition waits on an expired lease's row, and looking for sessions idle "+
+			c.log.Warn("pgfence: an acquisition waits on an expired lease's row, and looking for sessions idle "+
 				"in a transaction there, to end them, failed (see err; if it is a matter of rights: a role may end its own "+
 				"role's sessions, and others' with pg_signal_backend, seeing their state with pg_read_all_stats; or bound "+
 				"guarded transactions at the server: Config.GuardIdleTimeout)",

@@ -62,7 +62,7 @@ func (c *Client) abandon(name string, secret []byte, pid uint32) {
 		wcancel()
 		_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
 		if err != nil {
-			c.cfg.Logger.Warn("pgfence: could not free an acquisition whose outcome was unknown; it expires by TTL",
+			c.log.Warn("pgfence: could not free an acquisition whose outcome was unknown; it expires by TTL",
 				"lease", name, "err", err)
 		}
 	}
@@ -75,7 +75,7 @@ func (c *Client) abandon(name string, secret []byte, pid uint32) {
 		defer cancel()
 		run(ctx)
 	}) {
-		c.cfg.Logger.Warn("pgfence: the client is closed: an acquisition whose outcome was unknown expires by its TTL", "lease", name)
+		c.log.Warn("pgfence: the client is closed: an acquisition whose outcome was unknown expires by its TTL", "lease", name)
 	}
 }
 

@@ -241,7 +241,7 @@ func (l *Lease) lose(cause LossCause, err error) {
 	l.cancel(err)
 	l.c.untrack(l)
 	l.c.m.lost(cause)
-	l.c.cfg.Logger.Warn("pgfence: lease lost", "lease", l.name, "token", l.token, "holder", l.c.cfg.Holder,
+	l.c.log.Warn("pgfence: lease lost", "lease", l.name, "token", l.token,
 		"cause", string(cause), "err", err)
 	l.c.emit(Event{Kind: Lost, Lease: l.name, Token: l.token, Cause: cause, Err: err})
 }

@@ -118,7 +118,7 @@ func (li *listener) loop(ctx context.Context) {
 	}()
 	backoff := retry.Backoff{Base: 50 * time.Millisecond, Max: li.c.cfg.PollInterval}
 	var failing retry.Failing
-	log := li.c.cfg.Logger
+	log := li.c.log
 	for ctx.Err() == nil {
 		err := li.listen(ctx, func() {
 			readyOnce()

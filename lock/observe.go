@@ -68,7 +68,7 @@ func (c *Client) observe(ctx context.Context, name string, woken <-chan struct{}
 		next := poll
 		switch {
 		case err == nil:
-			failing.Recover(c.cfg.Logger, "pgfence: observe recovered", "lease", name)
+			failing.Recover(c.log, "pgfence: observe recovered", "lease", name)
 			if !sent || i.Holder != last.Holder || i.Token != last.Token || i.Held != last.Held {
 				latest(out, i)
 				last, sent = i, true
@@ -79,10 +79,10 @@ func (c *Client) observe(ctx context.Context, name string, woken <-chan struct{}
 		case ctx.Err() != nil:
 			return
 		case !retry.Transient(err):
-			c.cfg.Logger.Error("pgfence: observe stopped on a permanent error", "lease", name, "err", err)
+			c.log.Error("pgfence: observe stopped on a permanent error", "lease", name, "err", err)
 			return
 		default:
-			failing.Fail(c.cfg.Logger, "pgfence: observe failing; retrying", err, "lease", name)
+			failing.Fail(c.log, "pgfence: observe failing; retrying", err, "lease", name)
 			next = c.backoff.Wait(failing.Count() - 1)
 		}
 		t := time.NewTimer(next)

@@ -111,7 +111,7 @@ func (p *poller) loop(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	var failing retry.Failing
-	log := p.c.cfg.Logger
+	log := p.c.log
 	for ctx.Err() == nil {
 		p.mu.Lock()
 		names := make([]string, 0, len(p.waiters))

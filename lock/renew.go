@@ -89,12 +89,12 @@ func (c *Client) renewLoop(ctx context.Context) {
 			}
 			if err != nil {
 				c.stats.failures.Add(1)
-				failing.Fail(c.cfg.Logger, "pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
+				failing.Fail(c.log, "pgfence: renewals failing; leases end at their trust deadlines unless one succeeds",
 					err, "leases", len(batch))
 				c.failing.Store(true)
 				wait = again.Wait(failing.Count() - 1)
 			} else {
-				failing.Recover(c.cfg.Logger, "pgfence: renewals healthy again", "leases", len(batch))
+				failing.Recover(c.log, "pgfence: renewals healthy again", "leases", len(batch))
 				c.failing.Store(false)
 			}
 		}
@@ -154,7 +154,7 @@ func (c *Client) renew(ctx context.Context, q, q2 fence.DB, batch []*Lease, pace
 	isLate := false
 	defer func() {
 		if err == nil {
-			c.lateness.pass(c.cfg.Logger, isLate, leases, c.cfg.RenewInterval, c.cfg.Holder)
+			c.lateness.pass(c.log, isLate, leases, c.cfg.RenewInterval)
 		}
 	}()
 	slack := c.cfg.window().lateSlack()
@@ -245,20 +245,20 @@ type lateness struct {
 // onTimeAgain is how many on-time passes in a row end a late period.
 const onTimeAgain = 3
 
-func (t *lateness) pass(log *slog.Logger, late bool, leases int, renewInterval time.Duration, holder string) {
+func (t *lateness) pass(log *slog.Logger, late bool, leases int, renewInterval time.Duration) {
 	switch {
 	case late && !t.late:
 		t.late = true
 		log.Warn("pgfence: renewals are late; acquisitions wait for them to catch up. If this lasts, the client holds "+
 			"more leases than its server renews in time: hold fewer on this client, give it a longer TTL, or relieve the server",
-			"leases", leases, "renew_interval", renewInterval, "holder", holder)
+			"leases", leases, "renew_interval", renewInterval)
 	case late:
 		t.onTime = 0
 	case t.late:
 		t.onTime++
 		if t.onTime == onTimeAgain {
 			t.late, t.onTime = false, 0
-			log.Info("pgfence: renewals on time again; acquisitions no longer wait", "leases", leases, "holder", holder)
+			log.Info("pgfence: renewals on time again; acquisitions no longer wait", "leases", leases)
 		}
 	}
 }
@@ -422,10 +422,10 @@ func (c *Client) watchRenewLatency(took time.Duration, leases int) {
 		return
 	}
 	if slow {
-		c.cfg.Logger.Warn("pgfence: renewals take more than half of RenewInterval; if they slow further the leases end "+
+		c.log.Warn("pgfence: renewals take more than half of RenewInterval; if they slow further the leases end "+
 			"at their trust deadlines: hold fewer leases on this client, give it a longer TTL, or relieve the server",
-			"latency", took, "renew_interval", c.cfg.RenewInterval, "leases", leases, "holder", c.cfg.Holder)
+			"latency", took, "renew_interval", c.cfg.RenewInterval, "leases", leases)
 	} else {
-		c.cfg.Logger.Info("pgfence: renewals fast again", "latency", took, "leases", leases, "holder", c.cfg.Holder)
+		c.log.Info("pgfence: renewals fast again", "latency", took, "leases", leases)
 	}
 }

@@ -37,7 +37,8 @@ func TestSkewOf(t *testing.T) {
 // difference explained by a slow round trip does not cross.
 func TestSkewWarningOnCrossings(t *testing.T) {
 	var logged bytes.Buffer
-	c := &Client{cfg: Config{SkewWarning: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&logged, nil))}}
+	log := slog.New(slog.NewTextHandler(&logged, nil))
+	c := &Client{cfg: Config{SkewWarning: 50 * time.Millisecond, Logger: log}, log: log}
 	count := func(level, msg string) int {
 		n := 0
 		for _, line := range strings.Split(logged.String(), "\n") {

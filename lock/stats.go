@@ -112,12 +112,12 @@ func (c *Client) watchSkew() {
 		return
 	}
 	if over {
-		c.cfg.Logger.Warn("pgfence: the database's clock and this machine's differ by more than SkewWarning; "+
+		c.log.Warn("pgfence: the database's clock and this machine's differ by more than SkewWarning; "+
 			"expiry is judged by the database, but the skew eats into SafetyMargin", "skew", skew,
 			"at_least", time.Duration(c.stats.leastSkew.Load()), "round_trip", time.Duration(c.stats.latency.Load()),
-			"warning", c.cfg.SkewWarning, "safety_margin", c.cfg.SafetyMargin, "holder", c.cfg.Holder)
+			"warning", c.cfg.SkewWarning, "safety_margin", c.cfg.SafetyMargin)
 	} else {
-		c.cfg.Logger.Info("pgfence: clock skew back under SkewWarning", "skew", skew, "holder", c.cfg.Holder)
+		c.log.Info("pgfence: clock skew back under SkewWarning", "skew", skew)
 	}
 }
 

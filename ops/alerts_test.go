@@ -389,6 +389,10 @@ func TestAlertExpressionsOnRealSeries(t *testing.T) {
 		return len(got["PgfenceRenewalsFailing"]) > 0
 	})
 	t.Logf("after the connections were terminated: %v", firing())
+	// The runner's heartbeat, on its own connection, failed too.
+	pgtest.Eventually(t, 60*time.Second, "heartbeat failures counted", func() bool {
+		return len(prom.query(`increase(pgfence_runner_heartbeat_failures_total[5m]) > 0`)) > 0
+	})
 }
 
 // dashboardQueries are the Prometheus expressions of the shipped Grafana

@@ -109,6 +109,7 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 				r.fatal(fmt.Errorf("runner: heartbeat: %w", err))
 				return
 			}
+			r.m.heartbeatFailed()
 			failing.Fail(r.log, "pgfence runner: heartbeats failing; keeping current shards", err)
 		} else {
 			failing.Recover(r.log, "pgfence runner: heartbeats recovered")

@@ -139,7 +139,7 @@ SELECT count(*), coalesce(max(txid) + 1, $2) FROM batch`, p.Index, p.Offset()).S
 }
 
 // A consumer group's lag: End reports a partition's end offset (here, one
-// past the newest ended transaction in its part of an outbox), and
+// past the newest transaction in its part of an outbox), and
 // operators read each partition's lag (runner.Partitions, `pgfence
 // groups`, the status page, pgfence.runner.partition.lag).
 func ExampleConsumer() {
@@ -173,12 +173,12 @@ func ExampleConsumer() {
 		Group:      "relay",
 		Partitions: 1,
 		Poll:       50 * time.Millisecond,
-		// One past the newest ended transaction with events in the
-		// partition: the offset the next one will be read at.
+		// One past the newest transaction with events in the partition
+		// (ended or not: the lag is what is there to read, soon if not
+		// yet).
 		End: func(ctx context.Context, partition int) (int64, error) {
 			var end int64
-			err := db.Pool.QueryRow(ctx, "SELECT coalesce(max(txid) + 1, 0) FROM "+s+".outbox WHERE part = $1"+
-				" AND txid < pg_snapshot_xmin(pg_current_snapshot())::text::bigint", partition).Scan(&end)
+			err := db.Pool.QueryRow(ctx, "SELECT coalesce(max(txid) + 1, 0) FROM "+s+".outbox WHERE part = $1", partition).Scan(&end)
 			return end, err
 		},
 		Consume: func(ctx context.Context, p *runner.Partition) error {

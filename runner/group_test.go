@@ -658,6 +658,22 @@ func TestRebalanceLogsWhyATermEnded(t *testing.T) {
 	if moved == 0 {
 		t.Errorf("no term of a ended as moved: %+v", terms)
 	}
+	// Every line of both replicas, the lock client's and the runner's,
+	// names its instance once.
+	for _, level := range []slog.Level{slog.LevelDebug, slog.LevelInfo, slog.LevelWarn, slog.LevelError} {
+		for _, r := range logs.Find(level, "") {
+			holders := 0
+			r.Attrs(func(a slog.Attr) bool {
+				if a.Key == "holder" {
+					holders++
+				}
+				return true
+			})
+			if holders != 1 {
+				t.Errorf("%q has %d holder attributes, want 1", r.Message, holders)
+			}
+		}
+	}
 }
 
 // A term whose leader never closed it (killed, frozen past its lease, cut

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -25,18 +26,22 @@ type metrics struct {
 	duration                                   metric.Float64Histogram
 	owned, leader, partLeader, lag, leaderless metric.Int64ObservableGauge
 	partFailures, jobFailures                  metric.Int64ObservableGauge
+	lastSuccess                                metric.Float64ObservableGauge
+	heartbeatFailures                          metric.Int64ObservableCounter
+	beatsFailed                                atomic.Int64
 	meter                                      metric.Meter
 
 	mu      sync.Mutex
-	shards  map[string]int64  // job -> shards this instance owns
-	jobs    []string          // the registered jobs, for the leader gauge
-	leading map[string]int    // job -> its leases (job or shards) this instance holds
-	groups  map[string]int    // group -> its partition count, for the partition gauge
-	led     map[partKey]bool  // the group partitions this instance leads
-	lags    map[partKey]int64 // the lag of the partitions it leads, once their head is known
-	fails   map[partKey]int64 // the consecutive Consume failures of the partitions it leads
-	jobFail map[string]int64  // job -> its attempts failed in a row here (reset by a success)
-	orphans map[string]int64  // group -> its partitions without a leader, at the last look
+	shards  map[string]int64     // job -> shards this instance owns
+	jobs    []string             // the registered jobs, for the leader gauge
+	leading map[string]int       // job -> its leases (job or shards) this instance holds
+	groups  map[string]int       // group -> its partition count, for the partition gauge
+	led     map[partKey]bool     // the group partitions this instance leads
+	lags    map[partKey]int64    // the lag of the partitions it leads, once their head is known
+	fails   map[partKey]int64    // the consecutive Consume failures of the partitions it leads
+	jobFail map[string]int64     // job -> its attempts failed in a row here (reset by a success)
+	lastOK  map[string]time.Time // job -> its last success known here (the ledger's at a term's start, then this instance's)
+	orphans map[string]int64     // group -> its partitions without a leader, at the last look
 }
 
 type partKey struct {
@@ -46,7 +51,7 @@ type partKey struct {
 
 func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m := &metrics{meter: mp.Meter("github.com/pgfence/pgfence/runner"), shards: map[string]int64{}, leading: map[string]int{},
-		groups: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, fails: map[partKey]int64{}, jobFail: map[string]int64{}, orphans: map[string]int64{}}
+		groups: map[string]int{}, led: map[partKey]bool{}, lags: map[partKey]int64{}, fails: map[partKey]int64{}, jobFail: map[string]int64{}, orphans: map[string]int64{}, lastOK: map[string]time.Time{}}
 	var err error
 	keep := func(e error) {
 		if err == nil {
@@ -91,6 +96,14 @@ func newMetrics(mp metric.MeterProvider) (*metrics, error) {
 	m.leaderless, e = m.meter.Int64ObservableGauge("pgfence.runner.partitions.leaderless", metric.WithUnit("{partition}"),
 		metric.WithDescription("Partitions of the consumer group whose lease nobody holds, as this instance's balancer last saw them, by pgfence.group."))
 	keep(e)
+	m.lastSuccess, e = m.meter.Float64ObservableGauge("pgfence.runner.job.last_success", metric.WithUnit("s"),
+		metric.WithDescription("Unix time of the job's last successful scheduled attempt, while this instance leads the job (from the ledger when its term starts), by pgfence.job."))
+	keep(e)
+	// Counted from the start, so that it is there (at 0) before the first
+	// failure.
+	m.heartbeatFailures, e = m.meter.Int64ObservableCounter("pgfence.runner.heartbeat.failures", metric.WithUnit("{heartbeat}"),
+		metric.WithDescription("Heartbeats that failed: the instance's liveness row was not renewed (the database unreachable, refusing or too slow); its jobs' shares are kept meanwhile."))
+	keep(e)
 	m.leader, e = m.meter.Int64ObservableGauge("pgfence.runner.leader",
 		metric.WithDescription("1 while this instance leads the job (holds its lease, or a shard's), else 0, by pgfence.job."))
 	keep(e)
@@ -106,6 +119,23 @@ func (m *metrics) observe(jobs []string, groups map[string]int) (metric.Registra
 	m.mu.Lock()
 	m.jobs, m.groups = jobs, groups
 	m.mu.Unlock()
+	// The counters' series exist from the start, at 0: an increase over a
+	// series that appears at 1 misses that first event.
+	ctx := context.Background()
+	for _, job := range jobs {
+		j := attribute.String("pgfence.job", job)
+		for _, outcome := range []string{"succeeded", "failed", "fenced", "skipped"} {
+			m.runs.Add(ctx, 0, metric.WithAttributes(j, attribute.String("pgfence.outcome", outcome)))
+		}
+		m.missed.Add(ctx, 0, metric.WithAttributes(j))
+		m.retries.Add(ctx, 0, metric.WithAttributes(j))
+		m.leadership.Add(ctx, 0, metric.WithAttributes(j, attribute.String("pgfence.change", "gained")))
+	}
+	for group := range groups {
+		g := attribute.String("pgfence.group", group)
+		m.offsets.Add(ctx, 0, metric.WithAttributes(g))
+		m.leadership.Add(ctx, 0, metric.WithAttributes(g, attribute.String("pgfence.change", "gained")))
+	}
 	return m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		m.mu.Lock()
 		defer m.mu.Unlock()
@@ -137,14 +167,19 @@ func (m *metrics) observe(jobs []string, groups map[string]int) (metric.Registra
 		// another leads it, that one's count is the one that matters.
 		for _, job := range m.jobs {
 			if m.leading[job] > 0 {
-				o.ObserveInt64(m.jobFailures, m.jobFail[job], metric.WithAttributes(attribute.String("pgfence.job", job)))
+				attrs := metric.WithAttributes(attribute.String("pgfence.job", job))
+				o.ObserveInt64(m.jobFailures, m.jobFail[job], attrs)
+				if at, ok := m.lastOK[job]; ok {
+					o.ObserveFloat64(m.lastSuccess, float64(at.UnixNano())/1e9, attrs)
+				}
 			}
 		}
 		for group, n := range m.orphans {
 			o.ObserveInt64(m.leaderless, n, metric.WithAttributes(attribute.String("pgfence.group", group)))
 		}
+		o.ObserveInt64(m.heartbeatFailures, m.beatsFailed.Load())
 		return nil
-	}, m.owned, m.leader, m.partLeader, m.lag, m.leaderless, m.partFailures, m.jobFailures)
+	}, m.owned, m.leader, m.partLeader, m.lag, m.leaderless, m.partFailures, m.jobFailures, m.lastSuccess, m.heartbeatFailures)
 }
 
 func (m *metrics) setShards(job string, n int64) {
@@ -199,6 +234,7 @@ func (m *metrics) event(e Event, took time.Duration) {
 		switch e.Kind {
 		case RunSucceeded:
 			m.jobFail[e.Job] = 0
+			m.lastOK[e.Job] = time.Now()
 		case RunFailed:
 			m.jobFail[e.Job]++
 		}
@@ -274,3 +310,15 @@ func runErrType(err error) attribute.KeyValue {
 	}
 	return errtype.Attr(err)
 }
+
+// succeeded records a success of job at (read from the ledger), if later
+// than the one known.
+func (m *metrics) succeeded(job string, at time.Time) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if at.After(m.lastOK[job]) {
+		m.lastOK[job] = at
+	}
+}
+
+func (m *metrics) heartbeatFailed() { m.beatsFailed.Add(1) }

@@ -239,6 +239,15 @@ func TestMetrics(t *testing.T) {
 	waitFor(t, 20*time.Second, "a run to succeed, one to fail and one to be fenced", func() bool {
 		return statusOf("ok", "succeeded") >= 1 && statusOf("bad", "failed") >= 1 && statusOf("zombie", "fenced") >= 1
 	})
+	// The time of ok's last success, while this instance leads it; none
+	// for bad, which never succeeded.
+	last, ok := collect(t, runReader).value("pgfence.runner.job.last_success", attribute.String("pgfence.job", "ok"))
+	if ago := time.Since(time.Unix(0, int64(last*1e9))); !ok || ago < 0 || ago > time.Minute {
+		t.Errorf("pgfence.runner.job.last_success of ok: %v (%v ago), %v; want within the last minute", last, ago, ok)
+	}
+	if v, _ := collect(t, runReader).value("pgfence.runner.job.last_success", attribute.String("pgfence.job", "bad")); v != 0 {
+		t.Error("pgfence.runner.job.last_success observed for a job that never succeeded")
+	}
 	in.stop(t)
 	got = collect(t, runReader)
 	if v, _ := got.value("pgfence.runner.runs", attribute.String("pgfence.job", "bad"), attribute.String("pgfence.outcome", "failed"),
@@ -630,4 +639,41 @@ func TestFailingJobLogPaceAndTermCause(t *testing.T) {
 		attribute.String("pgfence.change", "lost"), attribute.String("pgfence.cause", "shutdown")); v != 1 {
 		t.Errorf("leadership changes lost by shutdown: %v, want 1", v)
 	}
+}
+
+// The runner's counters exist at 0 from Run's start, before anything
+// happened: an alert on their increase then catches the first event.
+func TestRunnerCountersStartAtZero(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	start(t, db.Pool, lock.Config{Schema: db.Schema, MeterProvider: mp}, runner.Config{}, func(r *runner.Runner) error {
+		if err := r.Register(runner.Job{Name: "hourly", Schedule: "@every 1h", Run: func(context.Context, *runner.Run) error { return nil }}); err != nil {
+			return err
+		}
+		return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1,
+			Consume: func(ctx context.Context, p *runner.Partition) error { return p.Wait(ctx) }})
+	})
+	job, group := attribute.String("pgfence.job", "hourly"), attribute.String("pgfence.group", "relay")
+	waitFor(t, 30*time.Second, "the counters at 0", func() bool {
+		c := collect(t, reader)
+		for _, want := range []struct {
+			name  string
+			attrs []attribute.KeyValue
+		}{
+			{"pgfence.runner.runs", []attribute.KeyValue{job, attribute.String("pgfence.outcome", "failed")}},
+			{"pgfence.runner.runs", []attribute.KeyValue{job, attribute.String("pgfence.outcome", "fenced")}},
+			{"pgfence.runner.missed_slots", []attribute.KeyValue{job}},
+			{"pgfence.runner.retries", []attribute.KeyValue{job}},
+			{"pgfence.runner.offsets.committed", []attribute.KeyValue{group}},
+			{"pgfence.runner.heartbeat.failures", nil},
+		} {
+			if v, ok := c.value(want.name, want.attrs...); !ok || v != 0 {
+				return false
+			}
+		}
+		return true
+	})
 }

@@ -107,7 +107,7 @@ func New(client *lock.Client, cfg Config) (*Runner, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: sqlFor(lcfg.Schema), lc: client, log: lcfg.Logger, m: m, clock: clock.Real(), pref: newPreference(), stuck: newStuckJobs(),
+	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: sqlFor(lcfg.Schema), lc: client, log: lcfg.Logger.With("holder", lcfg.Holder), m: m, clock: clock.Real(), pref: newPreference(), stuck: newStuckJobs(),
 		names: make(map[string]bool), held: make(map[*lock.Lease]struct{})}, nil
 }
 

@@ -222,7 +222,9 @@ SELECT attempt, status FROM took UNION ALL SELECT attempt, status FROM ins`
 		outcome: `SELECT status FROM ` + runs + ` WHERE job = $1::text AND shard = $2::int AND kind = $3::text
    AND slot = $4::timestamptz AND attempt = $5::int AND token = $6::bigint`,
 
-		lastSlot: `SELECT max(slot) FROM ` + runs + ` WHERE job = $1 AND shard = $2 AND kind = 'scheduled'`,
+		lastSlot: `SELECT (SELECT max(slot) FROM ` + runs + ` WHERE job = $1 AND shard = $2 AND kind = 'scheduled'),
+       (SELECT finished_at FROM ` + runs + ` WHERE job = $1 AND shard = $2 AND kind = 'scheduled' AND status = 'succeeded'
+         ORDER BY slot DESC LIMIT 1)`,
 		// How many scheduled slots in [$3, $4) of a job's shard some
 		// replica has an attempt at: those a late leader passes over were
 		// not missed.

@@ -184,13 +184,13 @@ func (w *worker) electionEnded(err error) {
 	}
 }
 
-// log is the runner's logger with the worker's job and shard, or group and
-// partition, and the instance (holder).
+// log is the runner's logger (with the instance: holder) with the worker's
+// job and shard, or group and partition.
 func (w *worker) log() *slog.Logger {
 	if w.j.group != nil {
-		return w.r.log.With("group", w.j.Name, "partition", w.shard, "holder", w.r.lcfg.Holder)
+		return w.r.log.With("group", w.j.Name, "partition", w.shard)
 	}
-	return w.r.log.With("job", w.j.Name, "shard", w.shard, "holder", w.r.lcfg.Holder)
+	return w.r.log.With("job", w.j.Name, "shard", w.shard)
 }
 
 // errMoved ends a partition's term when a rebalance moves the partition to
@@ -263,9 +263,12 @@ func (w *worker) lead(ctx context.Context, l *lock.Lease) error {
 	defer stopWatch()
 	poked, stopPokes := w.r.pokes.add(wakeName(w.j.Name, w.j.shards, w.shard))
 	defer stopPokes()
-	var last *time.Time
-	if err := w.r.pool.QueryRow(ctx, w.r.q.lastSlot, w.j.Name, w.shard).Scan(&last); err != nil {
+	var last, succeeded *time.Time
+	if err := w.r.pool.QueryRow(ctx, w.r.q.lastSlot, w.j.Name, w.shard).Scan(&last, &succeeded); err != nil {
 		return err
+	}
+	if succeeded != nil {
+		w.r.m.succeeded(w.j.Name, *succeeded)
 	}
 	now := w.r.clock.Now()
 	if last != nil {
