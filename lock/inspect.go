@@ -266,8 +266,9 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 // (a consumer group's offset, a fence.Resource) accepts it and refuses the
 // holder's older one. It waits, as an acquisition does, for the guarded
 // transactions of the current token to end, for as long as ctx allows.
-// holder is the holder it revoked ("" if the lease was free). A lease
-// never acquired is ErrNoLease.
+// holder is the holder the lease row named ("" if it was released; the
+// name of an expired holder otherwise). A lease never acquired is
+// ErrNoLease.
 func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.Token, holder string, err error) {
 	if err := ctxcheck.NotNil(ctx, "lock: RevokeTx"); err != nil {
 		return 0, "", err

@@ -1109,3 +1109,109 @@ func acquireMany(t *testing.T, ctx context.Context, c *lock.Client, prefix strin
 	}
 	return leases
 }
+
+// RevokeTx issues a token above the holder's inside the caller's
+// transaction: it waits for the holder's open guarded transaction (whose
+// write commits first), and once it commits the holder's guarded writes
+// are refused, the holder loses the lease, and the next acquisition gets a
+// greater token still. A released lease's holder is reported as "", and a
+// lease never acquired is ErrNoLease.
+func TestRevokeTx(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	holder := newClient(t, db, lock.Config{Holder: "holder"})
+	waiter := newClient(t, db, lock.Config{Holder: "waiter", PollInterval: 30 * time.Second})
+	data := pgx.Identifier{db.Schema, "data"}.Sanitize()
+	if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+data+" (v text)"); err != nil {
+		t.Fatal(err)
+	}
+	l, err := holder.TryAcquire(ctx, "revoked")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inTx, release := make(chan struct{}), make(chan struct{})
+	wrote := make(chan error, 1)
+	go func() {
+		wrote <- l.RunTx(ctx, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, "INSERT INTO "+data+" VALUES ('holder')"); err != nil {
+				return err
+			}
+			close(inTx)
+			select {
+			case <-release:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		})
+	}()
+	<-inTx
+	type result struct {
+		token  fence.Token
+		holder string
+		err    error
+	}
+	revoked := make(chan result, 1)
+	go func() {
+		var r result
+		r.err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			var err error
+			r.token, r.holder, err = lock.RevokeTx(ctx, tx, db.Schema, "revoked")
+			return err
+		})
+		revoked <- r
+	}()
+	waitFor(t, 10*time.Second, func() bool { // the revocation waits on the lease row
+		var waiting bool
+		err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+			AND query LIKE '%'||$1||'%pgfence_leases%')`, db.Schema).Scan(&waiting)
+		return err == nil && waiting
+	})
+	select {
+	case r := <-revoked:
+		t.Fatalf("RevokeTx returned while a guarded transaction of the current token was open: %+v", r)
+	default:
+	}
+	close(release)
+	if err := <-wrote; err != nil {
+		t.Fatalf("the holder's guarded write that began first: %v", err)
+	}
+	r := <-revoked
+	if r.err != nil || r.token <= l.Token() || r.holder != "holder" {
+		t.Fatalf("RevokeTx: %+v; want a token above %v, holder \"holder\"", r, l.Token())
+	}
+	if err := l.RunTx(ctx, func(tx pgx.Tx) error { _, err := tx.Exec(ctx, "INSERT INTO "+data+" VALUES ('late')"); return err }); !errors.Is(err, fence.ErrFenced) {
+		t.Fatalf("the holder's guarded write after the revocation: %v, want ErrFenced", err)
+	}
+	select {
+	case <-l.Done():
+	case <-ctx.Done():
+		t.Fatal("the revoked holder never lost its lease")
+	}
+	next, err := waiter.Acquire(ctx, "revoked")
+	if err != nil || next.Token() <= r.token {
+		t.Fatalf("the next acquisition: %v, %v; want a token above the revoking %v", next, err, r.token)
+	}
+	if err := next.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		_, who, err := lock.RevokeTx(ctx, tx, db.Schema, "revoked")
+		if err == nil && who != "" {
+			err = fmt.Errorf("holder %q reported for a released lease", who)
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error { _, _, err := lock.RevokeTx(ctx, tx, db.Schema, "never"); return err })
+	if !errors.Is(err, lock.ErrNoLease) {
+		t.Fatalf("RevokeTx of a lease never acquired: %v, want ErrNoLease", err)
+	}
+	var n int
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+data+" WHERE v = 'late'").Scan(&n); err != nil || n != 0 {
+		t.Fatalf("the revoked holder's late write: %d rows, %v", n, err)
+	}
+}

@@ -114,7 +114,7 @@ func TestLeastPrivilege(t *testing.T) {
 	if err := r.RegisterSharded(job, 2); err != nil {
 		t.Fatal(err)
 	}
-	// And a continuous role, whose partition commits its position once.
+	// And a consumer group, whose partition commits its offset once.
 	advanced := make(chan struct{})
 	if err := r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Consume: func(ctx context.Context, p *runner.Partition) error {
 		if p.Offset() == 0 {

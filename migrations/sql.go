@@ -59,7 +59,7 @@ func appGrantSQL(schema, s, r string) []string {
 		// token of the application's choosing would refuse every leader.
 		"REVOKE INSERT, UPDATE ON " + t("pgfence_offsets") + " FROM " + r,
 		"GRANT SELECT, INSERT (group_name, partition) ON " + t("pgfence_offsets") + " TO " + r,
-		"GRANT UPDATE (committed_offset, token, holder, advanced_at, committed_at, commits, end_offset, end_at) ON " + t("pgfence_offsets") + " TO " + r,
+		"GRANT UPDATE (committed_offset, token, holder, advanced_at, committed_at, commits, end_offset, end_at, until_offset) ON " + t("pgfence_offsets") + " TO " + r,
 		// The terms are a record for operators; no fence reads them.
 		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_terms") + " TO " + r,
 		"GRANT SELECT ON " + t(VersionTable) + ", " + t("pgfence_epoch") + " TO " + r,
@@ -83,7 +83,10 @@ func operatorGrantSQL(schema, s, r string) []string {
 		// the term it revokes, and sets the offset with the revoking token
 		// (lock.RevokeTx issues it: the epoch check's functions).
 		"GRANT UPDATE, DELETE ON " + t("pgfence_terms") + " TO " + r,
-		"GRANT UPDATE (committed_offset, token, holder, advanced_at, committed_at, commits) ON " + t("pgfence_offsets") + " TO " + r,
+		// SetPartitions with replicas running sets the cut on the offsets
+		// (created with their key for partitions never led).
+		"GRANT INSERT (group_name, partition) ON " + t("pgfence_offsets") + " TO " + r,
+		"GRANT UPDATE (committed_offset, token, holder, advanced_at, committed_at, commits, until_offset) ON " + t("pgfence_offsets") + " TO " + r,
 		// pgfence_timeline: RunNow reads its transaction's id and timeline,
 		// to learn whether it committed if COMMIT's answer is lost.
 		"GRANT EXECUTE ON FUNCTION " + t("pgfence_wake_waiters") + "(text), " + t("pgfence_timeline") + "(), " +

@@ -205,9 +205,9 @@ func TestSpreadSingletons(t *testing.T) {
 	}
 }
 
-// A replica joining a fleet of n moves at most ceil(N/n) + 1 of a role's N
+// A replica joining a fleet of n moves at most ceil(N/n) + 1 of a consumer group's N
 // partitions (and leaving, as many back), for every fleet and partition
-// count up to 64 replicas and 256 partitions, and for several role names;
+// count up to 64 replicas and 256 partitions, and for several group names;
 // the worst case found is logged.
 func TestJoinMovesAtMostCeilNOverNPlusOne(t *testing.T) {
 	worst, worstAt := 0.0, ""
@@ -219,9 +219,9 @@ func TestJoinMovesAtMostCeilNOverNPlusOne(t *testing.T) {
 				now := ownersHeld(role, parts, fleet, was)
 				bound := (parts+n-1)/n + 1
 				if m := moved(was, now); m > bound {
-					t.Errorf("role %q, %d partitions: a join to %d replicas moved %d, bound %d", role, parts, n, m, bound)
+					t.Errorf("group %q, %d partitions: a join to %d replicas moved %d, bound %d", role, parts, n, m, bound)
 				} else if r := float64(m) / float64(bound); r > worst {
-					worst, worstAt = r, fmt.Sprintf("role %q, %d partitions, %d -> %d replicas: %d moved, bound %d", role, parts, n, n+1, m, bound)
+					worst, worstAt = r, fmt.Sprintf("group %q, %d partitions, %d -> %d replicas: %d moved, bound %d", role, parts, n, n+1, m, bound)
 				}
 			}
 		}

@@ -66,7 +66,7 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 		singleNames = append(singleNames, j.Name)
 	}
 	// listed names the jobs this instance runs, for its heartbeat: every
-	// sharded job and role, and the singleton jobs not stuck here.
+	// sharded job and consumer group, and the singleton jobs not stuck here.
 	listed := func() []string {
 		names := []string{} // never NULL in the heartbeat
 		for _, j := range jobs {
@@ -122,6 +122,9 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 			// by each instance at its own moment, so it is recomputed from
 			// the holders at every heartbeat. That settles, within one, a
 			// shard that two instances wanted or none did.
+			if err := r.groupCounts(ctx, own, jobs); err != nil && ctx.Err() == nil {
+				r.log.Warn("pgfence runner: reading the consumer groups' partition counts failed; keeping the current ones", "err", err)
+			}
 			if len(jobs) > 0 && (apply || !settling && st.applied != nil) {
 				held, err := r.holders(ctx, own, jobs)
 				switch {
@@ -171,6 +174,8 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 		case <-changed:
 			t.Stop()
 		case <-r.stuck.nudge:
+			t.Stop()
+		case <-r.nudge:
 			t.Stop()
 		}
 	}
@@ -250,7 +255,7 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 				owned++
 			}
 		}
-		if j.group == nil { // a role's partitions have gauges of their own
+		if j.group == nil { // a group's partitions have gauges of their own
 			r.m.setShards(j.Name, int64(owned))
 		}
 		for s := range j.shards {
@@ -272,7 +277,67 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 				delete(workers, k)
 			}
 		}
+		// A consumer group whose count went down: the partitions dropped.
+		for k, stop := range workers {
+			if k.job == j && k.shard >= j.shards {
+				stop()
+				delete(workers, k)
+			}
+		}
 	}
+}
+
+// groupCounts reads the partition counts of the consumer groups among
+// jobs into their shard counts (they change with SetPartitions), and ends
+// the changes under way whose partitions have all reached the cut.
+func (r *Runner) groupCounts(ctx context.Context, own *ownconn.Conn, jobs []*job) error {
+	var names []string
+	byName := map[string]*job{}
+	for _, j := range jobs {
+		if j.group != nil {
+			names = append(names, j.Name)
+			byName[j.Name] = j
+		}
+	}
+	if len(names) == 0 {
+		return nil
+	}
+	qctx, cancel := context.WithTimeout(ctx, r.balanceTimeout())
+	defer cancel()
+	rows, err := own.Query(qctx, r.q.groupCounts, names)
+	if err != nil {
+		return err
+	}
+	var changing []string
+	for rows.Next() {
+		var (
+			name        string
+			count, next int
+		)
+		if err := rows.Scan(&name, &count, &next); err != nil {
+			rows.Close()
+			return err
+		}
+		if j := byName[name]; j != nil {
+			j.shards = count
+		}
+		if next != 0 {
+			changing = append(changing, name)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for _, g := range changing {
+		switched, err := r.finishChange(ctx, g)
+		if err != nil {
+			return err
+		}
+		if switched {
+			r.nudgeBalancer() // apply the new count at once
+		}
+	}
+	return nil
 }
 
 // expiryLag is how long after another member's expected expiry the

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -83,55 +82,6 @@ func Resume(ctx context.Context, db fence.DB, schema, job string) error {
 	var name string
 	err = db.QueryRow(ctx, q.resume, job).Scan(&name)
 	return controlErr("resume", schema, job, db, err)
-}
-
-// ErrGroupRunning is returned by SetPartitions while a replica runs the
-// consumer group.
-var ErrGroupRunning = errors.New("runner: the consumer group is running")
-
-// SetPartitions changes group's partition count in schema to n (1 to
-// 65536), for the next replicas that start it: every replica of the group
-// must be stopped first, or it returns an error matching ErrGroupRunning
-// that names the instances still running it (a replica whose row has not
-// expired yet counts as running: wait a TTL after a crash). Then start the
-// replicas with Partitions n; a replica with another count is refused
-// (ErrPartitionCount). Offsets: partitions below n keep theirs; partitions
-// added start at 0; the offsets of partitions at n and above stay in the
-// schema, led by nobody (their work is not read again: move it to the
-// remaining partitions first, or drain them before the change). Keys that
-// map to partitions by the count map differently afterwards, so order per
-// key holds only within each side of the change. by says who changed it.
-// It returns ErrUnknownJob for a group no runner registered, and the count
-// before.
-func SetPartitions(ctx context.Context, db fence.DB, schema, group string, n int, by string) (before int, err error) {
-	if err := ctxcheck.NotNil(ctx, "runner: SetPartitions"); err != nil {
-		return 0, err
-	}
-	if err := pgexec.NotNil(db, "runner: SetPartitions"); err != nil {
-		return 0, err
-	}
-	if err := (Consumer{Group: group, Partitions: n, Consume: func(context.Context, *Partition) error { return nil }}).validate(); err != nil {
-		return 0, err
-	}
-	q, err := control(schema, group)
-	if err != nil {
-		return 0, err
-	}
-	var (
-		prev  *int
-		known bool
-		live  []string
-	)
-	if err := db.QueryRow(ctx, q.setPartitions, group, n, orUnknown(by), groupLeasePrefix+group).Scan(&prev, &known, &live); err != nil {
-		return 0, controlErr("set the partitions of", schema, group, db, err)
-	}
-	switch {
-	case !known:
-		return 0, fmt.Errorf("runner: set the partitions of group %q: %w", group, ErrUnknownJob)
-	case len(live) > 0:
-		return *prev, fmt.Errorf("%w: group %q is run by %s: stop them first", ErrGroupRunning, group, strings.Join(live, ", "))
-	}
-	return *prev, nil
 }
 
 // RunNow asks for one more run of job (shard, or every shard with

@@ -111,10 +111,11 @@ func Instances(ctx context.Context, db fence.DB, schema string) ([]InstanceInfo,
 // sharded job's shard) or of a consumer group's partition: who led it with
 // which token, from when to when, why it ended, and the attempts it ran.
 type Term struct {
-	// Job is the job's name, or the consumer group's (Group true), and
-	// Shard the shard (0 for a singleton job) or the partition.
-	Job   string `json:"job"`
-	Group bool   `json:"group"`
+	// Job is the job's name, or Group the consumer group's (the other is
+	// ""), and Shard the job's shard (0 for a singleton job) or the
+	// group's partition.
+	Job   string `json:"job,omitempty"`
+	Group string `json:"group,omitempty"`
 	Shard int    `json:"shard"`
 	// Token is the term's lease token, and Holder the instance that led.
 	Token  fence.Token `json:"token"`
@@ -123,13 +124,8 @@ type Term struct {
 	// ended (zero while it goes on).
 	Started time.Time `json:"started"`
 	Ended   time.Time `json:"ended"`
-	// EndCause says why it ended ("" while it goes on): released (Run or
-	// the job's own end), moved (a rebalance gave it to another replica),
-	// handed_over (to the job's preferred replica), shutdown, lease_lost
-	// (its leader lost the lease: a renewal refused or too late), failed
-	// (an error ended it), or expired (its leader did not end it: killed,
-	// frozen past its lease, cut off from the database; the next leader
-	// closed it), or revoked (an operator's Seek ended it).
+	// EndCause says why it ended ("" while it goes on): one of the End...
+	// constants; Why says it in words.
 	EndCause string `json:"end_cause"`
 	// FirstRun and LastRun are when the term's first and latest attempts
 	// started, and Attempts counts them (a consumer group's partitions
@@ -145,18 +141,38 @@ type Term struct {
 	Now time.Time `json:"now"`
 }
 
-// The causes of a term's end (Term.EndCause, and the attribute pgfence.cause
-// of pgfence.runner.leadership.changes).
+// The causes of a term's end (Term.EndCause), also the attribute
+// pgfence.cause of pgfence.runner.leadership.changes.
 const (
-	EndReleased   = "released"
-	EndMoved      = "moved"
+	// EndReleased: the term's work ended and released the lease.
+	EndReleased = "released"
+	// EndMoved: a rebalance gave the shard or partition to another
+	// replica.
+	EndMoved = "moved"
+	// EndHandedOver: the job went to its preferred replica.
 	EndHandedOver = "handed_over"
-	EndShutdown   = "shutdown"
-	EndLeaseLost  = "lease_lost"
-	EndFailed     = "failed"
-	EndExpired    = "expired"
-	EndRevoked    = "revoked"
+	// EndShutdown: its replica shut down.
+	EndShutdown = "shutdown"
+	// EndLeaseLost: its leader lost the lease (a renewal refused or too
+	// late).
+	EndLeaseLost = "lease_lost"
+	// EndFailed: an error ended it.
+	EndFailed = "failed"
+	// EndExpired: its leader did not end it (killed, frozen past its
+	// lease, cut off from the database); the next leader closed it.
+	EndExpired = "expired"
+	// EndRevoked: its lease was revoked: a Seek, or the switch of a
+	// consumer group's partition count.
+	EndRevoked = "revoked"
 )
+
+// Why says why the term ended, in words ("" while it goes on).
+func (t Term) Why() string {
+	if w, ok := termWhy[t.EndCause]; ok {
+		return w
+	}
+	return t.EndCause
+}
 
 // TermFilter selects terms for Terms. The zero value selects the 20 most
 // recent terms of every job.
@@ -207,7 +223,10 @@ func Terms(ctx context.Context, db fence.DB, schema string, f TermFilter) ([]Ter
 		)
 		err := r.Scan(&t.Job, &t.Shard, &tok, &t.Holder, &t.Started, &ended, &t.EndCause,
 			&first, &last, &u, &t.Attempts, &t.Fenced, &t.Now)
-		t.Token, t.Group = fence.Token(tok), kind == termGroup
+		t.Token = fence.Token(tok)
+		if kind == termGroup {
+			t.Job, t.Group = "", t.Job
+		}
 		for _, c := range []struct {
 			dst *time.Time
 			src *time.Time

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 
@@ -114,23 +115,32 @@ func (e *PartitionCountError) Is(target error) bool { return target == ErrPartit
 // returns an offset below the partition's committed one; nothing commits.
 var ErrOffsetBackwards = errors.New("runner: a partition's offset cannot go backwards")
 
+// ErrInvalidOffset is returned by Seek for a negative offset.
+var ErrInvalidOffset = errors.New("runner: invalid offset")
+
+// ErrOffsetPastUntil is returned by Partition.Commit when its function
+// returns an offset past Partition.Until while the group's partition count
+// changes: nothing commits, and Until then holds the cut (see
+// SetPartitions).
+var ErrOffsetPastUntil = errors.New("runner: a partition's offset cannot pass the cut of a change of the partition count")
+
 // ErrOffsetMoved is returned by Partition.Commit when the stored offset is
 // no longer the one the term knew (an earlier Commit whose outcome was
 // unknown did commit): nothing of this transaction commits, and Offset then
 // holds the stored offset, to resume from.
 var ErrOffsetMoved = errors.New("runner: the partition's offset has moved")
 
-func (ro Consumer) validate() error {
-	field := func(f, reason string) error { return &JobError{Job: ro.Group, Field: f, Reason: reason} }
+func (c Consumer) validate() error {
+	field := func(f, reason string) error { return &JobError{Job: c.Group, Field: f, Reason: reason} }
 	switch {
-	case ro.Partitions < 1 || ro.Partitions > 1<<16:
-		return field("Partitions", fmt.Sprintf("must be between 1 and 65536, got %d", ro.Partitions))
-	case ro.Consume == nil:
+	case c.Partitions < 1 || c.Partitions > 1<<16:
+		return field("Partitions", fmt.Sprintf("must be between 1 and 65536, got %d", c.Partitions))
+	case c.Consume == nil:
 		return field("Consume", "is required")
-	case ro.Poll < 0:
-		return field("Poll", fmt.Sprintf("must not be negative, got %v", ro.Poll))
+	case c.Poll < 0:
+		return field("Poll", fmt.Sprintf("must not be negative, got %v", c.Poll))
 	}
-	if err := fence.ValidateName(groupLeasePrefix + ro.Group + "/" + strconv.Itoa(ro.Partitions-1)); err != nil || ro.Group == "" {
+	if err := fence.ValidateName(groupLeasePrefix + c.Group + "/" + strconv.Itoa(c.Partitions-1)); err != nil || c.Group == "" {
 		if err == nil {
 			err = errors.New("is required")
 		}
@@ -170,7 +180,9 @@ type Partition struct {
 	Group string
 	// Index is the partition's number, from 0.
 	Index int
-	// Partitions is the group's partition count.
+	// Partitions is the group's partition count in this term, as the
+	// schema records it (it changes with SetPartitions; a consumer that
+	// derives an item's partition from its key uses this one).
 	Partitions int
 	// Token is the fencing token of the partition's lease in this term.
 	// Send it to any resource outside PostgreSQL the work writes to.
@@ -179,6 +191,7 @@ type Partition struct {
 	w      *worker
 	lease  *lock.Lease
 	offset int64
+	until  int64 // math.MaxInt64 but during a change of the count
 	wake   <-chan struct{}
 	poll   time.Duration
 	busy   chan struct{} // holds a value while a Commit's transaction runs
@@ -216,6 +229,30 @@ func (p *Partition) Lease() *lock.Lease { return p.lease }
 // then the value of the newest Commit that committed (read from the
 // database when the term began, and kept by Commit).
 func (p *Partition) Offset() int64 { return p.offset }
+
+// Until is where this partition's consumption stops: math.MaxInt64, but
+// while the group's partition count changes (SetPartitions with replicas
+// running) the change's cut. Items at or past it are the next count's
+// partitions': read only below it, and commit Until once nothing below it
+// can still arrive (for an outbox read by transaction id, once the
+// snapshot's xmin has passed it); the change ends when every partition
+// has. A Commit past it is refused with ErrOffsetPastUntil. Read when the
+// term began and before each call of Consume.
+func (p *Partition) Until() int64 { return p.until }
+
+// read reads the partition's committed offset and cut, and the group's
+// partition count, from the schema (its row created if it is new).
+func (p *Partition) read(ctx context.Context) error {
+	var until *int64
+	if err := p.w.r.pool.QueryRow(ctx, p.w.r.q.offset, p.Group, p.Index).Scan(&p.offset, &until, &p.Partitions); err != nil {
+		return fmt.Errorf("runner: read the offset of group %q, partition %d: %w", p.Group, p.Index, err)
+	}
+	p.until = math.MaxInt64
+	if until != nil {
+		p.until = *until
+	}
+	return nil
+}
 
 // Commit runs fn in a transaction guarded by the partition's token and, in
 // the same transaction, commits the offset fn returns as the partition's:
@@ -277,6 +314,17 @@ func (p *Partition) Commit(ctx context.Context, fn func(ctx context.Context, tx 
 			return err
 		}
 		if tag.RowsAffected() != 1 {
+			var (
+				now   int64
+				until *int64
+			)
+			if err := tx.QueryRow(tctx, p.w.r.q.afterAdvance, p.Group, p.Index).Scan(&now, &until); err != nil {
+				return err
+			}
+			if until != nil && n > *until && now == p.offset {
+				p.until = *until
+				return fmt.Errorf("%w: %d past %d (group %q, partition %d)", ErrOffsetPastUntil, n, *until, p.Group, p.Index)
+			}
 			return fmt.Errorf("%w: group %q, partition %d is no longer at %d", ErrOffsetMoved, p.Group, p.Index, p.offset)
 		}
 		next = n
@@ -291,15 +339,17 @@ func (p *Partition) Commit(ctx context.Context, fn func(ctx context.Context, tx 
 			p.failed(nil)
 		}
 		p.reportEnd(budget)
+		if next == p.until {
+			// This partition is through the cut: the change of count
+			// may end now (the balancer looks again anyway).
+			p.w.r.nudgeBalancer()
+		}
 	case errors.Is(err, ErrOffsetMoved) || errors.Is(err, fence.ErrOutcomeUnknown):
 		// Learn the committed offset, for the next call (best effort:
 		// Consume's next call reads it again anyway).
-		var pos int64
 		rctx, cancel := context.WithTimeout(budget, wait.CleanupTimeout)
 		defer cancel()
-		if p.w.r.pool.QueryRow(rctx, p.w.r.q.offset, p.Group, p.Index).Scan(&pos) == nil {
-			p.offset = pos
-		}
+		_ = p.read(rctx)
 	}
 	return err
 }
@@ -440,6 +490,12 @@ func (w *worker) groupLoop(ctx context.Context) {
 		if ctx.Err() != nil {
 			return nil // moved away meanwhile
 		}
+		if p.Index >= p.Partitions {
+			// The group's count went down past this partition: the
+			// balancer stops this worker at its next look.
+			<-leadCtx.Done()
+			return context.Cause(leadCtx)
+		}
 		return w.consumeLoop(leadCtx, p)
 	})
 	done := make(chan error, 1)
@@ -465,6 +521,7 @@ func (w *worker) groupLoop(ctx context.Context) {
 			// end at the server.
 			w.log().Warn("pgfence runner: a partition's transaction did not finish within ShutdownTimeout; releasing its lease anyway")
 			rctx, rcancel := wait.Detached(context.Background())
+			w.endTerm(rctx, t.lease, termCause(context.Cause(ctx)))
 			if err := t.lease.Release(rctx); err != nil {
 				w.log().Warn("pgfence runner: releasing the partition's lease failed; it expires within its TTL", "err", err)
 			}
@@ -481,11 +538,11 @@ func (w *worker) groupLoop(ctx context.Context) {
 // newPartition starts a term: the partition's offset (its row created
 // if it is new) and its wake-up subscription.
 func (w *worker) newPartition(ctx context.Context, l *lock.Lease) (*Partition, error) {
-	ro := w.j.group
-	p := &Partition{Group: ro.Group, Index: w.shard, Partitions: ro.Partitions, Token: l.Token(),
-		w: w, lease: l, poll: ro.Poll, busy: make(chan struct{}, 1)}
-	if err := w.r.pool.QueryRow(ctx, w.r.q.offset, ro.Group, w.shard).Scan(&p.offset); err != nil {
-		return nil, fmt.Errorf("runner: read the offset of group %q, partition %d: %w", ro.Group, w.shard, err)
+	c := w.j.group
+	p := &Partition{Group: c.Group, Index: w.shard, Token: l.Token(),
+		w: w, lease: l, poll: c.Poll, busy: make(chan struct{}, 1)}
+	if err := p.read(ctx); err != nil {
+		return nil, err
 	}
 	return p, nil
 }
@@ -503,7 +560,7 @@ func (w *worker) consumeLoop(ctx context.Context, p *Partition) error {
 	log := w.log()
 	for first := true; ctx.Err() == nil; first = false {
 		if !first {
-			if err := w.r.pool.QueryRow(ctx, w.r.q.offset, p.Group, p.Index).Scan(&p.offset); err != nil {
+			if err := p.read(ctx); err != nil {
 				if ctx.Err() != nil {
 					break
 				}
@@ -549,8 +606,8 @@ func (w *worker) callConsume(ctx context.Context, p *Partition) (err error) {
 // either committed before Seek (which waits for it) or is refused: a seek
 // never races the live leader. Going back re-delivers the items between;
 // going forward skips them. by says who sought (the offset's holder).
-// It returns the offset before, and ErrUnknownJob for a partition that
-// has never had a leader.
+// It returns the offset before, ErrInvalidOffset for a negative offset,
+// and ErrUnknownJob for a partition that has never had a leader.
 func Seek(ctx context.Context, db fence.DB, schema, group string, partition int, offset int64, by string) (before int64, err error) {
 	if err := ctxcheck.NotNil(ctx, "runner: Seek"); err != nil {
 		return 0, err
@@ -566,7 +623,7 @@ func Seek(ctx context.Context, db fence.DB, schema, group string, partition int,
 		return 0, fmt.Errorf("%w: partition %d", ErrNoSuchShard, partition)
 	}
 	if offset < 0 {
-		return 0, fmt.Errorf("%w: offset %d is negative", ErrOffsetBackwards, offset)
+		return 0, fmt.Errorf("%w: %d is negative", ErrInvalidOffset, offset)
 	}
 	name := groupLeasePrefix + group + "/" + strconv.Itoa(partition)
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
@@ -617,6 +674,10 @@ type PartitionInfo struct {
 	Leader      string      `json:"leader"`
 	LeaderToken fence.Token `json:"leader_token"`
 	Leading     bool        `json:"leading"`
+	// LeaderlessSince is when the partition's last leader's lease ended
+	// (released, expired or revoked) while nobody leads it; zero while it
+	// is led.
+	LeaderlessSince time.Time `json:"leaderless_since"`
 	// Now is the database's clock when read.
 	Now time.Time `json:"now"`
 }
@@ -626,19 +687,8 @@ type PartitionInfo struct {
 // and partition: committed offset, lag, when it last advanced, and who
 // leads each now.
 func Partitions(ctx context.Context, db fence.DB, schema, group string) ([]PartitionInfo, error) {
-	if err := ctxcheck.NotNil(ctx, "runner: Partitions"); err != nil {
+	if err := groupRead(ctx, db, "runner: Partitions", schema, group); err != nil {
 		return nil, err
-	}
-	if err := pgexec.NotNil(db, "runner: Partitions"); err != nil {
-		return nil, err
-	}
-	if err := ident.ValidateSchema(schema); err != nil {
-		return nil, fmt.Errorf("runner: %w", err)
-	}
-	if group != "" {
-		if err := fence.ValidateName(group); err != nil {
-			return nil, fmt.Errorf("runner: group: %w", err)
-		}
 	}
 	rows, err := db.Query(ctx, sqlFor(schema).partitions, groupLeasePrefix, group)
 	if err != nil {
@@ -649,10 +699,14 @@ func Partitions(ctx context.Context, db fence.DB, schema, group string) ([]Parti
 			p                              PartitionInfo
 			tok, ltok                      int64
 			advancedAt, committedAt, endAt *time.Time
+			leaderless                     *time.Time
 			end                            *int64
 		)
 		err := row.Scan(&p.Group, &p.Partition, &p.Offset, &tok, &p.Committer, &advancedAt, &committedAt, &p.Commits,
-			&end, &endAt, &p.Leader, &ltok, &p.Leading, &p.Now)
+			&end, &endAt, &p.Leader, &ltok, &p.Leading, &leaderless, &p.Now)
+		if leaderless != nil {
+			p.LeaderlessSince = *leaderless
+		}
 		if end != nil && endAt != nil {
 			// The end offset is read at most once per Poll while the
 			// offset moves on: an offset past the last end read means no
@@ -675,4 +729,24 @@ func Partitions(ctx context.Context, db fence.DB, schema, group string) ([]Parti
 		return nil, fmt.Errorf("runner: read the partitions: %w", hint.Wrap(err, ident.Schema(schema), hint.Role(db)))
 	}
 	return infos, nil
+}
+
+// groupRead checks the arguments of a read of the consumer groups (what
+// names the caller): group "" means every group.
+func groupRead(ctx context.Context, db fence.DB, what, schema, group string) error {
+	if err := ctxcheck.NotNil(ctx, what); err != nil {
+		return err
+	}
+	if err := pgexec.NotNil(db, what); err != nil {
+		return err
+	}
+	if err := ident.ValidateSchema(schema); err != nil {
+		return fmt.Errorf("runner: %w", err)
+	}
+	if group != "" {
+		if err := fence.ValidateName(group); err != nil {
+			return fmt.Errorf("runner: group: %w", err)
+		}
+	}
+	return nil
 }

@@ -3,14 +3,15 @@ package runner_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -68,7 +69,7 @@ func createEffects(t *testing.T, db *pgtest.DB) {
 
 // checkEffects fails unless every partition holds exactly the rows 1..want
 // (no duplicate, no gap) and its offset is want.
-func checkEffects(t *testing.T, db *pgtest.DB, role string, partitions int, want int64) {
+func checkEffects(t *testing.T, db *pgtest.DB, group string, partitions int, want int64) {
 	t.Helper()
 	for p := range partitions {
 		var n, distinct, maxN int64
@@ -80,7 +81,7 @@ func checkEffects(t *testing.T, db *pgtest.DB, role string, partitions int, want
 			t.Errorf("partition %d: %d rows, %d distinct, max %d; want exactly 1..%d", p, n, distinct, maxN, want)
 		}
 	}
-	infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, role)
+	infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, group)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +115,7 @@ func TestGroupPartitionsSpreadAndResume(t *testing.T) {
 	}
 	a := startWith(t, db.Pool, "a", cfg, reg)
 	startWith(t, db.Pool, "b", cfg, reg)
-	positions := func() (sum int64, leaders map[string]int) {
+	offsets := func() (sum int64, leaders map[string]int) {
 		infos, err := runner.Partitions(context.Background(), db.Pool, db.Schema, "relay")
 		if err != nil {
 			t.Fatal(err)
@@ -129,7 +130,7 @@ func TestGroupPartitionsSpreadAndResume(t *testing.T) {
 		return sum, leaders
 	}
 	waitFor(t, 60*time.Second, "both replicas leading and every partition at 5", func() bool {
-		sum, leaders := positions()
+		sum, leaders := offsets()
 		return sum == 5*parts && leaders["a"] > 0 && leaders["b"] > 0 && leaders["a"]+leaders["b"] == parts
 	})
 	a.stop(t)
@@ -140,7 +141,7 @@ func TestGroupPartitionsSpreadAndResume(t *testing.T) {
 		}
 	}
 	waitFor(t, 60*time.Second, "b leading every partition, each at 10", func() bool {
-		sum, leaders := positions()
+		sum, leaders := offsets()
 		return sum == 10*parts && leaders["b"] == parts
 	})
 	checkEffects(t, db, "relay", parts, 10)
@@ -315,7 +316,7 @@ func TestRegisterConsumerRefusesBadConsumers(t *testing.T) {
 	}
 	lead := func(context.Context, *runner.Partition) error { return nil }
 	for _, tc := range []struct {
-		role  runner.Consumer
+		group runner.Consumer
 		field string
 	}{
 		{runner.Consumer{Group: "r", Partitions: 0, Consume: lead}, "Partitions"},
@@ -324,10 +325,10 @@ func TestRegisterConsumerRefusesBadConsumers(t *testing.T) {
 		{runner.Consumer{Group: "", Partitions: 1, Consume: lead}, "Group"},
 		{runner.Consumer{Group: "r", Partitions: 1, Consume: lead, Poll: -time.Second}, "Poll"},
 	} {
-		err := r.RegisterConsumer(tc.role)
+		err := r.RegisterConsumer(tc.group)
 		var je *runner.JobError
 		if !errors.As(err, &je) || je.Field != tc.field || !errors.Is(err, runner.ErrInvalidJob) {
-			t.Errorf("RegisterConsumer(%+v): %v, want a JobError on %s", tc.role, err, tc.field)
+			t.Errorf("RegisterConsumer(%+v): %v, want a JobError on %s", tc.group, err, tc.field)
 		}
 	}
 	if err := r.Register(chargeJob(db, "taken", "@every 1h")); err != nil {
@@ -353,7 +354,7 @@ func TestCommitRefusesAMovedOffset(t *testing.T) {
 	effects := tbl(db, "effects")
 	moved := make(chan struct{})
 	result := make(chan error, 1)
-	position := make(chan int64, 1)
+	offset := make(chan int64, 1)
 	lead := func(ctx context.Context, p *runner.Partition) error {
 		if p.Offset() != 0 {
 			<-ctx.Done()
@@ -365,7 +366,7 @@ func TestCommitRefusesAMovedOffset(t *testing.T) {
 			return 1, err
 		})
 		result <- err
-		position <- p.Offset()
+		offset <- p.Offset()
 		<-ctx.Done()
 		return nil
 	}
@@ -384,7 +385,7 @@ func TestCommitRefusesAMovedOffset(t *testing.T) {
 	if err := <-result; !errors.Is(err, runner.ErrOffsetMoved) {
 		t.Fatalf("Commit over a moved offset: %v, want ErrOffsetMoved", err)
 	}
-	if p := <-position; p != 5 {
+	if p := <-offset; p != 5 {
 		t.Fatalf("Offset after the refusal: %d, want the stored 5", p)
 	}
 	if n := queryInt(t, db, "SELECT count(*) FROM "+effects); n != 0 {
@@ -404,7 +405,7 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 	var target atomic.Int64
 	const ttl, poll = time.Second, 50 * time.Millisecond
 	lcfg := func(who string) lock.Config {
-		return lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: poll}
+		return lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: poll, Logger: pgtest.Quiet}
 	}
 	rcfg := runner.Config{RebalanceInterval: 200 * time.Millisecond}
 	for _, who := range []string{"a", "b"} {
@@ -460,10 +461,10 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 	}
 }
 
-// SetPartitions changes a group's count only while no replica runs it (the
-// error names those that do); then replicas with the new count run it, and
-// one with the old count is refused.
-func TestSetPartitions(t *testing.T) {
+// SetPartitions with no replica running changes the count at once; then
+// replicas with the new count run it, and one with the old count is
+// refused.
+func TestSetPartitionsOffline(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	createEffects(t, db)
@@ -496,9 +497,6 @@ func TestSetPartitions(t *testing.T) {
 		return r.RegisterConsumer(counterGroup(db, "relay", 8, &target, poll))
 	})
 	waitFor(t, 30*time.Second, "a leader for each of the 8 partitions", led(8))
-	if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op"); !errors.Is(err, runner.ErrGroupRunning) || !strings.Contains(err.Error(), "run by a") {
-		t.Fatalf("SetPartitions while replica a runs the group: %v, want ErrGroupRunning naming a", err)
-	}
 	a.stop(t)
 	before, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op")
 	if err != nil || before != 8 {
@@ -645,7 +643,7 @@ func TestRebalanceLogsWhyATermEnded(t *testing.T) {
 	}
 	moved := 0
 	for _, tm := range terms {
-		if !tm.Group || tm.Job != "relay" {
+		if tm.Group != "relay" || tm.Job != "" {
 			t.Errorf("a term of another kind or name: %+v", tm)
 		}
 		if tm.Holder == "a" && tm.EndCause == runner.EndMoved {
@@ -730,15 +728,39 @@ func TestSeekFencesTheLeader(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := pgtest.Context(t, time.Minute)
 	type term struct {
-		lease  *lock.Lease
+		p      *runner.Partition
 		offset int64
 	}
 	terms := make(chan term, 10)
-	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: 3 * time.Second, PollInterval: 50 * time.Millisecond}, runner.Config{},
-		func(r *runner.Runner) error {
+	// The first term commits 5 in a transaction held open until released
+	// (the seek must wait for it); then it waits, and on demand tries to
+	// commit 6 (after the seek: refused).
+	inCommit, release, again := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	var first atomic.Bool
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: 3 * time.Second, PollInterval: 50 * time.Millisecond, Logger: pgtest.Quiet},
+		runner.Config{}, func(r *runner.Runner) error {
 			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Poll: 50 * time.Millisecond,
 				Consume: func(ctx context.Context, p *runner.Partition) error {
-					terms <- term{p.Lease(), p.Offset()}
+					terms <- term{p, p.Offset()}
+					if first.CompareAndSwap(false, true) {
+						if err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+							// A statement first: the fence's check rides with
+							// it and holds the lease row from then on.
+							if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
+								return 0, err
+							}
+							close(inCommit)
+							select {
+							case <-release:
+							case <-ctx.Done():
+								return 0, ctx.Err()
+							}
+							return 5, nil
+						}); err != nil {
+							return err
+						}
+						again <- p.Commit(context.WithoutCancel(ctx), func(context.Context, pgx.Tx) (int64, error) { return 6, nil })
+					}
 					<-ctx.Done()
 					return nil
 				}})
@@ -746,32 +768,321 @@ func TestSeekFencesTheLeader(t *testing.T) {
 	if _, err := runner.Seek(ctx, db.Pool, db.Schema, "relay", 1, 7, "operator"); !errors.Is(err, runner.ErrUnknownJob) {
 		t.Fatalf("Seek of a partition never led: %v, want ErrUnknownJob", err)
 	}
-	first := <-terms
-	before, err := runner.Seek(ctx, db.Pool, db.Schema, "relay", 0, 7, "operator")
-	if err != nil || before != 0 {
-		t.Fatalf("Seek: %d, %v; want 0 before", before, err)
+	if _, err := runner.Seek(ctx, db.Pool, db.Schema, "relay", 0, -1, "operator"); !errors.Is(err, runner.ErrInvalidOffset) {
+		t.Fatalf("Seek to a negative offset: %v, want ErrInvalidOffset", err)
 	}
-	// The old term's guarded writes are refused at once.
-	stale := first.lease.Guard().RunTx(ctx, db.Pool, func(tx pgx.Tx) error { return nil })
-	if !errors.Is(stale, fence.ErrFenced) {
-		t.Fatalf("a guarded write of the revoked term: %v, want ErrFenced", stale)
+	firstTerm := <-terms
+	select {
+	case <-inCommit:
+	case <-ctx.Done():
+		t.Fatal("the leader never began its Commit")
+	}
+	type result struct {
+		before int64
+		err    error
+	}
+	sought := make(chan result, 1)
+	go func() {
+		before, err := runner.Seek(ctx, db.Pool, db.Schema, "relay", 0, 7, "operator")
+		sought <- result{before, err}
+	}()
+	// The seek waits on the lease row while the leader's transaction is
+	// open (its check holds the row).
+	waitFor(t, 30*time.Second, "the seek to wait for the leader's transaction", func() bool {
+		var waiting bool
+		if err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+			AND query LIKE '%'||$1||'%pgfence_leases%')`, db.Schema).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		return waiting
+	})
+	select {
+	case r := <-sought:
+		t.Fatalf("the seek returned while the leader's transaction was open: %+v", r)
+	default:
+	}
+	close(release)
+	var r result
+	select {
+	case r = <-sought:
+	case <-ctx.Done():
+		t.Fatal("the seek never returned")
+	}
+	if r.err != nil || r.before != 5 {
+		t.Fatalf("Seek: %d, %v; want 5 before (the leader's commit, which it waited for)", r.before, r.err)
+	}
+	// The revoked term's next Commit is refused, and moves nothing.
+	select {
+	case err := <-again:
+		if !errors.Is(err, fence.ErrFenced) {
+			t.Fatalf("a Commit of the revoked term: %v, want ErrFenced", err)
+		}
+	case <-ctx.Done():
+		t.Fatal("the revoked term's second Commit never returned")
 	}
 	select {
-	case <-first.lease.Done():
+	case <-firstTerm.p.Lease().Done():
 	case <-ctx.Done():
 		t.Fatal("the revoked term's lease was never lost")
 	}
-	next := <-terms
-	if next.offset != 7 || next.lease.Token() <= first.lease.Token()+1 {
-		t.Fatalf("next term: token %v from offset %d; want a token above the revoking one (> %v) and offset 7",
-			next.lease.Token(), next.offset, first.lease.Token()+1)
-	}
 	infos, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
-	if err != nil || len(infos) != 1 || infos[0].Offset != 7 || infos[0].Committer != "operator" || infos[0].Token <= first.lease.Token() {
-		t.Fatalf("Partitions after the seek: %+v, %v", infos, err)
+	if err != nil || len(infos) != 1 || infos[0].Offset != 7 || infos[0].Committer != "operator" || infos[0].Token <= firstTerm.p.Token {
+		t.Fatalf("Partitions after the seek: %+v, %v; want offset 7 by operator with a token above the first term's", infos, err)
+	}
+	revoking := infos[0].Token
+	var next term
+	select {
+	case next = <-terms:
+	case <-ctx.Done():
+		t.Fatal("no next term")
+	}
+	if next.offset != 7 || next.p.Token <= revoking {
+		t.Fatalf("next term: token %v from offset %d; want a token above the revoking one (%v) and offset 7", next.p.Token, next.offset, revoking)
 	}
 	ts, err := runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Group: "relay"})
-	if err != nil || len(ts) != 2 || ts[1].Token != first.lease.Token() || ts[1].EndCause != runner.EndRevoked {
+	if err != nil || len(ts) != 2 || ts[1].Token != firstTerm.p.Token || ts[1].EndCause != runner.EndRevoked {
 		t.Fatalf("terms after the seek: %+v, %v; want the first ended as revoked", ts, err)
+	}
+}
+
+// A change of the partition count while rows flow, through the documented
+// path (SetPartitions with the replicas running): 4 partitions over two
+// replicas, then 8, then 3, while a producer writes events for 20 keys.
+// Every event is delivered once (the sink's key refuses a second
+// delivery), in order per key, and no partition of the current count is
+// without a leader for longer than TTL + PollInterval.
+func TestPartitionCountChangeWhileRowsFlow(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, 3*time.Minute)
+	items, sink := tbl(db, "items"), tbl(db, "sink")
+	mustExec(t, db, "CREATE TABLE "+items+" (id bigserial PRIMARY KEY, k int NOT NULL, seq int NOT NULL,"+
+		" txid bigint NOT NULL DEFAULT pg_current_xact_id()::text::bigint)")
+	mustExec(t, db, "CREATE TABLE "+sink+" (id bigint PRIMARY KEY, k int NOT NULL, seq int NOT NULL, n bigserial)")
+	const (
+		ttl  = time.Second
+		poll = 50 * time.Millisecond
+		keys = 20
+	)
+	var dupes atomic.Int64
+	// The consumer: the events of its partition (k mod the term's count)
+	// from its offset (a transaction id) to the snapshot's xmin or the
+	// cut, whichever comes first, delivered with the offset after them.
+	consume := func(ctx context.Context, p *runner.Partition) error {
+		for ctx.Err() == nil {
+			err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
+				var next int64
+				err := tx.QueryRow(ctx, `WITH snap AS (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin),
+batch AS (SELECT i.id, i.k, i.seq, i.txid FROM `+items+` i, snap
+           WHERE i.txid >= $1 AND i.txid < least(snap.xmin, $2) AND i.k % $3 = $4 ORDER BY i.txid, i.id LIMIT 200),
+ins AS (INSERT INTO `+sink+` (id, k, seq) SELECT id, k, seq FROM batch ORDER BY txid, id)
+SELECT CASE WHEN count(*) = 200 THEN max(txid) + 1 ELSE greatest($1, least((SELECT xmin FROM snap), $2)) END FROM batch`,
+					p.Offset(), p.Until(), p.Partitions, p.Index).Scan(&next)
+				return next, err
+			})
+			var pg *pgconn.PgError
+			if errors.As(err, &pg) && pg.Code == "23505" {
+				dupes.Add(1)
+			}
+			if err != nil {
+				return err
+			}
+			if err := p.Wait(ctx); err != nil {
+				return nil
+			}
+		}
+		return nil
+	}
+	group := func(n int) runner.Consumer {
+		return runner.Consumer{Group: "flow", Partitions: n, Poll: poll, Consume: consume}
+	}
+	lcfg := func(who string) lock.Config {
+		return lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: poll, Logger: pgtest.Quiet}
+	}
+	rcfg := runner.Config{RebalanceInterval: 200 * time.Millisecond}
+	for _, who := range []string{"a", "b"} {
+		start(t, db.Pool, lcfg(who), rcfg, func(r *runner.Runner) error { return r.RegisterConsumer(group(4)) })
+	}
+
+	// The producer: one event per transaction, each key's in order. It
+	// stops between inserts (an insert cancelled in flight may still
+	// commit after the producer has returned).
+	var stop atomic.Bool
+	stopProducing := func() { stop.Store(true) }
+	produced := make(chan int, 1)
+	go func() {
+		i := 0
+		for !stop.Load() && ctx.Err() == nil {
+			if _, err := db.Pool.Exec(ctx, "INSERT INTO "+items+" (k, seq) VALUES ($1, $2)", i%keys, i/keys); err != nil {
+				break
+			}
+			i++
+			time.Sleep(2 * time.Millisecond)
+		}
+		produced <- i
+	}()
+	defer stopProducing()
+
+	// The watcher: the longest time a partition of the current count was
+	// without a leader.
+	var (
+		mu       sync.Mutex
+		worst    time.Duration
+		worstFor string
+	)
+	watch, stopWatching := context.WithCancel(ctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		since := map[int]time.Time{}
+		for watch.Err() == nil {
+			gs, err1 := runner.Groups(watch, db.Pool, db.Schema, "flow")
+			parts, err2 := runner.Partitions(watch, db.Pool, db.Schema, "flow")
+			now := time.Now()
+			if err1 == nil && err2 == nil && len(gs) == 1 {
+				leading := map[int]bool{}
+				for _, p := range parts {
+					leading[p.Partition] = p.Leading
+				}
+				for p := range gs[0].Partitions {
+					if leading[p] {
+						if at, ok := since[p]; ok {
+							mu.Lock()
+							if d := now.Sub(at); d > worst {
+								worst, worstFor = d, fmt.Sprintf("partition %d of %d", p, gs[0].Partitions)
+							}
+							mu.Unlock()
+						}
+						delete(since, p)
+					} else if _, ok := since[p]; !ok {
+						since[p] = now
+					}
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+
+	delivered := func() int {
+		var n int
+		if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+sink).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	count := func() runner.GroupInfo {
+		gs, err := runner.Groups(ctx, db.Pool, db.Schema, "flow")
+		if err != nil || len(gs) != 1 {
+			t.Fatalf("Groups: %+v, %v", gs, err)
+		}
+		return gs[0]
+	}
+	waitFor(t, 30*time.Second, "events delivered by 4 partitions", func() bool { return delivered() > 100 })
+	for _, n := range []int{8, 3} {
+		before := count().Partitions
+		if got, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "flow", n, "op"); err != nil || got != before {
+			t.Fatalf("SetPartitions to %d while running: %d, %v; want %d before", n, got, err, before)
+		}
+		if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "flow", n+1, "op"); !errors.Is(err, runner.ErrGroupChanging) {
+			// The change may already have ended: then it is a new one.
+			if err != nil {
+				t.Fatalf("a second change while one is under way: %v, want ErrGroupChanging", err)
+			}
+			t.Fatalf("a second change while one is under way was accepted")
+		}
+		waitFor(t, 60*time.Second, fmt.Sprintf("the change to %d partitions to end", n), func() bool {
+			g := count()
+			return g.Partitions == n && g.Next == 0
+		})
+		at := delivered()
+		waitFor(t, 30*time.Second, fmt.Sprintf("events delivered by %d partitions", n), func() bool { return delivered() > at+100 })
+	}
+	stopProducing()
+	total := <-produced
+	waitFor(t, 60*time.Second, "every event delivered", func() bool { return delivered() >= total })
+	stopWatching()
+	<-watched
+
+	if n := delivered(); n != total || dupes.Load() != 0 {
+		t.Errorf("%d events produced, %d delivered, %d deliveries refused as duplicates", total, n, dupes.Load())
+	}
+	rows, err := db.Pool.Query(ctx, `SELECT k, seq, prev FROM (SELECT k, seq, lag(seq) OVER (PARTITION BY k ORDER BY n) AS prev FROM `+
+		sink+`) x WHERE seq <> prev + 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type disorder struct{ k, seq, prev int }
+	bad, err := pgx.CollectRows(rows, pgx.RowToStructByPos[disorder])
+	if err != nil || len(bad) > 0 {
+		t.Errorf("events of a key delivered out of order (key, seq, previous): %v %v", bad, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("%d events, two changes of the count; longest without a leader: %v (%s)", total, worst, worstFor)
+	if worst > ttl+poll {
+		t.Errorf("%s was without a leader for %v, more than TTL + PollInterval (%v)", worstFor, worst, ttl+poll)
+	}
+}
+
+// Commit's function gets a context with the caller's values and deadline
+// that ends with the lease, not with the caller's cancellation.
+func TestCommitContextKeepsCallerValues(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := pgtest.Context(t, time.Minute)
+	type key struct{}
+	type seen struct {
+		value       any
+		deadline    time.Time
+		hasDeadline bool
+		endedWith   error // the function's context's cause
+	}
+	got := make(chan seen, 1)
+	entered := make(chan context.CancelFunc, 1) // the caller's cancel, once the function runs
+	callerDeadline := time.Now().Add(40 * time.Second)
+	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: time.Second, PollInterval: 50 * time.Millisecond, Logger: pgtest.Quiet},
+		runner.Config{}, func(r *runner.Runner) error {
+			var once sync.Once
+			return r.RegisterConsumer(runner.Consumer{Group: "ctx", Partitions: 1, Consume: func(lctx context.Context, p *runner.Partition) error {
+				once.Do(func() {
+					// A caller's context of its own (a request's, say).
+					caller, cancel := context.WithDeadline(context.WithValue(context.Background(), key{}, "span-42"), callerDeadline)
+					defer cancel()
+					_ = p.Commit(caller, func(fctx context.Context, tx pgx.Tx) (int64, error) {
+						var s seen
+						s.value = fctx.Value(key{})
+						s.deadline, s.hasDeadline = fctx.Deadline()
+						entered <- cancel
+						<-fctx.Done()
+						s.endedWith = context.Cause(fctx)
+						got <- s
+						return 0, fctx.Err()
+					})
+				})
+				<-lctx.Done()
+				return nil
+			}})
+		})
+	var cancelCaller context.CancelFunc
+	select {
+	case cancelCaller = <-entered:
+	case <-ctx.Done():
+		t.Fatal("Commit's function never ran")
+	}
+	// The caller's cancellation does not end the transaction's context;
+	// revoking the partition's lease does (the function has sent no
+	// statement, so the revocation waits for nothing).
+	cancelCaller()
+	if _, err := runner.Seek(ctx, db.Pool, db.Schema, "ctx", 0, 0, "op"); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case s := <-got:
+		if s.value != "span-42" || !s.hasDeadline || !s.deadline.Equal(callerDeadline) || !errors.Is(s.endedWith, lock.ErrLeaseLost) {
+			t.Fatalf("Commit's function saw value %v, deadline %v (%v), ended with %v; want span-42, the caller's deadline, ErrLeaseLost",
+				s.value, s.deadline, s.hasDeadline, s.endedWith)
+		}
+	case <-ctx.Done():
+		t.Fatal("Commit's function's context did not end with the lease")
 	}
 }

@@ -37,7 +37,7 @@ type metrics struct {
 	leading map[string]int       // job -> its leases (job or shards) this instance holds
 	groups  map[string]int       // group -> its partition count, for the partition gauge
 	led     map[partKey]bool     // the group partitions this instance leads
-	lags    map[partKey]int64    // the lag of the partitions it leads, once their head is known
+	lags    map[partKey]int64    // the lag of the partitions it leads, once their end offset is known
 	fails   map[partKey]int64    // the consecutive Consume failures of the partitions it leads
 	jobFail map[string]int64     // job -> its attempts failed in a row here (reset by a success)
 	lastOK  map[string]time.Time // job -> its last success known here (the ledger's at a term's start, then this instance's)
@@ -122,19 +122,28 @@ func (m *metrics) observe(jobs []string, groups map[string]int) (metric.Registra
 	// The counters' series exist from the start, at 0: an increase over a
 	// series that appears at 1 misses that first event.
 	ctx := context.Background()
+	// A failure's series carries its error.type: a job's own errors are
+	// _OTHER (a panic, a SQLSTATE: their series appear with them).
+	changes := func(who attribute.KeyValue) {
+		m.leadership.Add(ctx, 0, metric.WithAttributes(who, attribute.String("pgfence.change", "gained")))
+		for _, cause := range []string{EndReleased, EndMoved, EndHandedOver, EndShutdown, EndLeaseLost, EndFailed} {
+			m.leadership.Add(ctx, 0, metric.WithAttributes(who, attribute.String("pgfence.change", "lost"), attribute.String("pgfence.cause", cause)))
+		}
+	}
 	for _, job := range jobs {
 		j := attribute.String("pgfence.job", job)
-		for _, outcome := range []string{"succeeded", "failed", "fenced", "skipped"} {
+		for _, outcome := range []string{"succeeded", "fenced", "skipped"} {
 			m.runs.Add(ctx, 0, metric.WithAttributes(j, attribute.String("pgfence.outcome", outcome)))
 		}
+		m.runs.Add(ctx, 0, metric.WithAttributes(j, attribute.String("pgfence.outcome", "failed"), errtype.Key.String(errtype.Other)))
 		m.missed.Add(ctx, 0, metric.WithAttributes(j))
 		m.retries.Add(ctx, 0, metric.WithAttributes(j))
-		m.leadership.Add(ctx, 0, metric.WithAttributes(j, attribute.String("pgfence.change", "gained")))
+		changes(j)
 	}
 	for group := range groups {
 		g := attribute.String("pgfence.group", group)
 		m.offsets.Add(ctx, 0, metric.WithAttributes(g))
-		m.leadership.Add(ctx, 0, metric.WithAttributes(g, attribute.String("pgfence.change", "gained")))
+		changes(g)
 	}
 	return m.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		m.mu.Lock()
@@ -234,7 +243,9 @@ func (m *metrics) event(e Event, took time.Duration) {
 		switch e.Kind {
 		case RunSucceeded:
 			m.jobFail[e.Job] = 0
-			m.lastOK[e.Job] = time.Now()
+			if !e.Manual {
+				m.lastOK[e.Job] = time.Now()
+			}
 		case RunFailed:
 			m.jobFail[e.Job]++
 		}

@@ -37,7 +37,8 @@ func collect(t *testing.T, r *sdkmetric.ManualReader) collected {
 }
 
 // value sums the data points of the named instrument whose attributes
-// include every one given (a sum's value, a gauge's, or a histogram's count).
+// include every one given (a sum's value, a gauge's, or a histogram's
+// count), and reports whether any matched.
 func (c collected) value(name string, attrs ...attribute.KeyValue) (float64, bool) {
 	match := func(set attribute.Set) bool {
 		for _, a := range attrs {
@@ -56,30 +57,33 @@ func (c collected) value(name string, attrs ...attribute.KeyValue) (float64, boo
 			if m.Name != name {
 				continue
 			}
-			found = true
 			switch d := m.Data.(type) {
 			case metricdata.Sum[int64]:
 				for _, p := range d.DataPoints {
 					if match(p.Attributes) {
 						total += float64(p.Value)
+						found = true
 					}
 				}
 			case metricdata.Gauge[int64]:
 				for _, p := range d.DataPoints {
 					if match(p.Attributes) {
 						total += float64(p.Value)
+						found = true
 					}
 				}
 			case metricdata.Gauge[float64]:
 				for _, p := range d.DataPoints {
 					if match(p.Attributes) {
 						total += p.Value
+						found = true
 					}
 				}
 			case metricdata.Histogram[float64]:
 				for _, p := range d.DataPoints {
 					if match(p.Attributes) {
 						total += float64(p.Count)
+						found = true
 					}
 				}
 			}
@@ -335,7 +339,8 @@ func TestInstrumentNames(t *testing.T) {
 	}
 }
 
-// namingProvider keeps the name of every instrument created through it.
+// namingProvider keeps the name of every instrument created through it,
+// of every kind.
 type namingProvider struct {
 	metric.MeterProvider
 	mu    sync.Mutex
@@ -386,6 +391,45 @@ func (m namingMeter) Float64ObservableGauge(name string, opts ...metric.Float64O
 	m.p.add(name)
 	return m.Meter.Float64ObservableGauge(name, opts...)
 }
+func (m namingMeter) Int64UpDownCounter(name string, opts ...metric.Int64UpDownCounterOption) (metric.Int64UpDownCounter, error) {
+	m.p.add(name)
+	return m.Meter.Int64UpDownCounter(name, opts...)
+}
+
+func (m namingMeter) Int64Histogram(name string, opts ...metric.Int64HistogramOption) (metric.Int64Histogram, error) {
+	m.p.add(name)
+	return m.Meter.Int64Histogram(name, opts...)
+}
+
+func (m namingMeter) Int64Gauge(name string, opts ...metric.Int64GaugeOption) (metric.Int64Gauge, error) {
+	m.p.add(name)
+	return m.Meter.Int64Gauge(name, opts...)
+}
+
+func (m namingMeter) Float64Counter(name string, opts ...metric.Float64CounterOption) (metric.Float64Counter, error) {
+	m.p.add(name)
+	return m.Meter.Float64Counter(name, opts...)
+}
+
+func (m namingMeter) Float64UpDownCounter(name string, opts ...metric.Float64UpDownCounterOption) (metric.Float64UpDownCounter, error) {
+	m.p.add(name)
+	return m.Meter.Float64UpDownCounter(name, opts...)
+}
+
+func (m namingMeter) Float64Gauge(name string, opts ...metric.Float64GaugeOption) (metric.Float64Gauge, error) {
+	m.p.add(name)
+	return m.Meter.Float64Gauge(name, opts...)
+}
+
+func (m namingMeter) Float64ObservableCounter(name string, opts ...metric.Float64ObservableCounterOption) (metric.Float64ObservableCounter, error) {
+	m.p.add(name)
+	return m.Meter.Float64ObservableCounter(name, opts...)
+}
+
+func (m namingMeter) Float64ObservableUpDownCounter(name string, opts ...metric.Float64ObservableUpDownCounterOption) (metric.Float64ObservableUpDownCounter, error) {
+	m.p.add(name)
+	return m.Meter.Float64ObservableUpDownCounter(name, opts...)
+}
 
 // pgfence.runner.leader is 1 on the instance that leads a job and 0 on the
 // others, and moves with the leadership.
@@ -426,9 +470,9 @@ func TestLeaderGauge(t *testing.T) {
 	waitFor(t, 10*time.Second, "the other instance to report that it leads", func() bool { return leads(other) == 1 })
 }
 
-// A role's metrics: the leader gauge per partition (1 for each partition
-// this instance leads, 0 for the others) and the positions committed.
-func TestRoleMetrics(t *testing.T) {
+// A consumer group's metrics: the leader gauge per partition (1 for each
+// partition this instance leads, 0 for the others) and the offsets committed.
+func TestGroupMetrics(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	reader := sdkmetric.NewManualReader()
@@ -449,7 +493,7 @@ func TestRoleMetrics(t *testing.T) {
 			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 3, Consume: lead})
 		})
 	role := attribute.String("pgfence.group", "relay")
-	waitFor(t, 30*time.Second, "6 positions committed and 3 partitions led", func() bool {
+	waitFor(t, 30*time.Second, "6 offsets committed and 3 partitions led", func() bool {
 		c := collect(t, reader)
 		commits, _ := c.value("pgfence.runner.offsets.committed", role)
 		led, _ := c.value("pgfence.runner.partition.leader", role)
@@ -505,13 +549,13 @@ func TestMissedSlotsOnlyWhenNoReplicaRanThem(t *testing.T) {
 	}
 }
 
-// A role's lag and leaderless partitions are in sight. Head says 10 for
+// A group's lag and leaderless partitions are in sight. End says 10 for
 // every partition and the leader commits up to 3: lag 7, in the metric
 // (for the partitions this instance leads) and in Partitions. A member that
-// registers the role and never takes its partitions (a replica stuck, as
+// registers the group and never takes its partitions (a replica stuck, as
 // an instance row that heartbeats nothing) leaves its share without a
 // leader: pgfence.runner.partitions.leaderless counts them.
-func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
+func TestGroupLagAndLeaderlessPartitions(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := pgtest.Context(t, time.Minute)
@@ -527,11 +571,11 @@ func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
 		}
 		return p.Wait(ctx)
 	}
-	head := func(context.Context, int) (int64, error) { return 10, nil }
+	end := func(context.Context, int) (int64, error) { return 10, nil }
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: time.Second, PollInterval: poll, MeterProvider: mp},
 		runner.Config{RebalanceInterval: 200 * time.Millisecond},
 		func(r *runner.Runner) error {
-			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 4, Poll: poll, Consume: lead, End: head})
+			return r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 4, Poll: poll, Consume: lead, End: end})
 		})
 	role := attribute.String("pgfence.group", "relay")
 	waitFor(t, 30*time.Second, "a lag of 7 on each of the 4 partitions, and none without a leader", func() bool {
@@ -546,7 +590,7 @@ func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
 	}
 	for _, p := range infos {
 		if p.End != 10 || p.Lag != 7 || p.EndAt.IsZero() {
-			t.Errorf("partition %d: head %d, lag %d, head at %v; want 10, 7, set", p.Partition, p.End, p.Lag, p.EndAt)
+			t.Errorf("partition %d: end %d, lag %d, end at %v; want 10, 7, set", p.Partition, p.End, p.Lag, p.EndAt)
 		}
 	}
 
@@ -569,22 +613,35 @@ func TestRoleLagAndLeaderlessPartitions(t *testing.T) {
 		}
 		return orphans > 0 && orphans == unled
 	})
+	// Each says since when nobody leads it: when a released it.
+	infos, err = runner.Partitions(ctx, db.Pool, db.Schema, "relay")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range infos {
+		switch {
+		case p.Leading && !p.LeaderlessSince.IsZero():
+			t.Errorf("partition %d is led, and leaderless since %v", p.Partition, p.LeaderlessSince)
+		case !p.Leading && (p.LeaderlessSince.IsZero() || p.LeaderlessSince.After(p.Now) || p.Now.Sub(p.LeaderlessSince) > time.Minute):
+			t.Errorf("partition %d is not led, leaderless since %v (now %v)", p.Partition, p.LeaderlessSince, p.Now)
+		}
+	}
 	// The lag series of the partitions that moved away have ended.
 	if lag, _ := collect(t, reader).value("pgfence.runner.partition.lag", role); lag != (4-unled)*7 {
 		t.Errorf("pgfence.runner.partition.lag sums %v over the partitions still led, want %v", lag, (4-unled)*7)
 	}
 }
 
-// A partition whose Lead fails every time shows its consecutive failures in
+// A partition whose Consume fails every time shows its consecutive failures in
 // pgfence.runner.partition.failures, and Partition.Failures counts them
-// for Lead itself.
+// for Consume itself.
 func TestPartitionFailuresMetric(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
-	var seen atomic.Int64 // the Failures Lead saw at its last call
+	var seen atomic.Int64 // the Failures Consume saw at its last call
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", PollInterval: 10 * time.Millisecond, MeterProvider: mp}, runner.Config{},
 		func(r *runner.Runner) error {
 			return r.RegisterConsumer(runner.Consumer{Group: "poisoned", Partitions: 1, Consume: func(ctx context.Context, p *runner.Partition) error {
@@ -598,7 +655,7 @@ func TestPartitionFailuresMetric(t *testing.T) {
 		return v >= 3
 	})
 	if seen.Load() < 2 {
-		t.Errorf("Lead saw Failures() = %d at its third call or later, want at least 2", seen.Load())
+		t.Errorf("Consume saw Failures() = %d at its third call or later, want at least 2", seen.Load())
 	}
 }
 
@@ -663,7 +720,9 @@ func TestRunnerCountersStartAtZero(t *testing.T) {
 			name  string
 			attrs []attribute.KeyValue
 		}{
-			{"pgfence.runner.runs", []attribute.KeyValue{job, attribute.String("pgfence.outcome", "failed")}},
+			{"pgfence.runner.runs", []attribute.KeyValue{job, attribute.String("pgfence.outcome", "failed"), attribute.String("error.type", "_OTHER")}},
+			{"pgfence.runner.leadership.changes", []attribute.KeyValue{job, attribute.String("pgfence.change", "lost"), attribute.String("pgfence.cause", "lease_lost")}},
+			{"pgfence.runner.leadership.changes", []attribute.KeyValue{group, attribute.String("pgfence.change", "lost"), attribute.String("pgfence.cause", "moved")}},
 			{"pgfence.runner.runs", []attribute.KeyValue{job, attribute.String("pgfence.outcome", "fenced")}},
 			{"pgfence.runner.missed_slots", []attribute.KeyValue{job}},
 			{"pgfence.runner.retries", []attribute.KeyValue{job}},

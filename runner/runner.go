@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -39,12 +40,13 @@ type Runner struct {
 	// clock is what the schedule's slots are computed and waited for on
 	// (the real clock; tests move a fake one).
 	clock clock.Clock
-	pref  *preference // which singleton jobs this instance should lead
-	stuck stuckJobs   // singleton jobs whose run outlived its lease here
-	pokes pokes       // the leading workers, woken when manual runs are pending
+	pref  *preference   // which singleton jobs this instance should lead
+	stuck stuckJobs     // singleton jobs whose run outlived its lease here
+	pokes pokes         // the leading workers, woken when manual runs are pending
+	nudge chan struct{} // buffered 1: the balancer heartbeats at once (a partition reached a change's cut)
 
 	heldMu sync.Mutex
-	held   map[*lock.Lease]struct{} // the leases of running terms
+	held   map[*lock.Lease]*worker // the leases of running terms, with their workers
 
 	mu      sync.Mutex
 	jobs    []*job
@@ -73,6 +75,14 @@ func (j *job) member() string {
 		return groupLeasePrefix + j.Name
 	}
 	return j.Name
+}
+
+// nudgeBalancer makes the balancer heartbeat at once.
+func (r *Runner) nudgeBalancer() {
+	select {
+	case r.nudge <- struct{}{}:
+	default:
+	}
 }
 
 // ErrNilClient is returned by New for a nil client.
@@ -108,7 +118,7 @@ func New(client *lock.Client, cfg Config) (*Runner, error) {
 		return nil, err
 	}
 	return &Runner{pool: client.Pool(), cfg: cfg, lcfg: lcfg, q: sqlFor(lcfg.Schema), lc: client, log: lcfg.Logger.With("holder", lcfg.Holder), m: m, clock: clock.Real(), pref: newPreference(), stuck: newStuckJobs(),
-		names: make(map[string]bool), held: make(map[*lock.Lease]struct{})}, nil
+		names: make(map[string]bool), held: make(map[*lock.Lease]*worker), nudge: make(chan struct{}, 1)}, nil
 }
 
 // Observe reports who leads the job name (and shard; 0 for an unsharded job) to a
@@ -218,8 +228,8 @@ func (e *StopError) Is(target error) bool { return target == ErrNotStopped }
 // nil after a clean stop, only.
 //
 // Run first checks that the schema is migrated (a
-// *migrations.NotMigratedError if not) and registers the jobs and roles (a
-// *PartitionCountError for a role whose partition count differs from the
+// *migrations.NotMigratedError if not) and registers the jobs and consumer
+// groups (a *PartitionCountError for a group whose partition count differs from the
 // registered one: nothing starts); if ctx ends before that completes, Run
 // returns nil. A permanent database error later
 // (a dropped table, revoked privileges: see package lock for the
@@ -326,9 +336,9 @@ func (r *Runner) Run(ctx context.Context) error {
 
 // hold records the lease of a term that starts, and returns the function
 // that forgets it when the term ends.
-func (r *Runner) hold(l *lock.Lease) func() {
+func (r *Runner) hold(w *worker, l *lock.Lease) func() {
 	r.heldMu.Lock()
-	r.held[l] = struct{}{}
+	r.held[l] = w
 	r.heldMu.Unlock()
 	return func() {
 		r.heldMu.Lock()
@@ -354,17 +364,24 @@ func (r *Runner) heldJobs() []string {
 // and the late writes of the jobs that did not stop are refused.
 func (r *Runner) releaseHeld(ctx context.Context) error {
 	r.heldMu.Lock()
-	leases := make([]*lock.Lease, 0, len(r.held))
-	for l := range r.held {
-		leases = append(leases, l)
-	}
+	held := maps.Clone(r.held)
 	r.heldMu.Unlock()
 	// At once, so that they share ctx's budget instead of each taking it
-	// in turn.
-	errs := make([]error, len(leases))
-	var wg sync.WaitGroup
-	for i, l := range leases {
-		wg.Go(func() { errs[i] = l.Release(ctx) })
+	// in turn. Each term is recorded as ended by the shutdown first, so
+	// that the next leader does not take it for expired.
+	errs := make([]error, 0, len(held))
+	var (
+		mu sync.Mutex
+		wg sync.WaitGroup
+	)
+	for l, w := range held {
+		wg.Go(func() {
+			w.endTerm(ctx, l, EndShutdown)
+			err := l.Release(ctx)
+			mu.Lock()
+			errs = append(errs, err)
+			mu.Unlock()
+		})
 	}
 	wg.Wait()
 	return errors.Join(errs...)
@@ -439,11 +456,14 @@ func (r *Runner) registerGroups(ctx context.Context, groups []string, partitions
 	var bad []*PartitionCountError
 	for rows.Next() {
 		e := &PartitionCountError{}
-		if err := rows.Scan(&e.Group, &e.Registered, &e.RegisteredAt, &e.RegisteredBy); err != nil {
+		var next int
+		if err := rows.Scan(&e.Group, &e.Registered, &next, &e.RegisteredAt, &e.RegisteredBy); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("register the consumer groups: %w", err)
 		}
-		if e.Given = given[e.Group]; e.Given != e.Registered {
+		// During a change of the count, the count it changes to is
+		// accepted too: the replicas of a rolling deploy that changes it.
+		if e.Given = given[e.Group]; e.Given != e.Registered && e.Given != next {
 			bad = append(bad, e)
 		}
 	}

@@ -39,11 +39,13 @@ type fleetSQL struct {
 }
 
 type groupSQL struct {
-	offset, advance, end, partitions, seek string
+	offset, advance, afterAdvance, end, partitions, seek, groupCounts, groups string
+	// A count change (SetPartitions with replicas running, then its end).
+	lockGroup, createOffsets, cutAt, setCut, drained, switchCount, groupAnnounce string
 }
 
 type controlSQL struct {
-	prune, runs, pause, resume, jobShards, request, waitRun, jobs, setPartitions string
+	prune, runs, pause, resume, jobShards, request, waitRun, jobs, liveMembers, setCount string
 }
 
 // built holds each schema's statements, built on first use: operators'
@@ -87,20 +89,29 @@ func newGroupSQL(schema string) groupSQL {
 		// row is not visible to the second branch, which finds an
 		// existing one).
 		offset: `WITH ins AS (INSERT INTO ` + t.offsets + ` (group_name, partition) VALUES ($1, $2)
-    ON CONFLICT DO NOTHING RETURNING committed_offset)
-SELECT committed_offset FROM ins UNION ALL SELECT committed_offset FROM ` + t.offsets + ` WHERE group_name = $1 AND partition = $2`,
+    ON CONFLICT DO NOTHING RETURNING committed_offset, until_offset)
+SELECT x.committed_offset, x.until_offset, (SELECT g.partitions FROM ` + t.groups + ` g WHERE g.group_name = $1)
+  FROM (SELECT committed_offset, until_offset FROM ins
+        UNION ALL SELECT committed_offset, until_offset FROM ` + t.offsets + ` WHERE group_name = $1 AND partition = $2) x`,
 
 		// Advances a partition's offset from $6 to $3 inside its leader's
 		// guarded transaction (token $4, holder $5), with when it last
 		// moved (advanced_at, only if it does) and was committed: a
 		// compare-and-set, so an offset that moved (an earlier commit
-		// whose answer was lost did commit) is not advanced twice. The
+		// whose answer was lost did commit) is not advanced twice, and
+		// never past the cut of a count change (until_offset: the row's
+		// own column, so that a change committed while this statement
+		// waited for the row is seen when the row is re-checked). The
 		// guard has checked the token and holds the lease row until the
 		// end of the transaction; the token condition and the trigger
 		// refuse a token going down.
 		advance: `UPDATE ` + t.offsets + ` SET committed_offset = $3, token = $4, holder = $5,
     advanced_at = CASE WHEN committed_offset <> $3 THEN now() ELSE advanced_at END, committed_at = now(), commits = commits + 1
- WHERE group_name = $1 AND partition = $2 AND token <= $4 AND committed_offset = $6`,
+ WHERE group_name = $1 AND partition = $2 AND token <= $4 AND committed_offset = $6
+   AND (until_offset IS NULL OR $3 <= until_offset)`,
+
+		// Why an advance matched no row: the offset and the cut now.
+		afterAdvance: `SELECT committed_offset, until_offset FROM ` + t.offsets + ` WHERE group_name = $1 AND partition = $2`,
 
 		// Records the end offset ($3) the group's End reported for
 		// partition $2 of group $1: informational, for the lag shown to
@@ -108,10 +119,13 @@ SELECT committed_offset FROM ins UNION ALL SELECT committed_offset FROM ` + t.of
 		end: `UPDATE ` + t.offsets + ` SET end_offset = $3, end_at = now() WHERE group_name = $1 AND partition = $2`,
 
 		// Every partition that has had a leader (of group $2, or of all
-		// when $2 is ''), with its lease ($1 the group lease prefix).
+		// when $2 is ''), with its lease ($1 the group lease prefix): a
+		// lease not held was last held until its expires_at (a release
+		// sets it to the release's time).
 		partitions: `SELECT p.group_name, p.partition, p.committed_offset, p.token, coalesce(p.holder, ''), p.advanced_at, p.committed_at, p.commits,
        p.end_offset, p.end_at,
-       coalesce(l.holder, ''), coalesce(l.token, 0), coalesce(l.holder IS NOT NULL AND l.expires_at > now(), false), now()
+       coalesce(l.holder, ''), coalesce(l.token, 0), coalesce(l.holder IS NOT NULL AND l.expires_at > now(), false),
+       CASE WHEN NOT (l.holder IS NOT NULL AND l.expires_at > now()) THEN l.expires_at END, now()
   FROM ` + t.offsets + ` p
   LEFT JOIN ` + t.leases + ` l ON l.name = $1 || p.group_name || '/' || p.partition
  WHERE $2 = '' OR p.group_name = $2
@@ -119,11 +133,62 @@ SELECT committed_offset FROM ins UNION ALL SELECT committed_offset FROM ` + t.of
 
 		// Sets the offset of partition $2 of group $1 to $3 with the
 		// revoking token $4 (by $5), in the transaction that revoked the
-		// partition's lease; closes the term it ended (as revoked) and
-		// returns the offset before.
+		// partition's lease; closes the term it ended (as revoked; an
+		// older one left open, as expired) and returns the offset before.
+		// The partition counts of groups $1 now, and the next ones (0: no
+		// change under way).
+		groupCounts: `SELECT group_name, partitions, coalesce(next_partitions, 0) FROM ` + t.groups + ` WHERE group_name = ANY($1)`,
+
+		// Every group (or group $1), with its count change under way if
+		// any, and how many of its partitions have reached the cut.
+		groups: `SELECT g.group_name, g.partitions, g.registered_at, g.registered_by, coalesce(g.next_partitions, 0),
+       coalesce(g.cut_offset, 0), g.change_at, coalesce(g.change_by, ''),
+       (SELECT count(*) FROM ` + t.offsets + ` o WHERE o.group_name = g.group_name AND o.partition < g.partitions
+           AND g.cut_offset IS NOT NULL AND o.committed_offset >= g.cut_offset), now()
+  FROM ` + t.groups + ` g WHERE $1 = '' OR g.group_name = $1 ORDER BY g.group_name`,
+
+		// A count change, in one transaction: lock group $1's row, and
+		// return its count and the change under way.
+		lockGroup: `SELECT partitions, coalesce(next_partitions, 0), coalesce(cut_offset, 0), coalesce(change_by, '')
+  FROM ` + t.groups + ` WHERE group_name = $1 FOR UPDATE`,
+		// The offsets of partitions 0 to $2-1 of group $1, created at 0
+		// where missing.
+		createOffsets: `INSERT INTO ` + t.offsets + ` (group_name, partition)
+SELECT $1, p FROM generate_series(0, $2 - 1) AS p ON CONFLICT DO NOTHING`,
+		// The cut: the highest offset of partitions 0 to $2-1, their rows
+		// locked (a Commit under way finishes first; one that comes after
+		// sees the cut).
+		cutAt: `WITH l AS (SELECT committed_offset FROM ` + t.offsets + ` WHERE group_name = $1 AND partition < $2 FOR UPDATE)
+SELECT coalesce(max(committed_offset), 0) FROM l`,
+		// Caps partitions 0 to $2-1 at the cut $3, and records the change
+		// to $4 partitions (by $5).
+		setCut: `WITH o AS (UPDATE ` + t.offsets + ` SET until_offset = $3::bigint WHERE group_name = $1 AND partition < $2::int)
+UPDATE ` + t.groups + ` SET next_partitions = $4, cut_offset = $3::bigint, change_at = now(), change_by = $5 WHERE group_name = $1`,
+		// How many of partitions 0 to $2-1 are still below the cut $3.
+		drained: `SELECT count(*) FROM ` + t.offsets + ` WHERE group_name = $1 AND partition < $2 AND committed_offset < $3`,
+		// The switch to the next count $2 at the cut $3, once the leases
+		// are revoked: the partitions of the next count start at the cut,
+		// uncapped; those dropped stay capped at it; the terms revoked are
+		// closed as such.
+		switchCount: `WITH t AS (UPDATE ` + t.terms + ` x SET ended_at = now(), end_cause = CASE WHEN x.token = (SELECT max(y.token)
+        FROM ` + t.terms + ` y WHERE y.kind = 'group' AND y.name = $1 AND y.shard = x.shard) THEN 'revoked' ELSE 'expired' END
+    WHERE x.kind = 'group' AND x.name = $1 AND x.ended_at IS NULL),
+o AS (UPDATE ` + t.offsets + `
+    SET committed_offset = $3::bigint, until_offset = CASE WHEN partition < $2::int THEN NULL ELSE $3::bigint END
+  WHERE group_name = $1)
+UPDATE ` + t.groups + ` SET partitions = $2::int, next_partitions = NULL, cut_offset = NULL,
+    registered_at = now(), registered_by = coalesce(change_by, registered_by), change_at = NULL, change_by = NULL
+ WHERE group_name = $1`,
+		// Wakes the leaders of partitions 0 to $2-1 of group $1 ($3: the
+		// wake names' prefix) and announces a change of members ($4), so
+		// that every balancer looks at once.
+		groupAnnounce: fmt.Sprintf(`SELECT %[1]s($3::text || $1::text || '/' || p) FROM generate_series(0, $2::int - 1) AS p
+UNION ALL SELECT %[1]s($4)`, ident.Table(schema, "pgfence_wake_waiters")),
+
 		seek: `WITH old AS (SELECT committed_offset FROM ` + t.offsets + ` WHERE group_name = $1 AND partition = $2 FOR UPDATE),
-term AS (UPDATE ` + t.terms + ` SET ended_at = now(), end_cause = 'revoked'
-    WHERE kind = 'group' AND name = $1 AND shard = $2 AND token < $4 AND ended_at IS NULL)
+term AS (UPDATE ` + t.terms + ` x SET ended_at = now(), end_cause = CASE WHEN x.token = (SELECT max(y.token) FROM ` + t.terms + ` y
+        WHERE y.kind = 'group' AND y.name = $1 AND y.shard = $2) THEN 'revoked' ELSE 'expired' END
+    WHERE x.kind = 'group' AND x.name = $1 AND x.shard = $2 AND x.token < $4 AND x.ended_at IS NULL)
 UPDATE ` + t.offsets + ` o SET committed_offset = $3, token = $4, holder = $5,
     advanced_at = CASE WHEN o.committed_offset <> $3 THEN now() ELSE o.advanced_at END, committed_at = now(), commits = o.commits + 1
   FROM old WHERE o.group_name = $1 AND o.partition = $2
@@ -265,7 +330,7 @@ ON CONFLICT (job) DO UPDATE SET schedule = EXCLUDED.schedule, shards = EXCLUDED.
 		registerGroups: `INSERT INTO ` + groups + ` AS r (group_name, partitions, registered_at, registered_by)
 SELECT n, p, now(), $3 FROM unnest($1::text[], $2::int[]) AS t(n, p)
 ON CONFLICT (group_name) DO UPDATE SET partitions = r.partitions
-RETURNING group_name, partitions, registered_at, registered_by`,
+RETURNING group_name, partitions, coalesce(next_partitions, 0), registered_at, registered_by`,
 
 		// Renews this instance's row (with the jobs it runs),
 		// deletes rows of instances dead for longer than $4, and returns
@@ -338,15 +403,18 @@ SELECT coalesce(t.name, r.job), coalesce(t.shard, r.shard), coalesce(t.token, r.
  LIMIT $1`,
 
 		// Records the start of a term (kind $1, name $2, shard $3, token
-		// $4, holder $5), closes the earlier terms of the same lease that
-		// their leaders left open (as expired), and returns the previous
-		// term: its holder, token and why it ended.
+		// $4, holder $5) unless a later one has started (a late start of a
+		// zombie's), closes the earlier terms of the same lease that their
+		// leaders left open (as expired), and returns the previous term:
+		// its holder, token and why it ended.
 		termStart: `WITH closed AS (
     UPDATE ` + t.terms + ` SET ended_at = now(), end_cause = 'expired'
      WHERE kind = $1 AND name = $2 AND shard = $3 AND token < $4 AND ended_at IS NULL
     RETURNING token, end_cause),
 ins AS (INSERT INTO ` + t.terms + ` (kind, name, shard, token, holder, started_at)
-    VALUES ($1, $2, $3, $4, $5, now()) ON CONFLICT DO NOTHING)
+    SELECT $1::text, $2::text, $3::int, $4::bigint, $5::text, now()
+     WHERE NOT EXISTS (SELECT 1 FROM ` + t.terms + ` n WHERE n.kind = $1 AND n.name = $2 AND n.shard = $3 AND n.token > $4)
+    ON CONFLICT DO NOTHING)
 SELECT p.holder, p.token, coalesce(c.end_cause, p.end_cause, '')
   FROM ` + t.terms + ` p LEFT JOIN closed c ON c.token = p.token
  WHERE p.kind = $1 AND p.name = $2 AND p.shard = $3 AND p.token < $4
@@ -365,18 +433,11 @@ func newControlSQL(schema string) controlSQL {
 	t := tablesOf(schema)
 	runs, jobs, leases, wake := t.runs, t.jobs, t.leases, t.wake
 	return controlSQL{
-		// Sets group $1's partition count to $2 (by $3) if no live
-		// instance runs it ($4: its member name), and returns the count
-		// before, whether the group is registered, and the live
-		// instances that run it (then nothing is changed). The row is
-		// locked first, so a replica registering the group meanwhile
-		// waits.
-		setPartitions: `WITH grp AS (SELECT partitions FROM ` + t.groups + ` WHERE group_name = $1 FOR UPDATE),
-live AS (SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids FROM ` + t.inst + `
-    WHERE expires_at > now() AND stopped_at IS NULL AND $4 = ANY(jobs)),
-upd AS (UPDATE ` + t.groups + ` SET partitions = $2, registered_at = now(), registered_by = $3
-    WHERE group_name = $1 AND (SELECT cardinality(ids) FROM live) = 0 RETURNING group_name)
-SELECT (SELECT partitions FROM grp), EXISTS (SELECT 1 FROM grp), (SELECT ids FROM live)`,
+		// The live instances that run member $1 (a group's member name).
+		liveMembers: `SELECT coalesce(array_agg(id ORDER BY id), '{}') FROM ` + t.inst + `
+ WHERE expires_at > now() AND stopped_at IS NULL AND $1 = ANY(jobs)`,
+		// Sets group $1's count to $2 at once (by $3): no replica runs it.
+		setCount: `UPDATE ` + t.groups + ` SET partitions = $2, registered_at = now(), registered_by = $3 WHERE group_name = $1`,
 
 		// Finished attempts that started before $1, except those of the
 		// latest scheduled slot of each job and shard (a new leader

@@ -64,10 +64,11 @@ func (w *worker) startTerm(l *lock.Lease) prevTerm {
 }
 
 // endTerm records why l's term ended, unless the next leader already has.
-// It runs before the lease is released, under its own short bound (a
-// shutdown's or a lost lease's context has ended).
-func (w *worker) endTerm(l *lock.Lease, cause string) {
-	ctx, cancel := context.WithTimeout(context.Background(), termWrite)
+// It runs before the lease is released, on its own bound (the term's
+// context has ended): termWrite, and at most half of ShutdownTimeout, so
+// that recording the end never makes a shutdown late; within ctx.
+func (w *worker) endTerm(ctx context.Context, l *lock.Lease, cause string) {
+	ctx, cancel := context.WithTimeout(ctx, min(termWrite, w.r.cfg.ShutdownTimeout/2))
 	defer cancel()
 	if _, err := w.r.pool.Exec(ctx, w.r.q.termEnd, w.kind(), w.j.Name, w.shard, int64(l.Token()), cause); err != nil {
 		w.log().Warn("pgfence runner: recording the end of a term failed; the next leader records it as expired",

@@ -56,11 +56,12 @@ func (w *worker) loop(ctx context.Context) {
 // it, recording the term (for shutdown and for the events and metrics).
 func (w *worker) election(lead func(ctx context.Context, l *lock.Lease) error) *lock.Election {
 	log := w.log()
+	var ended error // why the term that just ran ended, for OnStop (the election runs one term at a time)
 	e := &lock.Election{
 		Client: w.r.lc,
 		Name:   w.leaseName(),
 		Lead: func(ctx context.Context, l *lock.Lease) error {
-			defer w.r.hold(l)()
+			defer w.r.hold(w, l)()
 			prev := w.startTerm(l)
 			if prev.holder == "" {
 				log.Info("pgfence runner: leading", "token", l.Token())
@@ -72,14 +73,14 @@ func (w *worker) election(lead func(ctx context.Context, l *lock.Lease) error) *
 			err := lead(ctx, l)
 			// The term is closed before the election releases the lease,
 			// so that the next leader finds it closed with its cause.
-			end := err
-			if lost := l.Err(); end == nil && lost != nil && !errors.Is(lost, lock.ErrReleased) {
-				end = lost
-			}
-			w.endTerm(l, termCause(end))
+			ended = whyEnded(ctx, l, err)
+			w.endTerm(context.Background(), l, termCause(ended))
 			return err
 		},
 		OnStop: func(l *lock.Lease, err error) {
+			if ended != nil {
+				err, ended = ended, nil
+			}
 			w.event(LeadershipLost, slotRef{}, l, 0, err)
 			if why, ok := termEnd(err); ok {
 				log.Info("pgfence runner: stopped leading", "token", l.Token(), "why", why)
@@ -193,6 +194,19 @@ func (w *worker) log() *slog.Logger {
 	return w.r.log.With("job", w.j.Name, "shard", w.shard)
 }
 
+// whyEnded says why a term ended: what lead returned, unless that is nil
+// or a bare cancellation and the term's context says more (the lease's
+// loss, a shutdown, a move), or the lease's loss when lead returned nil.
+func whyEnded(ctx context.Context, l *lock.Lease, err error) error {
+	if (err == nil || errors.Is(err, context.Canceled)) && ctx.Err() != nil {
+		err = context.Cause(ctx)
+	}
+	if lost := l.Err(); err == nil && lost != nil && !errors.Is(lost, lock.ErrReleased) {
+		err = lost
+	}
+	return err
+}
+
 // errMoved ends a partition's term when a rebalance moves the partition to
 // another replica.
 var errMoved = errors.New("runner: moved to another replica by a rebalance")
@@ -210,11 +224,11 @@ var termWhy = map[string]string{
 	EndReleased:   "released",
 	EndMoved:      "moved to another replica by a rebalance",
 	EndHandedOver: "handed over to its preferred replica",
-	EndShutdown:   "shutting down",
-	EndLeaseLost:  "lease lost",
+	EndShutdown:   "its replica shut down",
+	EndLeaseLost:  "lease lost (a renewal refused or too late)",
 	EndFailed:     "failed",
-	EndExpired:    "its leader did not end it (killed, frozen past its lease, or cut off)",
-	EndRevoked:    "revoked by a seek",
+	EndExpired:    "expired: its leader did not end it (killed, frozen past its lease, or cut off)",
+	EndRevoked:    "revoked (a seek, or a change of the partition count)",
 }
 
 // termCause is the cause of a term's end.

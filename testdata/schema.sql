@@ -288,6 +288,12 @@ CREATE TABLE pgfence.pgfence_groups (
     partitions integer NOT NULL,
     registered_at timestamp with time zone NOT NULL,
     registered_by text NOT NULL,
+    next_partitions integer,
+    cut_offset bigint,
+    change_at timestamp with time zone,
+    change_by text,
+    CONSTRAINT pgfence_groups_check CHECK (((next_partitions IS NULL) = (cut_offset IS NULL))),
+    CONSTRAINT pgfence_groups_next_partitions_check CHECK (((next_partitions >= 1) AND (next_partitions <= 65536))),
     CONSTRAINT pgfence_groups_partitions_check CHECK (((partitions >= 1) AND (partitions <= 65536)))
 );
 
@@ -347,6 +353,7 @@ CREATE TABLE pgfence.pgfence_offsets (
     commits bigint DEFAULT 0 NOT NULL,
     end_offset bigint,
     end_at timestamp with time zone,
+    until_offset bigint,
     CONSTRAINT pgfence_offsets_partition_check CHECK ((partition >= 0)),
     CONSTRAINT pgfence_offsets_token_check CHECK ((token >= 0))
 );

@@ -165,7 +165,7 @@ func leadershipChart(terms []runner.Term, shards []runner.JobInfo, fenced []runn
 			to = maxTime(t.Until, from)
 		}
 		all = append(all, leadTerm{shard: t.Shard, token: t.Token, holder: t.Holder, from: from, to: to,
-			attempts: t.Attempts, fenced: t.Fenced, end: t.EndCause})
+			attempts: t.Attempts, fenced: t.Fenced, end: t.Why()})
 	}
 	for _, ji := range shards {
 		if ji.Leader == "" || ji.LeaderSince == nil {
@@ -210,7 +210,7 @@ func leadershipChart(terms []runner.Term, shards []runner.JobInfo, fenced []runn
 			title += fmt.Sprintf(", %d fenced", t.fenced)
 		}
 		if t.end != "" {
-			title += "; ended: " + endWords(t.end)
+			title += "; ended: " + t.end
 		}
 		c.bar(s, at[t.holder], t.from, t.to, class, text, title)
 	}
@@ -303,27 +303,4 @@ func maxTime(a, b time.Time) time.Time {
 		return b
 	}
 	return a
-}
-
-// endWords says why a term ended (runner.Term.EndCause) in words.
-func endWords(cause string) string {
-	switch cause {
-	case runner.EndReleased:
-		return "released"
-	case runner.EndMoved:
-		return "moved to another replica by a rebalance"
-	case runner.EndHandedOver:
-		return "handed over to its preferred replica"
-	case runner.EndShutdown:
-		return "its replica shut down"
-	case runner.EndLeaseLost:
-		return "lease lost (a renewal refused or too late)"
-	case runner.EndFailed:
-		return "failed"
-	case runner.EndExpired:
-		return "expired: its leader did not end it (killed, frozen, cut off)"
-	case runner.EndRevoked:
-		return "revoked by a seek"
-	}
-	return cause
 }

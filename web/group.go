@@ -27,14 +27,6 @@ type groupBody struct {
 	Notice string
 }
 
-// Ends says why a term ended, in words ("" while it goes on).
-func (groupBody) Ends(t runner.Term) string {
-	if t.EndCause == "" {
-		return ""
-	}
-	return endWords(t.EndCause)
-}
-
 func (h *Handler) group(ctx context.Context, r *http.Request) (any, time.Time, error) {
 	name := r.FormValue("name")
 	if name == "" {

@@ -150,7 +150,11 @@ func New(pool *pgxpool.Pool, cfg Config) (*Handler, error) {
 		return orEmpty(runner.Partitions(ctx, h.pool, h.schema, r.FormValue("group")))
 	}))
 	mux.HandleFunc("GET /api/terms", h.api(func(ctx context.Context, r *http.Request) (any, error) {
-		return orEmpty(runner.Terms(ctx, h.pool, h.schema, runner.TermFilter{Job: r.FormValue("job"), Group: r.FormValue("group")}))
+		f := runner.TermFilter{Job: r.FormValue("job"), Group: r.FormValue("group")}
+		if f.Job != "" && f.Group != "" {
+			return nil, fmt.Errorf("%w: job %q and group %q: give one of them", errBadRequest, f.Job, f.Group)
+		}
+		return orEmpty(runner.Terms(ctx, h.pool, h.schema, f))
 	}))
 	mux.HandleFunc("GET /api/epoch", h.api(func(ctx context.Context, r *http.Request) (any, error) {
 		return h.epoch(ctx)
@@ -455,8 +459,6 @@ func parsePages() (map[string]*template.Template, error) {
 		// Text from the database: control and format characters made
 		// visible; html/template escapes the rest.
 		"shown": printable.String,
-		// Why a term ended, in words.
-		"ends": endWords,
 		// An error message: its lines kept, the rest as "shown".
 		"text":      printable.Text,
 		"valueOf":   valueOf,

@@ -106,6 +106,14 @@ func TestJSONEndpointsAndPages(t *testing.T) {
 	if ep.FirstToken < 1 || ep.Timeline < 1 {
 		t.Fatalf("api/epoch: %+v", ep)
 	}
+	if code, _, body := get(t, rg.srv.URL+"/api/terms?job=charge&group=relay"); code != http.StatusBadRequest {
+		t.Fatalf("api/terms with a job and a group: %d %s, want 400", code, body)
+	}
+	var groupTerms []runner.Term
+	getJSON(t, rg.srv.URL+"/api/terms?group=relay", &groupTerms)
+	if len(groupTerms) == 0 || groupTerms[0].Group != "relay" || groupTerms[0].Job != "" {
+		t.Fatalf("api/terms?group=relay: %+v", groupTerms)
+	}
 	if code, _, body := get(t, rg.srv.URL+"/api/runs?limit=x"); code != http.StatusBadRequest || !strings.Contains(body, "limit") {
 		t.Fatalf("api/runs?limit=x: %d %s", code, body)
 	}

@@ -55,10 +55,10 @@ func newRig(t *testing.T, cfg web.Config) *rig {
 			t.Fatal(err)
 		}
 	}
-	// A continuous role whose two partitions each commit position 3 once,
+	// A consumer group whose two partitions each commit offset 3 once,
 	// with 5 available (a lag of 2).
-	head := func(context.Context, int) (int64, error) { return 5, nil }
-	if err := r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 2, End: head, Consume: func(ctx context.Context, p *runner.Partition) error {
+	end := func(context.Context, int) (int64, error) { return 5, nil }
+	if err := r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 2, End: end, Consume: func(ctx context.Context, p *runner.Partition) error {
 		if p.Offset() == 0 {
 			if err := p.Commit(ctx, func(context.Context, pgx.Tx) (int64, error) { return 3, nil }); err != nil {
 				return err

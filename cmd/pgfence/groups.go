@@ -52,18 +52,31 @@ func cmdGroups(ctx context.Context, e *env, args []string) error {
 		}
 		return writeJSON(e.stdout, parts)
 	}
+	groups, err := runner.Groups(ctx, pool, e.schema, group)
+	if err != nil {
+		return err
+	}
+	for _, g := range groups {
+		if g.Next != 0 {
+			fmt.Fprintf(e.stdout, "group %s: changing from %d to %d partitions at offset %d (asked by %s): %d of %d partitions through the cut\n",
+				printable.String(g.Group), g.Partitions, g.Next, g.Cut, printable.String(g.ChangeBy), g.Drained, g.Partitions)
+		}
+	}
 	w := tabwriter.NewWriter(e.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(w, "GROUP\tPARTITION\tLEADER\tTOKEN\tOFFSET\tEND\tLAG\tMOVED\tCOMMITTED\tCOMMITS")
 	for _, p := range parts {
-		leader, token := "(none)", "-"
-		if p.Leading {
-			leader, token = printable.String(p.Leader), p.LeaderToken.String()
-		}
 		ago := func(at time.Time) string {
 			if at.IsZero() {
 				return "never"
 			}
 			return round(p.Now.Sub(at)).String() + " ago"
+		}
+		leader, token := "(none)", "-"
+		switch {
+		case p.Leading:
+			leader, token = printable.String(p.Leader), p.LeaderToken.String()
+		case !p.LeaderlessSince.IsZero():
+			leader = "(none for " + round(p.Now.Sub(p.LeaderlessSince)).String() + ")"
 		}
 		end, lag := "-", "-" // no end offset reported (Consumer.End)
 		if !p.EndAt.IsZero() {
@@ -134,5 +147,48 @@ func cmdGroupsSeek(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	fmt.Fprintf(e.stdout, "partition %d of %s: offset %d -> %d; its leader's term was revoked\n", partition, strconv.Quote(group), before, offset)
+	return nil
+}
+
+// cmdGroupsPartitions changes a consumer group's partition count.
+func cmdGroupsPartitions(ctx context.Context, e *env, args []string) error {
+	fs, err := parse(e, "groups partitions", args, func(*flag.FlagSet) {})
+	if err != nil {
+		return err
+	}
+	if fs.NArg() != 2 {
+		fs.Usage()
+		return fail(exitUsage, "groups partitions takes a consumer group and a partition count")
+	}
+	group := fs.Arg(0)
+	if err := validName("consumer group", group); err != nil {
+		return err
+	}
+	n, err := strconv.Atoi(fs.Arg(1))
+	if err != nil || n < 1 || n > 1<<16 {
+		return fail(exitUsage, "partition count %q is not a number from 1 to 65536", fs.Arg(1))
+	}
+	pool, err := e.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	before, err := runner.SetPartitions(ctx, pool, e.schema, group, n, operator())
+	switch {
+	case errors.Is(err, runner.ErrUnknownJob):
+		return fail(exitNoJob, "no consumer group %q in schema %s", group, e.schemaName())
+	case err != nil:
+		return err
+	}
+	groups, err := runner.Groups(ctx, pool, e.schema, group)
+	if err != nil {
+		return err
+	}
+	if len(groups) == 1 && groups[0].Next == n {
+		fmt.Fprintf(e.stdout, "group %s: changing from %d to %d partitions at offset %d; it ends when every partition is through the cut (pgfence groups %s)\n",
+			strconv.Quote(group), before, n, groups[0].Cut, group)
+		return nil
+	}
+	fmt.Fprintf(e.stdout, "group %s: %d partitions (was %d)\n", strconv.Quote(group), n, before)
 	return nil
 }

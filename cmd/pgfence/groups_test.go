@@ -87,6 +87,13 @@ func TestGroupsListsPartitionsAndSeeks(t *testing.T) {
 	if out, code := c.run("", "groups", "seek", "relay", "5", "0", "--yes"); code != exitNoJob {
 		t.Fatalf("groups seek of a partition never led: exit %d, want %d\n%s", code, exitNoJob, out)
 	}
+	// The count changed while the replica runs: through the cut, to 3.
+	if out, code := c.run("", "groups", "partitions", "relay", "3"); code != 0 || !strings.Contains(out, "changing from 2 to 3 partitions at offset 7") {
+		t.Fatalf("groups partitions: exit %d\n%s", code, out)
+	}
+	if out, code := c.run("", "groups", "partitions", "nope", "3"); code != exitNoJob {
+		t.Fatalf("groups partitions of an unknown group: exit %d, want %d\n%s", code, exitNoJob, out)
+	}
 	if out, code := c.run("", "groups", "seek", "relay", "1", "-2", "--yes"); code != exitUsage {
 		t.Fatalf("groups seek to a negative offset: exit %d, want %d\n%s", code, exitUsage, out)
 	}

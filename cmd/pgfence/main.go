@@ -27,6 +27,8 @@
 //	                      each consumer group's partitions: leader, token, offset, end, lag, when it last moved
 //	groups seek GROUP PARTITION OFFSET [--yes] [--timeout 10s]
 //	                      set a partition's committed offset, fenced: its leader's term is revoked
+//	groups partitions GROUP N
+//	                      change a consumer group's partition count (through a cut while replicas run it)
 //	grant app|operator ROLE [--print]
 //	                      give ROLE what an application (or this CLI) needs in the schema
 //	ui [--listen 127.0.0.1:8080] [--host NAME] [--allow-actions] [--refresh 1s]

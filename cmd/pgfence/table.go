@@ -36,6 +36,7 @@ func init() {
 		{"groups", "[GROUP] [--json]", "each consumer group's partitions: leader, token, offset, end, lag, when it last moved", cmdGroups},
 		{"groups seek", "GROUP PARTITION OFFSET [--yes] [--timeout 10s]",
 			"set a partition's committed offset, fenced: its leader's term is revoked", cmdGroupsSeek},
+		{"groups partitions", "GROUP N", "change a consumer group's partition count (through a cut while replicas run it)", cmdGroupsPartitions},
 		{"grant", "app|operator ROLE [--print]", "give ROLE what an application (or this CLI) needs in the schema", cmdGrant},
 		{"ui", "[--listen 127.0.0.1:8080] [--host NAME] [--allow-actions] [--refresh 1s]",
 			"serve the status page (leases, jobs, fleet) in a browser", cmdUI},

@@ -259,11 +259,11 @@ func TestObserveThroughPgBouncer(t *testing.T) {
 	}
 }
 
-// A role's partition leader behind PgBouncer: a wake-up's NOTIFY is not
+// A consumer group's partition leader behind PgBouncer: a wake-up's NOTIFY is not
 // to be relied on there (transaction pooling), and the leader finds the
-// work at its next Poll either way; Partition.Commit (the check, the effects and the position in one
+// work at its next Poll either way; Partition.Commit (the check, the effects and the offset in one
 // transaction) works through transaction pooling.
-func TestRoleThroughPgBouncer(t *testing.T) {
+func TestConsumerGroupThroughPgBouncer(t *testing.T) {
 	b, db, up := start(t, 4)
 	ctx := pgtest.Context(t, time.Minute)
 	pool := poolThrough(t, b, up, "exec")
@@ -328,7 +328,7 @@ func TestRoleThroughPgBouncer(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Eventually(t, 10*time.Second, "the work done and the position at 3 (Poll every 200ms)", func() bool {
+	pgtest.Eventually(t, 10*time.Second, "the work done and the offset at 3 (Poll every 200ms)", func() bool {
 		ps, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
 		return err == nil && len(ps) == 1 && ps[0].Offset == 3
 	})
