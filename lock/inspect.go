@@ -297,6 +297,32 @@ func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.
 	return fence.Token(tok), holder, nil
 }
 
+// RevokeAllTx is RevokeTx for each of names that has been acquired, in
+// one statement (the rows are locked in name order), and returns how many
+// it revoked.
+func RevokeAllTx(ctx context.Context, tx pgx.Tx, schema string, names []string) (int, error) {
+	if err := ctxcheck.NotNil(ctx, "lock: RevokeAllTx"); err != nil {
+		return 0, err
+	}
+	if tx == nil {
+		return 0, fmt.Errorf("lock: RevokeAllTx: %w", fence.ErrNilDB)
+	}
+	q, err := operatorFor(schema)
+	if err != nil {
+		return 0, err
+	}
+	for _, name := range names {
+		if err := fence.ValidateName(name); err != nil {
+			return 0, err
+		}
+	}
+	tag, err := tx.Exec(ctx, q.revokeAll, names)
+	if err != nil {
+		return 0, fmt.Errorf("lock: revoke %d leases: %w", len(names), explainFor(tx, schema, err))
+	}
+	return int(tag.RowsAffected()), nil
+}
+
 // blockers lists the sessions that block backend pid.
 func blockers(ctx context.Context, db fence.DB, q *queries, pid int64) ([]Backend, error) {
 	rows, err := db.Query(ctx, q.blockers, pid)

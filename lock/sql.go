@@ -40,7 +40,7 @@ type waitSQL struct {
 }
 
 type operatorSQL struct {
-	inspectAll, inspectOne, forceRelease, revoke, blockers string
+	inspectAll, inspectOne, forceRelease, revoke, revokeAll, blockers string
 }
 
 // built holds each schema's statements, built on first use: the
@@ -305,6 +305,14 @@ RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake),
 UPDATE %[1]s l SET token = DEFAULT, holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
   FROM old WHERE l.name = old.name AND %[3]s
 RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake, ready),
+
+		// revoke for each of the leases $1 that exists, in one statement:
+		// the rows are locked in name order (two revocations of
+		// overlapping sets cannot deadlock).
+		revokeAll: fmt.Sprintf(`WITH old AS (SELECT name FROM %[1]s WHERE name = ANY($1) ORDER BY name FOR UPDATE)
+UPDATE %[1]s l SET token = DEFAULT, holder = NULL, secret = NULL, expires_at = least(l.expires_at, now())
+  FROM old WHERE l.name = old.name AND %[3]s
+RETURNING l.name, %[2]s`, t, wake, ready),
 	}
 }
 

@@ -122,10 +122,11 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 			// by each instance at its own moment, so it is recomputed from
 			// the holders at every heartbeat. That settles, within one, a
 			// shard that two instances wanted or none did.
-			if err := r.groupCounts(ctx, own, jobs); err != nil && ctx.Err() == nil {
+			counted, err := r.groupCounts(ctx, own, jobs)
+			if err != nil && ctx.Err() == nil {
 				r.log.Warn("pgfence runner: reading the consumer groups' partition counts failed; keeping the current ones", "err", err)
 			}
-			if len(jobs) > 0 && (apply || !settling && st.applied != nil) {
+			if len(jobs) > 0 && (apply || (!settling || counted) && st.applied != nil) {
 				held, err := r.holders(ctx, own, jobs)
 				switch {
 				case err == nil:
@@ -248,7 +249,7 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 	for _, j := range jobs {
 		ids := view[j.member()]
 		me := slices.Index(ids, r.lcfg.Holder)
-		owner := assign(j.Name, j.shards, ids, held[j.Name])
+		owner := assign(j.Name, j.count(), ids, held[j.Name])
 		owned := 0
 		for _, o := range owner {
 			if me >= 0 && o == me {
@@ -258,7 +259,7 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 		if j.group == nil { // a group's partitions have gauges of their own
 			r.m.setShards(j.Name, int64(owned))
 		}
-		for s := range j.shards {
+		for s := range j.count() {
 			k := shardKey{j, s}
 			mine := me >= 0 && owner[s] == me
 			stop, have := workers[k]
@@ -279,7 +280,7 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 		}
 		// A consumer group whose count went down: the partitions dropped.
 		for k, stop := range workers {
-			if k.job == j && k.shard >= j.shards {
+			if k.job == j && k.shard >= j.count() {
 				stop()
 				delete(workers, k)
 			}
@@ -288,9 +289,10 @@ func (r *Runner) apply(g *bg.Group, jobs []*job, view members, held map[string][
 }
 
 // groupCounts reads the partition counts of the consumer groups among
-// jobs into their shard counts (they change with SetPartitions), and ends
-// the changes under way whose partitions have all reached the cut.
-func (r *Runner) groupCounts(ctx context.Context, own *ownconn.Conn, jobs []*job) error {
+// jobs (they change with SetPartitions), ends the changes under way whose
+// partitions have all reached the cut, and reports whether a count
+// changed (the assignment is then applied at once).
+func (r *Runner) groupCounts(ctx context.Context, own *ownconn.Conn, jobs []*job) (changed bool, err error) {
 	var names []string
 	byName := map[string]*job{}
 	for _, j := range jobs {
@@ -300,13 +302,13 @@ func (r *Runner) groupCounts(ctx context.Context, own *ownconn.Conn, jobs []*job
 		}
 	}
 	if len(names) == 0 {
-		return nil
+		return false, nil
 	}
 	qctx, cancel := context.WithTimeout(ctx, r.balanceTimeout())
 	defer cancel()
 	rows, err := own.Query(qctx, r.q.groupCounts, names)
 	if err != nil {
-		return err
+		return false, err
 	}
 	var changing []string
 	for rows.Next() {
@@ -316,28 +318,30 @@ func (r *Runner) groupCounts(ctx context.Context, own *ownconn.Conn, jobs []*job
 		)
 		if err := rows.Scan(&name, &count, &next); err != nil {
 			rows.Close()
-			return err
+			return false, err
 		}
-		if j := byName[name]; j != nil {
-			j.shards = count
+		if j := byName[name]; j != nil && j.parts.Swap(int64(count)) != int64(count) {
+			changed = true
 		}
 		if next != 0 {
 			changing = append(changing, name)
 		}
 	}
 	if err := rows.Err(); err != nil {
-		return err
+		return false, err
 	}
 	for _, g := range changing {
-		switched, err := r.finishChange(ctx, g)
-		if err != nil {
-			return err
-		}
-		if switched {
-			r.nudgeBalancer() // apply the new count at once
+		switch switched, err := r.finishChange(ctx, g); {
+		case err != nil && ctx.Err() == nil:
+			// Busy partitions (a lease row held past the bound), or the
+			// database: tried again at the next heartbeat.
+			r.log.Info("pgfence runner: a change of a consumer group's partition count could not end yet; trying again",
+				"group", g, "err", err)
+		case switched:
+			r.nudgeBalancer() // read the new count and apply it at once
 		}
 	}
-	return nil
+	return changed, nil
 }
 
 // expiryLag is how long after another member's expected expiry the
@@ -414,8 +418,8 @@ func (r *Runner) holders(ctx context.Context, own *ownconn.Conn, jobs []*job) (m
 	at := make(map[string]shardKey)
 	held := make(map[string][]string, len(jobs))
 	for _, j := range jobs {
-		held[j.Name] = make([]string, j.shards)
-		for s := range j.shards {
+		held[j.Name] = make([]string, j.count())
+		for s := range j.count() {
 			name := (&worker{j: j, shard: s}).leaseName()
 			names = append(names, name)
 			at[name] = shardKey{j, s}

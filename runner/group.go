@@ -169,7 +169,9 @@ func (r *Runner) RegisterConsumer(c Consumer) error {
 		return fmt.Errorf("%w: %q", ErrDuplicateJob, c.Group)
 	}
 	r.names[c.Group] = true
-	r.jobs = append(r.jobs, &job{Job: Job{Name: c.Group}, shards: c.Partitions, group: &c})
+	j := &job{Job: Job{Name: c.Group}, shards: c.Partitions, group: &c}
+	j.parts.Store(int64(c.Partitions))
+	r.jobs = append(r.jobs, j)
 	return nil
 }
 
@@ -240,12 +242,19 @@ func (p *Partition) Offset() int64 { return p.offset }
 // term began and before each call of Consume.
 func (p *Partition) Until() int64 { return p.until }
 
-// read reads the partition's committed offset and cut, and the group's
-// partition count, from the schema (its row created if it is new).
+// read reads the partition's committed offset and cut, and at the term's
+// start the group's partition count, from the schema (its row created if
+// it is new).
 func (p *Partition) read(ctx context.Context) error {
-	var until *int64
-	if err := p.w.r.pool.QueryRow(ctx, p.w.r.q.offset, p.Group, p.Index).Scan(&p.offset, &until, &p.Partitions); err != nil {
+	var (
+		until *int64
+		count int
+	)
+	if err := p.w.r.pool.QueryRow(ctx, p.w.r.q.offset, p.Group, p.Index).Scan(&p.offset, &until, &count); err != nil {
 		return fmt.Errorf("runner: read the offset of group %q, partition %d: %w", p.Group, p.Index, err)
+	}
+	if p.Partitions == 0 { // a term's count is the one at its start (a switch revokes every term)
+		p.Partitions = count
 	}
 	p.until = math.MaxInt64
 	if until != nil {
@@ -381,6 +390,9 @@ func (p *Partition) Wait(ctx context.Context) error {
 	defer t.Stop()
 	select {
 	case <-p.wake:
+		// A wake-up may announce a change of the partition count: learn
+		// its cut (Until) now, not from a refused Commit.
+		_ = p.read(ctx)
 	case <-t.C:
 	case <-ctx.Done():
 		return ctx.Err()
@@ -572,6 +584,9 @@ func (w *worker) consumeLoop(ctx context.Context, p *Partition) error {
 		err := w.callConsume(ctx, p)
 		switch {
 		case ctx.Err() != nil:
+		case errors.Is(err, ErrOffsetPastUntil):
+			// Not a failure: the cut of a change of the count arrived
+			// during the call; the next one reads it (Until).
 		case err != nil:
 			p.failed(err)
 			failing.Fail(log, "pgfence runner: a partition's Consume failing; calling it again after a backoff", err,
@@ -607,7 +622,8 @@ func (w *worker) callConsume(ctx context.Context, p *Partition) (err error) {
 // never races the live leader. Going back re-delivers the items between;
 // going forward skips them. by says who sought (the offset's holder).
 // It returns the offset before, ErrInvalidOffset for a negative offset,
-// and ErrUnknownJob for a partition that has never had a leader.
+// ErrGroupChanging while the group's partition count changes, and
+// ErrUnknownJob for a partition that has never had a leader.
 func Seek(ctx context.Context, db fence.DB, schema, group string, partition int, offset int64, by string) (before int64, err error) {
 	if err := ctxcheck.NotNil(ctx, "runner: Seek"); err != nil {
 		return 0, err
@@ -627,6 +643,14 @@ func Seek(ctx context.Context, db fence.DB, schema, group string, partition int,
 	}
 	name := groupLeasePrefix + group + "/" + strconv.Itoa(partition)
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		var changing bool
+		if err := tx.QueryRow(ctx, q.changing, group).Scan(&changing); err != nil {
+			return err
+		}
+		if changing {
+			return fmt.Errorf("%w: a seek would move a partition across the cut; cancel the change first (SetPartitions with the current count)",
+				ErrGroupChanging)
+		}
 		tok, _, err := lock.RevokeTx(ctx, tx, schema, name)
 		if err != nil {
 			return err
@@ -634,6 +658,8 @@ func Seek(ctx context.Context, db fence.DB, schema, group string, partition int,
 		return tx.QueryRow(ctx, q.seek, group, partition, offset, int64(tok), orUnknown(by)).Scan(&before)
 	})
 	switch {
+	case errors.Is(err, ErrGroupChanging):
+		return 0, fmt.Errorf("runner: seek group %q partition %d: %w", group, partition, err)
 	case errors.Is(err, lock.ErrNoLease), errors.Is(err, pgx.ErrNoRows):
 		return 0, fmt.Errorf("runner: seek group %q partition %d: %w (it has never had a leader)", group, partition, ErrUnknownJob)
 	case err != nil:

@@ -461,10 +461,12 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 	}
 }
 
-// SetPartitions with no replica running changes the count at once; then
-// replicas with the new count run it, and one with the old count is
+// SetPartitions with no replica running: the change waits for the
+// replicas (another is refused, asking for the count before cancels it, a
+// seek is refused meanwhile); a replica with the new count starts, drains
+// to the cut and switches the count; then one with the old count is
 // refused.
-func TestSetPartitionsOffline(t *testing.T) {
+func TestSetPartitionsWithNoReplicaRunning(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	createEffects(t, db)
@@ -498,10 +500,35 @@ func TestSetPartitionsOffline(t *testing.T) {
 	})
 	waitFor(t, 30*time.Second, "a leader for each of the 8 partitions", led(8))
 	a.stop(t)
-	before, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op")
-	if err != nil || before != 8 {
-		t.Fatalf("SetPartitions once every replica stopped: %d, %v; want 8, nil", before, err)
+	next := func() int {
+		gs, err := runner.Groups(ctx, db.Pool, db.Schema, "relay")
+		if err != nil || len(gs) != 1 {
+			t.Fatalf("Groups: %+v, %v", gs, err)
+		}
+		return gs[0].Next
 	}
+	before, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op")
+	if err != nil || before != 8 || next() != 4 {
+		t.Fatalf("SetPartitions with no replica running: %d, %v, next %d; want 8, nil, a change to 4 under way", before, err, next())
+	}
+	if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 6, "op"); !errors.Is(err, runner.ErrGroupChanging) {
+		t.Fatalf("another change while one is under way: %v, want ErrGroupChanging", err)
+	}
+	if _, err := runner.Seek(ctx, db.Pool, db.Schema, "relay", 0, 0, "op"); !errors.Is(err, runner.ErrGroupChanging) {
+		t.Fatalf("a seek while the count changes: %v, want ErrGroupChanging", err)
+	}
+	// Asking for the count before cancels the change.
+	if before, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 8, "op"); err != nil || before != 8 || next() != 0 {
+		t.Fatalf("cancelling the change: %d, %v, next %d", before, err, next())
+	}
+	if _, err := runner.Seek(ctx, db.Pool, db.Schema, "relay", 0, 0, "op"); err != nil {
+		t.Fatalf("a seek once the change is cancelled: %v", err)
+	}
+	if _, err := runner.SetPartitions(ctx, db.Pool, db.Schema, "relay", 4, "op"); err != nil || next() != 4 {
+		t.Fatalf("SetPartitions again: %v, next %d", err, next())
+	}
+	// A replica with the new count may start during the change: it drains
+	// the current partitions to the cut, and the count switches.
 	start(t, db.Pool, lcfg("c"), rcfg, func(r *runner.Runner) error {
 		return r.RegisterConsumer(counterGroup(db, "relay", 4, &target, poll))
 	})
@@ -736,6 +763,7 @@ func TestSeekFencesTheLeader(t *testing.T) {
 	// (the seek must wait for it); then it waits, and on demand tries to
 	// commit 6 (after the seek: refused).
 	inCommit, release, again := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	second := make(chan struct{}) // closed once the seek has returned
 	var first atomic.Bool
 	start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "a", TTL: 3 * time.Second, PollInterval: 50 * time.Millisecond, Logger: pgtest.Quiet},
 		runner.Config{}, func(r *runner.Runner) error {
@@ -759,6 +787,7 @@ func TestSeekFencesTheLeader(t *testing.T) {
 						}); err != nil {
 							return err
 						}
+						<-second
 						again <- p.Commit(context.WithoutCancel(ctx), func(context.Context, pgx.Tx) (int64, error) { return 6, nil })
 					}
 					<-ctx.Done()
@@ -811,6 +840,7 @@ func TestSeekFencesTheLeader(t *testing.T) {
 	if r.err != nil || r.before != 5 {
 		t.Fatalf("Seek: %d, %v; want 5 before (the leader's commit, which it waited for)", r.before, r.err)
 	}
+	close(second)
 	// The revoked term's next Commit is refused, and moves nothing.
 	select {
 	case err := <-again:

@@ -21,20 +21,17 @@ import (
 var ErrGroupChanging = errors.New("runner: the consumer group's partition count is already changing")
 
 // SetPartitions changes group's partition count in schema ("" means
-// "pgfence") to n (1 to 65536). by says who changed it. It returns the
-// count before, ErrUnknownJob for a group no runner registered, and
-// ErrGroupChanging while another change is under way (asking for the
-// change under way again returns at once).
+// "pgfence") to n (1 to 65536), through a cut, so that every item is
+// consumed once and in order per key without stopping the replicas. by
+// says who changed it. It returns the count before, ErrUnknownJob for a
+// group no runner registered, and ErrGroupChanging while a change to
+// another count is under way (asking for the change under way again
+// returns at once; asking for the count before cancels it, which is safe:
+// nothing at or past the cut has been consumed yet).
 //
-// With no replica running the group, the count changes at once: partitions
-// below n keep their offsets, partitions added start at 0, and the offsets
-// of partitions dropped stay in the schema, led by nobody.
-//
-// With replicas running, the change goes through a cut, so that every
-// item is consumed once and in order per key, without stopping them. The
-// offsets of a group's partitions must then be positions in one sequence
-// that all of them read (an outbox's transaction ids: the partition of an
-// item is derived from its key and Partition.Partitions, by the consumer):
+// The offsets of a group's partitions must be positions in one sequence
+// that all of them read (an outbox's transaction ids), and the consumer
+// must derive an item's partition from its key and Partition.Partitions:
 //
 //  1. SetPartitions takes the cut: the highest committed offset of the
 //     current partitions (a Commit under way finishes first). From then on
@@ -43,16 +40,21 @@ var ErrGroupChanging = errors.New("runner: the consumer group's partition count 
 //     ErrOffsetPastUntil) and commits the cut once nothing below it can
 //     still arrive.
 //  2. When every current partition has committed the cut, a replica's
-//     runner switches the count: the leases of the current partitions
-//     are revoked (lock.RevokeTx: their leaders' commits are refused from
-//     then on), every partition of the new count starts at the cut with
-//     Partition.Partitions n, and the replicas take them at once.
+//     runner switches the count in one transaction: every lease of the
+//     group is revoked (lock.RevokeAllTx: their leaders' commits are
+//     refused from then on), every partition of the new count starts at
+//     the cut with Partition.Partitions n, and the replicas take them at
+//     once.
 //
-// Replicas keep leading every partition throughout; the switch is a
-// handover of all of them at once. A replica registered with the old count
-// or the new one may start while the change is under way; afterwards,
-// only with the new one (ErrPartitionCount). Groups (`pgfence groups`)
-// shows a change under way and how many partitions have reached its cut.
+// The change ends only when the group's replicas run and drain to the cut:
+// a replica registered with the old count or the new one may start while
+// it is under way; afterwards, only one with the new count
+// (ErrPartitionCount). Replicas keep leading every partition throughout;
+// the switch is a handover of all of them at once. A partition that cannot
+// reach the cut (an item it cannot consume) holds the change: Seek is
+// refused during a change, so cancel it, set the item aside, and change
+// again. Groups (`pgfence groups`) shows a change under way and how many
+// partitions have reached its cut.
 func SetPartitions(ctx context.Context, db fence.DB, schema, group string, n int, by string) (before int, err error) {
 	if err := ctxcheck.NotNil(ctx, "runner: SetPartitions"); err != nil {
 		return 0, err
@@ -79,19 +81,17 @@ func SetPartitions(ctx context.Context, db fence.DB, schema, group string, n int
 		switch {
 		case next == n:
 			return nil // asked again
+		case next != 0 && n == before: // cancelled
+			if _, err := tx.Exec(ctx, q.cancelCut, group, before); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, q.groupAnnounce, group, before, groupWakePrefix, membersName)
+			return err
 		case next != 0:
-			return fmt.Errorf("%w: to %d partitions at offset %d (asked by %s); it ends when every partition has reached the cut",
-				ErrGroupChanging, next, cut, changeBy)
+			return fmt.Errorf("%w: to %d partitions at offset %d (asked by %s); it ends when every partition has reached the cut, "+
+				"or when asked for %d partitions again", ErrGroupChanging, next, cut, changeBy, before)
 		case n == before:
 			return nil
-		}
-		var live []string
-		if err := tx.QueryRow(ctx, q.liveMembers, groupLeasePrefix+group).Scan(&live); err != nil {
-			return err
-		}
-		if len(live) == 0 {
-			_, err := tx.Exec(ctx, q.setCount, group, n, orUnknown(by))
-			return err
 		}
 		if _, err := tx.Exec(ctx, q.createOffsets, group, before); err != nil {
 			return err
@@ -116,21 +116,28 @@ func SetPartitions(ctx context.Context, db fence.DB, schema, group string, n int
 	return before, nil
 }
 
+// errNotDrained aborts a switch that found a partition below the cut once
+// it held the leases (a Seek moved it meanwhile).
+var errNotDrained = errors.New("runner: a partition is below the cut")
+
 // finishChange switches group's count to the next one if every current
 // partition has reached the cut (see SetPartitions), in one transaction:
-// it revokes the current partitions' leases, starts every partition of the
-// next count at the cut, and announces the change so that every balancer
-// applies it at once. It reports whether it switched.
+// it revokes every lease of the group, starts every partition of the next
+// count at the cut, and announces the change so that every balancer
+// applies it at once. Its waits for lease rows and its idle time are bound
+// to switchBound, since the holders' renewals wait for the rows it holds:
+// a switch that would wait longer gives up, and is tried again at the next
+// heartbeat. It reports whether it switched.
 func (r *Runner) finishChange(ctx context.Context, group string) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.balanceTimeout())
 	defer cancel()
-	switched := false
+	var (
+		count, next int
+		cut         int64
+		by          string
+		switched    bool
+	)
 	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
-		var (
-			count, next int
-			cut         int64
-			by          string
-		)
 		if err := tx.QueryRow(ctx, r.q.lockGroup, group).Scan(&count, &next, &cut, &by); err != nil || next == 0 {
 			return err
 		}
@@ -138,11 +145,24 @@ func (r *Runner) finishChange(ctx context.Context, group string) (bool, error) {
 		if err := tx.QueryRow(ctx, r.q.drained, group, count, cut).Scan(&below); err != nil || below > 0 {
 			return err
 		}
-		for p := range count {
-			_, _, err := lock.RevokeTx(ctx, tx, r.lcfg.Schema, groupLeasePrefix+group+"/"+fmt.Sprint(p))
-			if err != nil && !errors.Is(err, lock.ErrNoLease) {
-				return err
-			}
+		bound := fmt.Sprintf("%dms", r.switchBound().Milliseconds())
+		if _, err := tx.Exec(ctx, r.q.boundTx, bound); err != nil {
+			return err
+		}
+		var names []string
+		if err := tx.QueryRow(ctx, r.q.groupLeases, group, groupLeasePrefix).Scan(&names); err != nil {
+			return err
+		}
+		if _, err := lock.RevokeAllTx(ctx, tx, r.lcfg.Schema, names); err != nil {
+			return err
+		}
+		// Again, now that no Commit nor Seek can move an offset (they
+		// need the lease rows this transaction holds).
+		if err := tx.QueryRow(ctx, r.q.drained, group, count, cut).Scan(&below); err != nil {
+			return err
+		}
+		if below > 0 {
+			return errNotDrained
 		}
 		if _, err := tx.Exec(ctx, r.q.createOffsets, group, next); err != nil {
 			return err
@@ -154,14 +174,26 @@ func (r *Runner) finishChange(ctx context.Context, group string) (bool, error) {
 			return err
 		}
 		switched = true
-		r.log.Info("pgfence runner: a consumer group's partition count changed", "group", group, "from", count, "to", next,
-			"cut", cut, "by", by)
 		return nil
 	})
-	if errors.Is(err, pgx.ErrNoRows) {
+	switch {
+	case errors.Is(err, pgx.ErrNoRows), errors.Is(err, errNotDrained):
+		return false, nil
+	case err != nil:
+		return false, err
+	case !switched:
 		return false, nil
 	}
-	return switched, err
+	r.log.Info("pgfence runner: a consumer group's partition count changed", "group", group, "from", count, "to", next,
+		"cut", cut, "by", by)
+	return true, nil
+}
+
+// switchBound bounds a switch's waits for lease rows and its idle time:
+// half a RenewInterval, at most a second, so that the renewals it holds up
+// are late by less than that.
+func (r *Runner) switchBound() time.Duration {
+	return max(min(r.lcfg.RenewInterval/2, time.Second), 10*time.Millisecond)
 }
 
 // GroupInfo is a consumer group as the schema records it, with its change

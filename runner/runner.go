@@ -62,8 +62,19 @@ type Runner struct {
 type job struct {
 	Job
 	sched  Schedule
-	shards int       // 0: singleton; a consumer group's partitions
+	shards int       // 0: singleton; a consumer group's partitions as registered
 	group  *Consumer // a consumer group's member, not a scheduled job
+	// parts is a consumer group's partition count now (SetPartitions
+	// changes it): written by the balancer, which reads it with count.
+	parts atomic.Int64
+}
+
+// count is the job's shard count, or the group's partition count now.
+func (j *job) count() int {
+	if j.group != nil {
+		return int(j.parts.Load())
+	}
+	return j.shards
 }
 
 // member is the name the job is listed under in pgfence_instances, by
@@ -415,7 +426,13 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 		// registers nothing.
 		if err == nil && len(groups) > 0 {
 			var mismatch error
-			mismatch, err = r.registerGroups(ctx, groups, partitions)
+			registered := map[string]int{}
+			mismatch, err = r.registerGroups(ctx, groups, partitions, registered)
+			for _, j := range jobs {
+				if n, ok := registered[j.Name]; ok && j.group != nil {
+					j.parts.Store(int64(n)) // the schema's count, which may not be the one given
+				}
+			}
 			if mismatch != nil {
 				r.log.Error("pgfence runner: not starting: a consumer group's partition count differs from the registered one",
 					"err", mismatch)
@@ -444,7 +461,7 @@ func (r *Runner) verify(ctx context.Context, jobs []*job) error {
 // registerGroups registers the groups' partition counts and returns a
 // *PartitionCountError for the first group whose registered count is not
 // the one given (as mismatch), or the statement's error.
-func (r *Runner) registerGroups(ctx context.Context, groups []string, partitions []int) (mismatch, err error) {
+func (r *Runner) registerGroups(ctx context.Context, groups []string, partitions []int, registered map[string]int) (mismatch, err error) {
 	rows, err := r.pool.Query(ctx, r.q.registerGroups, groups, partitions, r.lcfg.Holder)
 	if err != nil {
 		return nil, fmt.Errorf("register the consumer groups: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))
@@ -466,6 +483,7 @@ func (r *Runner) registerGroups(ctx context.Context, groups []string, partitions
 		if e.Given = given[e.Group]; e.Given != e.Registered && e.Given != next {
 			bad = append(bad, e)
 		}
+		registered[e.Group] = e.Registered
 	}
 	if err := rows.Err(); err != nil {
 		return nil, fmt.Errorf("register the consumer groups: %w", hint.Wrap(err, r.lcfg.Schema, hint.Role(r.pool)))

@@ -41,7 +41,7 @@ type fleetSQL struct {
 type groupSQL struct {
 	offset, advance, afterAdvance, end, partitions, seek, groupCounts, groups string
 	// A count change (SetPartitions with replicas running, then its end).
-	lockGroup, createOffsets, cutAt, setCut, drained, switchCount, groupAnnounce string
+	lockGroup, createOffsets, cutAt, setCut, drained, switchCount, groupAnnounce, groupLeases, cancelCut, boundTx, changing string
 }
 
 type controlSQL struct {
@@ -164,6 +164,20 @@ SELECT coalesce(max(committed_offset), 0) FROM l`,
 		// to $4 partitions (by $5).
 		setCut: `WITH o AS (UPDATE ` + t.offsets + ` SET until_offset = $3::bigint WHERE group_name = $1 AND partition < $2::int)
 UPDATE ` + t.groups + ` SET next_partitions = $4, cut_offset = $3::bigint, change_at = now(), change_by = $5 WHERE group_name = $1`,
+		// Ends the change of group $1 under way without switching: the
+		// current partitions lose their cut.
+		cancelCut: `WITH o AS (UPDATE ` + t.offsets + ` SET until_offset = NULL WHERE group_name = $1 AND partition < $2::int)
+UPDATE ` + t.groups + ` SET next_partitions = NULL, cut_offset = NULL, change_at = NULL, change_by = NULL WHERE group_name = $1`,
+		// The lease names of every partition of group $1 that has ever
+		// had a leader ($2: the group lease prefix).
+		groupLeases: `SELECT coalesce(array_agg($2::text || group_name || '/' || partition), '{}') FROM ` + t.offsets + ` WHERE group_name = $1`,
+		// Bounds the waits and the idle time of the transaction it runs
+		// in ($1, as a PostgreSQL interval): a switch holds lease rows
+		// that the holders' renewals need.
+		boundTx: `SELECT set_config('lock_timeout', $1, true), set_config('idle_in_transaction_session_timeout', $1, true)`,
+		// Whether group $1's count is changing, its row shared (a switch
+		// waits for the caller's transaction, and the caller for it).
+		changing: `SELECT next_partitions IS NOT NULL FROM ` + t.groups + ` WHERE group_name = $1 FOR SHARE`,
 		// How many of partitions 0 to $2-1 are still below the cut $3.
 		drained: `SELECT count(*) FROM ` + t.offsets + ` WHERE group_name = $1 AND partition < $2 AND committed_offset < $3`,
 		// The switch to the next count $2 at the cut $3, once the leases

@@ -259,14 +259,23 @@ func TestObserveThroughPgBouncer(t *testing.T) {
 	}
 }
 
-// A consumer group's partition leader behind PgBouncer: a wake-up's NOTIFY is not
-// to be relied on there (transaction pooling), and the leader finds the
-// work at its next Poll either way; Partition.Commit (the check, the effects and the offset in one
-// transaction) works through transaction pooling.
+// A consumer group's partition leader behind PgBouncer, in both exec
+// modes without prepared statements: a wake-up's NOTIFY is not to be relied
+// on there (transaction pooling), and the leader finds the work at its
+// next Poll either way; Partition.Commit (the check, the effects and the
+// offset in one transaction), the terms' records, a fenced seek and a
+// change of the partition count with the replica running all work
+// through transaction pooling.
 func TestConsumerGroupThroughPgBouncer(t *testing.T) {
+	for _, mode := range modes {
+		t.Run(mode, func(t *testing.T) { consumerGroupThroughPgBouncer(t, mode) })
+	}
+}
+
+func consumerGroupThroughPgBouncer(t *testing.T, mode string) {
 	b, db, up := start(t, 4)
 	ctx := pgtest.Context(t, time.Minute)
-	pool := poolThrough(t, b, up, "exec")
+	pool := poolThrough(t, b, up, mode)
 	if _, err := db.Pool.Exec(ctx, "CREATE TABLE "+pgx.Identifier{db.Schema, "work"}.Sanitize()+" (n bigint PRIMARY KEY, done bool NOT NULL DEFAULT false)"); err != nil {
 		t.Fatal(err)
 	}
@@ -281,14 +290,16 @@ func TestConsumerGroupThroughPgBouncer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Items n of the partition n mod the count, from the offset on; the
+	// offset after them is committed with them.
 	err = r.RegisterConsumer(runner.Consumer{Group: "relay", Partitions: 1, Poll: 200 * time.Millisecond,
 		Consume: func(ctx context.Context, p *runner.Partition) error {
 			for ctx.Err() == nil {
 				if err := p.Commit(ctx, func(ctx context.Context, tx pgx.Tx) (int64, error) {
-					var last int64
-					err := tx.QueryRow(ctx, "WITH d AS (UPDATE "+work+" SET done = true WHERE n > $1 RETURNING n) SELECT coalesce(max(n), $1) FROM d",
-						p.Offset()).Scan(&last)
-					return last, err
+					var next int64
+					err := tx.QueryRow(ctx, "WITH d AS (UPDATE "+work+" SET done = true WHERE n >= $1 AND n < $2 AND n % $3 = $4 RETURNING n)"+
+						" SELECT coalesce(max(n) + 1, $1) FROM d", p.Offset(), p.Until(), p.Partitions, p.Index).Scan(&next)
+					return next, err
 				}); err != nil {
 					return err
 				}
@@ -310,27 +321,66 @@ func TestConsumerGroupThroughPgBouncer(t *testing.T) {
 			t.Errorf("Run: %v", err)
 		}
 	})
-	pgtest.Eventually(t, 10*time.Second, "the partition to have a leader", func() bool {
-		ps, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
-		return err == nil && len(ps) == 1 && ps[0].Leader == "pooled"
-	})
+	offsets := func() map[int]int64 {
+		ps, err := runner.Partitions(ctx, pool, db.Schema, "relay")
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[int]int64{}
+		for _, p := range ps {
+			if p.Leading && p.Leader == "pooled" {
+				out[p.Partition] = p.Offset
+			}
+		}
+		return out
+	}
+	pgtest.Eventually(t, 10*time.Second, "the partition to have a leader", func() bool { return len(offsets()) == 1 })
 	// The work arrives with its wake-up, written directly to the server.
-	tx, err := db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
+	add := func(ns ...int) {
+		t.Helper()
+		tx, err := db.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range ns {
+			if _, err := tx.Exec(ctx, "INSERT INTO "+work+" (n) VALUES ($1)", n); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := runner.Wake(ctx, tx, db.Schema, "relay", 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if _, err := tx.Exec(ctx, "INSERT INTO "+work+" (n) VALUES (1), (2), (3)"); err != nil {
-		t.Fatal(err)
+	add(1, 2, 3)
+	pgtest.Eventually(t, 10*time.Second, "the work done and the offset at 4 (Poll every 200ms)", func() bool {
+		return offsets()[0] == 4
+	})
+	// A fenced seek back to 2, through the pool: the next term redoes 2
+	// and 3, and comes back to 4.
+	if before, err := runner.Seek(ctx, pool, db.Schema, "relay", 0, 2, "op"); err != nil || before != 4 {
+		t.Fatalf("Seek through PgBouncer: %d, %v", before, err)
 	}
-	if err := runner.Wake(ctx, tx, db.Schema, "relay", 0); err != nil {
-		t.Fatal(err)
+	terms, err := runner.Terms(ctx, pool, db.Schema, runner.TermFilter{Group: "relay"})
+	if err != nil || len(terms) == 0 || terms[0].EndCause != runner.EndRevoked {
+		t.Fatalf("terms after the seek, through PgBouncer: %+v, %v", terms, err)
 	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
+	pgtest.Eventually(t, 10*time.Second, "the partition led again and back at 4", func() bool { return offsets()[0] == 4 })
+	// Two partitions, the replica running: the cut is 4, which partition 0
+	// has reached, so the count switches at once.
+	if before, err := runner.SetPartitions(ctx, pool, db.Schema, "relay", 2, "op"); err != nil || before != 1 {
+		t.Fatalf("SetPartitions through PgBouncer: %d, %v", before, err)
 	}
-	pgtest.Eventually(t, 10*time.Second, "the work done and the offset at 3 (Poll every 200ms)", func() bool {
-		ps, err := runner.Partitions(ctx, db.Pool, db.Schema, "relay")
-		return err == nil && len(ps) == 1 && ps[0].Offset == 3
+	pgtest.Eventually(t, 20*time.Second, "both partitions led from the cut", func() bool {
+		o := offsets()
+		return len(o) == 2 && o[0] >= 4 && o[1] >= 4
+	})
+	add(5, 6)
+	pgtest.Eventually(t, 10*time.Second, "5 done by partition 1 and 6 by partition 0", func() bool {
+		o := offsets()
+		return o[0] == 7 && o[1] == 6
 	})
 	var left int
 	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+work+" WHERE NOT done").Scan(&left); err != nil || left != 0 {
