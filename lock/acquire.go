@@ -43,6 +43,12 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 	return l, err
 }
 
+// attemptBound bounds one attempt of a blocking Acquire: two TTLs plus
+// PollInterval, past the longest an attempt waits for a frozen holder's
+// guarded transaction before the takeover ends it (TTL + PollInterval + a
+// small bound, the package documentation).
+func (c *Client) attemptBound() time.Duration { return 2*c.cfg.TTL + c.cfg.PollInterval }
+
 // newSecret returns a fresh per-acquisition secret.
 func newSecret() []byte {
 	secret := make([]byte, 16)
@@ -313,7 +319,16 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 	}
 	for {
 		attemptAt := c.clock.Now() // the trust window of an adopted lease counts from here
-		l, err := c.tryAcquire(ctx, name, secret, since)
+		// Each attempt has a bound of its own, attemptBound: one sent into a
+		// network partition would otherwise wait, once the network heals,
+		// for TCP's next retransmission (seconds, growing with the
+		// partition's length) while the release it waits for has long been
+		// announced. An attempt cut short may have been granted: the next
+		// one, with the same secret, adopts it.
+		actx, cancelAttempt := context.WithTimeout(ctx, c.attemptBound())
+		l, err := c.tryAcquire(actx, name, secret, since)
+		cut := actx.Err() != nil && ctx.Err() == nil
+		cancelAttempt()
 		if since.IsZero() {
 			since = attemptAt
 		}
@@ -335,6 +350,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 					last = err
 				}
 				return nil, gaveUp()
+			case cut: // the attempt's own bound: tried again
 			case errors.Is(err, ErrClosed) || !(retry.Transient(err) || errors.Is(err, errRowChanging)):
 				return nil, err
 			}
