@@ -432,7 +432,7 @@ func TestGuardWaitsForTakeoverInFlight(t *testing.T) {
 			return err
 		}, true},
 		{"bare UPDATE (control)", func(name string) error {
-			_, err := takerPool.Exec(ctx, "UPDATE "+leases+" SET token = DEFAULT, holder = 'by hand', secret = '\\x00', expires_at = now() + interval '1 minute' WHERE name = $1", name)
+			_, err := takerPool.Exec(ctx, "UPDATE "+leases+" SET token = DEFAULT, holder = 'by hand', secret = '\\x00', session = NULL WHERE name = $1", name)
 			return err
 		}, false},
 	} {

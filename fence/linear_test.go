@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/anishathalye/porcupine"
 	"github.com/jackc/pgx/v5"
 
@@ -213,7 +215,7 @@ func runRegisterHistoryOn(t *testing.T, db *pgtest.DB, check checkFn, workers in
 		defer wg.Done()
 		for time.Now().Before(stop) {
 			time.Sleep(60 * time.Millisecond)
-			_, _ = db.Pool.Exec(ctx, "UPDATE "+table(db, "pgfence_leases")+" SET expires_at = now() WHERE name = $1", lease)
+			_, _ = db.Pool.Exec(ctx, expiry.SQL(db.Schema), lease)
 		}
 	}()
 	go func() {

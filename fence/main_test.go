@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -35,5 +37,5 @@ func mustExec(t testing.TB, db *pgtest.DB, sql string, args ...any) {
 // expire ends a lease at the database, as if its holder had paused past TTL.
 func expire(t testing.TB, db *pgtest.DB, name string) {
 	t.Helper()
-	mustExec(t, db, "UPDATE "+table(db, "pgfence_leases")+" SET expires_at = now() - interval '1 millisecond' WHERE name = $1", name)
+	mustExec(t, db, expiry.SQL(db.Schema), name)
 }

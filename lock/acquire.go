@@ -18,9 +18,9 @@ import (
 // Acquisitions: one attempt (TryAcquire), and the waiting loop (Acquire).
 
 // TryAcquire acquires the lease name in one round trip if it is free, was
-// released, or has expired at the database; otherwise it returns a *HeldError.
-// While the client's renewals are late it first waits for them to catch up
-// (see ErrRenewalsBehind), so that a new lease does not cost held ones.
+// released, or its holder's session has expired at the database; otherwise
+// it returns a *HeldError. The lease belongs to the client's session, which
+// the client starts on its first acquisition (and again after one ended).
 // The new lease's token is greater than every token issued for name before.
 //
 // The client's first acquisition checks that the schema is migrated and
@@ -36,7 +36,7 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 		return nil, err
 	}
 	secret := newSecret()
-	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
+	l, err := c.tryAcquire(ctx, name, secret)
 	if pid, ok := inDoubt(err); ok {
 		c.abandon(name, secret, pid)
 	}
@@ -64,15 +64,12 @@ var errRowChanging = errors.New("the row kept changing under three attempts")
 // secret across its attempts, so that when an attempt's reply is lost (its
 // connection dropped after the commit) a later attempt finds the row holding
 // its own secret and adopts the lease instead of waiting for it to expire.
-// since is the send time of the first attempt with this secret (zero: this
-// is the first); an adopted lease is trusted from then, the earliest moment
-// the lost acquisition can have happened, since its reply time is unknown.
 //
-// A lease is returned only with a live trust window of at least one
-// RenewInterval: an acquisition that took longer than that to come back
-// (it waited behind a guarded transaction, or the process was paused) is
-// renewed at once, and tried again if the renewal finds it gone.
-func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, since time.Time) (l *Lease, err error) {
+// A lease is returned only with at least one RenewInterval of its session's
+// trust window left: the session is renewed first if it has less, and again
+// after an acquisition that took long to come back (it waited behind a
+// guarded transaction, or the process was paused).
+func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l *Lease, err error) {
 	defer func() {
 		c.m.attempted(ctx, err)
 		if l != nil {
@@ -85,19 +82,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 	if err := c.verify(ctx); err != nil {
 		return nil, err
 	}
-	if waited, err := c.behind.pass(ctx); waited {
-		c.m.heldBack()
-		if err != nil {
-			return nil, fmt.Errorf("lock: acquire %q: %w: %w", name, ErrRenewalsBehind, err)
-		}
-	}
-	if c.isClosed() {
-		return nil, ErrClosed
-	}
-	var (
-		g    grant
-		held *HeldError
-	)
+	var held *HeldError
 	req := acquisition{name: name, secret: secret}
 	for attempt := 0; ; attempt++ {
 		if attempt == 3 {
@@ -106,11 +91,14 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			}
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, errRowChanging)
 		}
-		var (
-			r   casResult
-			err error
-		)
-		g, r, err = c.attempt(ctx, req, since)
+		s, err := c.liveSession(ctx)
+		if err != nil {
+			if errors.Is(err, ErrClosed) {
+				return nil, err
+			}
+			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
+		}
+		token, r, err := c.attempt(ctx, req, s)
 		if err != nil {
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
 		}
@@ -120,51 +108,47 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte, sin
 			}
 			continue // freed between the two statements, or an insert race
 		}
-		if !c.cfg.window().lateGrant(g.sent, c.clock.Now()) {
-			break
-		}
-		renewSent := c.clock.Now()
-		got, err := c.renewRows(ctx, c.pool, []string{name}, []int64{g.token}, [][]byte{secret})
-		if err != nil {
-			// Ours at the database, but not trustworthy: free it now,
-			// by its secret (this call's own: no later attempt uses it),
-			// in the background once ctx has ended. What is not freed
-			// expires by the database clock, within the TTL.
-			what := fmt.Sprintf("free late acquisition %q", name)
-			free := func(ctx context.Context) error {
-				_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
-				return err
+		l = newLease(c, s, name, fence.Token(token), secret)
+		if !c.track(l) {
+			// The client closed, or the session ended, while acquiring:
+			// give the lease straight back, by its secret.
+			c.freeBySecret(ctx, name, secret, token)
+			if c.isClosed() {
+				return nil, ErrClosed
 			}
-			if ctx.Err() != nil {
-				c.handOff(ctx, what, free)
-			} else if rerr := c.cleanup(ctx, what, free); rerr != nil {
-				c.log.Warn("pgfence: could not free a late acquisition; it expires within its TTL",
-					"lease", name, "token", g.token, "err", rerr)
-			}
-			return nil, fmt.Errorf("lock: acquire %q: renew the late acquisition: %w", name, err)
+			continue
 		}
-		exp, ok := got[renewKey{name, fence.Token(g.token)}]
-		if ok {
-			g.sent, g.expiresAt = renewSent, exp
-			break
+		if s.left(c.clock.Now()) >= c.cfg.RenewInterval {
+			return l, nil
 		}
-		// Expired at the database before the renewal: try again.
+		// The acquisition came back late: renew the session before the
+		// lease is handed out (the renewal ends it if it was taken).
+		if _, err := c.liveSession(ctx); err != nil {
+			_ = l.Release(ctx)
+			return nil, fmt.Errorf("lock: acquire %q: renew the session after a late acquisition: %w", name, c.explain(err))
+		}
+		if err := l.Err(); err != nil {
+			return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
+		}
+		return l, nil
 	}
-	l = newLease(c, name, fence.Token(g.token), secret, g.expiresAt, g.sent)
-	if !c.track(l) {
-		// Closed while acquiring: give it straight back.
-		_ = l.Release(ctx)
-		return nil, ErrClosed
-	}
-	return l, nil
 }
 
-// grant is a won acquisition: its token, the database expiry, and the send
-// time its trust window counts from.
-type grant struct {
-	token     int64
-	expiresAt time.Time
-	sent      time.Time
+// freeBySecret frees the lease name that this acquisition (its secret)
+// won but does not hand out, in the background once ctx has ended. What is
+// not freed expires with the session, by the database clock.
+func (c *Client) freeBySecret(ctx context.Context, name string, secret []byte, token int64) {
+	what := fmt.Sprintf("free acquisition %q", name)
+	free := func(ctx context.Context) error {
+		_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
+		return err
+	}
+	if ctx.Err() != nil {
+		c.handOff(ctx, what, free)
+	} else if err := c.cleanup(ctx, what, free); err != nil {
+		c.log.Warn("pgfence: could not free an acquisition not handed out; it expires with its session",
+			"lease", name, "token", token, "err", err)
+	}
 }
 
 // acquisition is what one Acquire asks for: the name and its secret.
@@ -174,54 +158,59 @@ type acquisition struct {
 }
 
 // args are the acquire and acquireNew statements' arguments.
-func (a acquisition) args(c *Client) []any {
-	return []any{a.name, c.cfg.Holder, a.secret, c.cfg.TTL.Microseconds()}
+func (a acquisition) args(c *Client, s *session) []any {
+	return []any{a.name, c.cfg.Holder, a.secret, s.id}
 }
 
 // attempt is one compare-and-set (and, for a name never acquired, the
-// insert). r.won says whether the lease was won (g is then set); otherwise
-// r.held is the row as it stands (nil when an insert lost a race: try
-// again).
-func (c *Client) attempt(ctx context.Context, req acquisition, since time.Time) (g grant, r casResult, err error) {
+// insert) for session s. r.won says whether the lease was won (token is
+// then set); otherwise r.held is the row as it stands (nil when an insert
+// lost a race, or an earlier attempt's win was freed: try again).
+func (c *Client) attempt(ctx context.Context, req acquisition, s *session) (token int64, r casResult, err error) {
 	name := req.name
-	g.sent = c.clock.Now()
-	r, err = c.compareAndSet(ctx, req, &g.token, &g.expiresAt)
+	r, err = c.compareAndSet(ctx, req, s, &token)
 	switch {
 	case err != nil || r.won:
-		return g, r, err
-	case r.held != nil && r.mine && r.live && c.cfg.window().adoptable(since, c.clock.Now()):
+		return token, r, err
+	case r.held != nil && r.mine && r.live && r.session == s.id:
 		// An earlier attempt of this Acquire won; its reply was lost.
 		c.log.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
-		return grant{token: int64(r.held.Token), expiresAt: r.held.ExpiresAt, sent: since}, casResult{won: true}, nil
+		return int64(r.held.Token), casResult{won: true}, nil
+	case r.held != nil && r.mine && r.live:
+		// Won by an earlier attempt under a session that has ended here
+		// since: free it (the secret is this Acquire's), and try again.
+		_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, req.secret)
+		return 0, casResult{}, err
 	case r.held != nil:
-		return g, r, nil
+		return token, r, nil
 	}
 	// No row yet: this is the name's first acquisition, unless someone
 	// else inserts it first (no row returned); then try again.
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
-		return g, casResult{}, err
+		return token, casResult{}, err
 	}
 	defer conn.Release()
-	err = conn.QueryRow(ctx, c.q.acquireNew, req.args(c)...).Scan(&g.token, &g.expiresAt)
+	err = conn.QueryRow(ctx, c.q.acquireNew, req.args(c, s)...).Scan(&token)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return g, casResult{}, nil
+		return token, casResult{}, nil
 	}
-	return g, casResult{won: err == nil}, inFlight(err, conn.Conn().PgConn().PID())
+	return token, casResult{won: err == nil}, inFlight(err, conn.Conn().PgConn().PID())
 }
 
 // casResult is what one compare-and-set round trip found.
 type casResult struct {
-	won  bool       // the acquire statement took the lease
-	held *HeldError // otherwise, the row as heldBy saw it (nil: no row)
-	live bool       // the row is held and unexpired
-	mine bool       // the row holds the caller's secret
+	won     bool       // the acquire statement took the lease
+	held    *HeldError // otherwise, the row as heldBy saw it (nil: no row)
+	live    bool       // the row is held by a live session
+	mine    bool       // the row holds the caller's secret
+	session int64      // the session the row names (0: none)
 }
 
 // compareAndSet sends the acquire statement and, if it did not win, heldBy.
-// It reports whether the lease was won (filling token and expiresAt), or
-// else the row as it stands, if there is one.
-func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int64, expiresAt *time.Time) (casResult, error) {
+// It reports whether the lease was won (filling token), or else the row as
+// it stands, if there is one.
+func (c *Client) compareAndSet(ctx context.Context, req acquisition, s *session, token *int64) (casResult, error) {
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
 		return casResult{}, err
@@ -237,7 +226,7 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 		}
 		stop = c.watchIdleHolders(ctx, req.name, waiter)
 	}
-	err = conn.QueryRow(ctx, c.q.acquire, req.args(c)...).Scan(token, expiresAt, &notified)
+	err = conn.QueryRow(ctx, c.q.acquire, req.args(c, s)...).Scan(token, &notified)
 	stop()
 	switch {
 	case err == nil:
@@ -250,7 +239,7 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, token *int6
 		h        = &HeldError{Name: req.name}
 		inMicros int64
 	)
-	err = conn.QueryRow(ctx, c.q.heldBy, req.name, req.secret).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine)
+	err = conn.QueryRow(ctx, c.q.heldBy, req.name, req.secret).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine, &r.session)
 	switch {
 	case err == nil:
 		h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
@@ -287,7 +276,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		sub *subscription
 		w   *waiter
 	)
-	secret, since, began := newSecret(), time.Time{}, time.Now()
+	secret, began := newSecret(), time.Now()
 	var (
 		doubt bool   // some attempt's outcome is unknown
 		pid   uint32 // the backend of the last such attempt
@@ -318,7 +307,6 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		return fmt.Errorf("lock: acquire %q: %w; the attempts were failing (%d), the last with: %w", name, ctx.Err(), failing.Count(), last)
 	}
 	for {
-		attemptAt := c.clock.Now() // the trust window of an adopted lease counts from here
 		// Each attempt has a bound of its own, attemptBound: one sent into a
 		// network partition would otherwise wait, once the network heals,
 		// for TCP's next retransmission (seconds, growing with the
@@ -326,12 +314,9 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		// announced. An attempt cut short may have been granted: the next
 		// one, with the same secret, adopts it.
 		actx, cancelAttempt := context.WithTimeout(ctx, c.attemptBound())
-		l, err := c.tryAcquire(actx, name, secret, since)
+		l, err := c.tryAcquire(actx, name, secret)
 		cut := actx.Err() != nil && ctx.Err() == nil
 		cancelAttempt()
-		if since.IsZero() {
-			since = attemptAt
-		}
 		if p, ok := inDoubt(err); ok {
 			doubt, pid = true, p
 		}
@@ -343,9 +328,6 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 				c.m.waitTime.Record(ctx, time.Since(began).Seconds())
 				return l, nil
 			case ctx.Err() != nil:
-				if errors.Is(err, ErrRenewalsBehind) {
-					return nil, err
-				}
 				if !errors.Is(err, ctx.Err()) {
 					last = err
 				}

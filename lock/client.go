@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/bg"
@@ -19,12 +20,13 @@ import (
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
-// Client acquires and renews leases. It is safe for concurrent use. Its
-// background goroutines belong to one group; the first three run while
-// there is work for them (each a bg.Demand):
+// Client acquires leases and keeps them alive through one session row at
+// the database, which it renews in one statement whatever the number of
+// leases. It is safe for concurrent use. Its background goroutines belong
+// to one group; the first three run while there is work for them (each a
+// bg.Demand):
 //   - the renewer, while it holds leases (it stops after one RenewInterval
-//     without any), on a connection of its own (two while it holds more
-//     than 5,000: its statements go out on both);
+//     without any), on a connection of its own;
 //   - the release listener, while an Acquire waits or a Watch or Observe is
 //     open (it lingers briefly after the last one ends), on a connection
 //     taken out of the pool;
@@ -45,26 +47,23 @@ type Client struct {
 	lis  *listener
 	poll *poller
 
-	mu       sync.Mutex
-	held     map[*Lease]struct{}
-	renewing chan struct{} // a semaphore held while a renewal statement runs (releaseAll waits for it)
-	closed   bool
-	bg       *bg.Group   // every background goroutine
-	renewer  *bg.Demand  // runs renewLoop while leases are held
-	clock    clock.Clock // trust windows; tests move it
+	mu      sync.Mutex
+	sess    *session // the current session, nil before the first acquisition and after one ends
+	closed  bool
+	turn    chan struct{} // holds one token: the right to start or renew the session
+	bg      *bg.Group     // every background goroutine
+	renewer *bg.Demand    // runs renewLoop while leases are held
+	clock   clock.Clock   // trust windows and the renewals' pace; tests move it
 
-	closeOnce   sync.Once
-	closeErr    error         // the release's, set once
-	stopped     chan struct{} // closed once Close's goroutines have all stopped
-	stopRenewal func()        // cancels the renewal statement in flight, if any (under mu)
-	stats       stats
+	closeOnce sync.Once
+	closeErr  error         // the release's, set once
+	stopped   chan struct{} // closed once Close's goroutines have all stopped
+	stats     stats
 
 	verified atomic.Bool   // the schema version was checked
 	backoff  retry.Backoff // after transient errors
 	m        *metrics
 	failing  atomic.Bool // renewals are failing (for the cause of a loss)
-	behind   gate        // shut while renewals are late: acquisitions wait
-	lateness lateness    // the renewer's: logs when passes become late
 	idle     *looker     // looks for idle holders that block acquisitions
 	// backendPIDs: the PID a pooled connection announced is its backend's
 	// (not behind PgBouncer); set by verify.
@@ -86,18 +85,18 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		return nil, err
 	}
 	c := &Client{
-		log:      cfg.Logger.With("holder", cfg.Holder),
-		pool:     pool,
-		cfg:      cfg,
-		q:        sqlFor(cfg.Schema),
-		held:     make(map[*Lease]struct{}),
-		bg:       bg.New(context.Background()),
-		renewing: make(chan struct{}, 1),
-		stopped:  make(chan struct{}),
-		clock:    clock.Real(),
-		backoff:  retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
-		idle:     newLooker(pool),
+		log:     cfg.Logger.With("holder", cfg.Holder),
+		pool:    pool,
+		cfg:     cfg,
+		q:       sqlFor(cfg.Schema),
+		bg:      bg.New(context.Background()),
+		turn:    make(chan struct{}, 1),
+		stopped: make(chan struct{}),
+		clock:   clock.Real(),
+		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
+		idle:    newLooker(pool),
 	}
+	c.turn <- struct{}{}
 	c.renewer = c.bg.Demand(c.renewLoop, cfg.RenewInterval, clock.Real())
 	c.lis = newListener(c)
 	c.poll = newPoller(c)
@@ -164,18 +163,14 @@ func (c *Client) Close(ctx context.Context) error {
 	}
 }
 
-// close releases the leases and starts stopping the goroutines, whose end
-// closes c.stopped.
+// close releases the leases, ends the session and starts stopping the
+// goroutines, whose end closes c.stopped.
 func (c *Client) close(ctx context.Context) error {
 	c.mu.Lock()
 	c.closed = true
-	leases := make([]*Lease, 0, len(c.held))
-	for l := range c.held {
-		leases = append(leases, l)
-	}
+	s := c.sess
 	c.mu.Unlock()
-	c.behind.open() // acquisitions waiting there see ErrClosed (or wait for a pass in flight)
-	first := c.releaseAll(ctx, leases)
+	first := c.releaseAll(ctx, s)
 	c.poll.close()
 	go func() { // its end is c.stopped, which every Close waits on
 		defer close(c.stopped)
@@ -186,10 +181,13 @@ func (c *Client) close(ctx context.Context) error {
 	return first
 }
 
-// releaseAll ends leases and frees their rows in one statement. It waits
-// for a renewal in flight first: both statements lock many rows, each in
-// its own order, and would deadlock.
-func (c *Client) releaseAll(ctx context.Context, leases []*Lease) error {
+// releaseAll ends s's leases, frees their rows and ends s, in one
+// transaction: every lease free at once.
+func (c *Client) releaseAll(ctx context.Context, s *session) error {
+	if s == nil {
+		return nil
+	}
+	leases := s.held()
 	names := make([]string, 0, len(leases))
 	tokens := make([]int64, 0, len(leases))
 	secrets := make([][]byte, 0, len(leases))
@@ -198,31 +196,21 @@ func (c *Client) releaseAll(ctx context.Context, leases []*Lease) error {
 			names, tokens, secrets = append(names, l.name), append(tokens, int64(l.token)), append(secrets, l.secret)
 		}
 	}
-	if len(names) == 0 {
-		return nil
-	}
+	s.end(CauseExpired, ErrClosed, nil) // nothing left to lose: stops its timer
 	sql := c.q.releaseMany
 	if c.cfg.DurableRelease {
 		sql = c.q.releaseManyDurable
 	}
-	// The leases have ended: a renewal still in flight no longer matters
-	// (and may hang on a black-holed connection until its trust window
-	// ends), so it is cancelled rather than waited for.
-	c.mu.Lock()
-	if c.stopRenewal != nil && c.closed {
-		c.stopRenewal()
-	}
-	c.mu.Unlock()
 	what := fmt.Sprintf("release %d leases", len(names))
 	return c.cleanup(ctx, what, func(ctx context.Context) error {
-		select {
-		case c.renewing <- struct{}{}:
-		case <-ctx.Done():
-			return context.Cause(ctx)
+		// Leases first, then the session row: the lock order of every
+		// statement that takes both.
+		b := &pgx.Batch{}
+		if len(names) > 0 {
+			b.Queue(sql, names, tokens, secrets)
 		}
-		defer func() { <-c.renewing }()
-		_, err := c.pool.Exec(ctx, sql, names, tokens, secrets)
-		return err
+		b.Queue(c.q.endSession, s.id)
+		return c.pool.SendBatch(ctx, b).Close()
 	})
 }
 
@@ -293,22 +281,24 @@ func (c *Client) isClosed() bool {
 	return c.closed
 }
 
-// track adds a lease to the renewal set and starts the renewer if needed.
+// track adds l to its session and starts the renewer if needed. It
+// reports false when the client is closed or the session has ended.
 func (c *Client) track(l *Lease) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.closed {
+	if c.closed || !l.s.add(l) {
 		return false
 	}
-	c.held[l] = struct{}{}
 	c.renewer.Want()
 	return true
 }
 
+// untrack removes l from its session; the renewer idles once the
+// client's session holds no lease.
 func (c *Client) untrack(l *Lease) {
+	left := l.s.remove(l)
 	c.mu.Lock()
-	delete(c.held, l)
-	if len(c.held) == 0 {
+	if left == 0 && (c.sess == nil || c.sess == l.s) {
 		c.renewer.Idle()
 	}
 	c.mu.Unlock()

@@ -30,19 +30,6 @@ var (
 
 	// ErrClosed is returned by a Client after Close.
 	ErrClosed = errors.New("lock: client closed")
-	// ErrRenewalsBehind is returned, with the context's error, by an
-	// acquisition whose context ended while it waited for the client's
-	// renewals to catch up. While a renewal pass is late (one of its
-	// statements, at the pace of the last pass, would come back with less
-	// than half the slack a pass on time leaves), the client's
-	// acquisitions wait until the pass ends, so that taking more leases
-	// does not cost the ones it holds. A pass is late after a slow
-	// statement (a lock wait, a failover), or when the client holds more
-	// leases than its server renews in time while it acquires more; if it
-	// keeps happening, hold fewer leases on this client, give it a longer
-	// TTL, or relieve the server (Stats.SlowRenewals,
-	// Stats.AcquisitionsHeldBack, and a warning in the log).
-	ErrRenewalsBehind = errors.New("lock: renewals are late; the acquisition waited for them to catch up")
 )
 
 // HeldError reports that a lease is held by someone else. It matches ErrHeld.

@@ -4,34 +4,31 @@ import (
 	"context"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/pgfence/pgfence/internal/clock"
 )
 
 // AcquireLostReply acquires name the way an attempt whose reply was lost
-// does: the row is taken with a fresh secret, then the client forgets the
-// lease (no renewal, no release, no lease handle). It returns that secret,
-// the attempt's send time and the token issued.
-func (c *Client) AcquireLostReply(ctx context.Context, name string) ([]byte, time.Time, int64, error) {
-	secret, sent := newSecret(), c.clock.Now()
-	l, err := c.tryAcquire(ctx, name, secret, time.Time{})
+// does: the row is taken with a fresh secret under the client's session,
+// then the client forgets the lease (no release, no lease handle). It
+// returns that secret and the token issued.
+func (c *Client) AcquireLostReply(ctx context.Context, name string) ([]byte, int64, error) {
+	secret := newSecret()
+	l, err := c.tryAcquire(ctx, name, secret)
 	if err != nil {
-		return nil, sent, 0, err
+		return nil, 0, err
 	}
 	l.mu.Lock()
 	l.ended = true
-	l.timer.Stop()
 	l.mu.Unlock()
 	l.cancel(ErrReleased)
 	c.untrack(l)
-	return secret, sent, int64(l.token), nil
+	return secret, int64(l.token), nil
 }
 
-// TryAcquireAs is one attempt of Acquire that uses secret, whose first
-// attempt was sent at since.
-func (c *Client) TryAcquireAs(ctx context.Context, name string, secret []byte, since time.Time) (*Lease, error) {
-	return c.tryAcquire(ctx, name, secret, since)
+// TryAcquireAs is one attempt of Acquire that uses secret.
+func (c *Client) TryAcquireAs(ctx context.Context, name string, secret []byte) (*Lease, error) {
+	return c.tryAcquire(ctx, name, secret)
 }
 
 // SetClock makes the client read the time and arm its trust-window timers

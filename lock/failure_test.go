@@ -3,7 +3,6 @@ package lock_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"math"
 	"math/rand/v2"
@@ -16,7 +15,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
-	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -189,7 +187,7 @@ func TestCancelledAcquisitionsLeaveNothingHeld(t *testing.T) {
 		t.Fatal(err)
 	}
 	var held int
-	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{db.Schema, "pgfence_lease_states"}.Sanitize()+
 		" WHERE holder IS NOT NULL AND expires_at > now()").Scan(&held); err != nil {
 		t.Fatal(err)
 	}
@@ -425,7 +423,8 @@ func TestAcquireDeadlineNamesTheLastFailure(t *testing.T) {
 
 // Renewals slower than half of RenewInterval are counted and warned of,
 // once, and their end is noted, once. The renewal is slowed for real: a
-// transaction holds the lease's row lock, so the renewal's UPDATE waits.
+// transaction holds the client's session row lock, so the renewal's UPDATE
+// waits.
 func TestSlowRenewalsWarnOnce(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
@@ -445,7 +444,8 @@ func TestSlowRenewalsWarnOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	var pid int
-	if err := tx.QueryRow(ctx, "SELECT pg_backend_pid() FROM "+db.Schema+".pgfence_leases WHERE name = 'slowed' FOR UPDATE").Scan(&pid); err != nil {
+	if err := tx.QueryRow(ctx, "SELECT pg_backend_pid() FROM "+db.Schema+".pgfence_sessions WHERE id = "+
+		"(SELECT session FROM "+db.Schema+".pgfence_leases WHERE name = 'slowed') FOR UPDATE").Scan(&pid); err != nil {
 		t.Fatal(err)
 	}
 	// The renewal waits for the row lock; it is held two seconds more
@@ -469,113 +469,5 @@ func TestSlowRenewalsWarnOnce(t *testing.T) {
 	}
 	if err := l.Check(ctx); err != nil {
 		t.Fatalf("the lease after a slow renewal (within its TTL): %v", err)
-	}
-}
-
-// A client whose renewals are late holds its acquisitions back until they
-// have caught up: a renewal that starts with less than RenewInterval of its
-// lease's trust window left shuts the gate, an acquisition then waits (or
-// ends with ErrRenewalsBehind when its context does), and it goes through
-// once the renewal is back. The client's clock is moved to make the renewal
-// late; the renewal is held at the database by a row lock meanwhile.
-func TestAcquisitionsWaitForLateRenewals(t *testing.T) {
-	t.Parallel()
-	db := pgtest.New(t)
-	ctx := ctxT(t, 2*time.Minute)
-	// The first renewal comes RenewInterval (15s) after the acquisition,
-	// and a renewal may take RenewInterval before it is cut: the test sets
-	// everything up well before the one and acts well within the other.
-	rec := pgtest.NewLogs()
-	c := newClient(t, db, lock.Config{TTL: 45 * time.Second, RenewInterval: 15 * time.Second, Logger: slog.New(rec)})
-	fake := clock.NewFake(time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC))
-	c.SetClock(fake)
-	kept, err := c.TryAcquire(ctx, "kept")
-	if err != nil {
-		t.Fatal(err)
-	}
-	tx, err := db.Pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(context.WithoutCancel(ctx))
-	var pid int
-	if err := tx.QueryRow(ctx, "SELECT pg_backend_pid() FROM "+db.Schema+".pgfence_leases WHERE name = 'kept' FOR UPDATE").Scan(&pid); err != nil {
-		t.Fatal(err)
-	}
-	// 5s of the trust window left: a renewal on time leaves 25.5s, and
-	// one that leaves less than half of that is late.
-	fake.Advance(kept.TimeLeft() - 5*time.Second)
-	pgtest.Eventually(t, 30*time.Second, "the late renewal to wait for the row lock", func() bool {
-		var n int
-		_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, pid).Scan(&n)
-		return n > 0
-	})
-	short, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
-	_, err = c.TryAcquire(short, "impatient")
-	cancel()
-	if !errors.Is(err, lock.ErrRenewalsBehind) || !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("an acquisition whose context ended at the gate: %v; want ErrRenewalsBehind and DeadlineExceeded", err)
-	}
-	type result struct {
-		l   *lock.Lease
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		l, err := c.Acquire(ctx, "patient")
-		done <- result{l, err}
-	}()
-	pgtest.Eventually(t, 30*time.Second, "the second acquisition held back", func() bool { return c.Stats().AcquisitionsHeldBack >= 2 })
-	select {
-	case r := <-done:
-		t.Fatalf("an acquisition went through while the renewals were late: %v", r.err)
-	default:
-	}
-	if st := c.Stats(); st.RenewalFailures != 0 {
-		t.Fatalf("the held renewal failed (cut at RenewInterval?) before the test let it go: %+v", st)
-	}
-	if err := tx.Rollback(ctx); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case r := <-done:
-		if r.err != nil {
-			t.Fatalf("the acquisition held back, once the renewal came back: %v", r.err)
-		}
-	case <-ctx.Done():
-		t.Fatal("the acquisition held back never went through")
-	}
-	if err := kept.Check(ctx); err != nil {
-		t.Fatalf("the late lease, renewed: %v", err)
-	}
-	if left := kept.TimeLeft(); left < 30*time.Second {
-		t.Fatalf("the late lease's trust window after its renewal: %v left, want about 40s", left)
-	}
-	if n := len(rec.Find(slog.LevelWarn, "renewals are late")); n != 1 {
-		t.Fatalf("%d warnings of late renewals, want 1", n)
-	}
-}
-
-// Renewals on time hold nothing back: a client renewing its leases every
-// second acquires more without waiting and without a warning.
-func TestAcquisitionsOnTimeDoNotWait(t *testing.T) {
-	t.Parallel()
-	db := pgtest.New(t)
-	ctx := ctxT(t, time.Minute)
-	rec := pgtest.NewLogs()
-	c := newClient(t, db, lock.Config{TTL: 3 * time.Second, Logger: slog.New(rec)})
-	if _, err := c.TryAcquire(ctx, "first"); err != nil {
-		t.Fatal(err)
-	}
-	pgtest.Eventually(t, 30*time.Second, "two renewals", func() bool { return c.Stats().Renewals >= 2 })
-	for i := range 20 {
-		if _, err := c.TryAcquire(ctx, fmt.Sprintf("more-%d", i)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	r0 := c.Stats().Renewals
-	pgtest.Eventually(t, 30*time.Second, "two more renewals", func() bool { return c.Stats().Renewals >= r0+2 })
-	if st := c.Stats(); st.AcquisitionsHeldBack != 0 || st.Held != 21 || len(rec.Find(slog.LevelWarn, "renewals are late")) != 0 {
-		t.Fatalf("renewals on time: %+v, %d late warnings; want nothing held back and 21 held", st, len(rec.Find(slog.LevelWarn, "renewals are late")))
 	}
 }

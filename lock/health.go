@@ -19,11 +19,10 @@ var ErrUnhealthy = errors.New("lock: unhealthy")
 // when it is closed, when the database does not answer a ping within ctx
 // (through the client's pool: a pool the application keeps busy can make
 // the probe time out), and, while it holds leases, when its renewals are
-// failing or late: a lease has less of its trust window left than a
-// renewal on time leaves, by more than half (the renewer's own measure of
-// late, min(RenewInterval, (TTL - SafetyMargin - RenewInterval)/2)); a few
-// more missed and it is lost. It sends one statement, and reads every held
-// lease's trust window.
+// failing or late: its session has less of its trust window left than a
+// renewal on time leaves, by more than half (lateSlack:
+// min(RenewInterval, (TTL - SafetyMargin - RenewInterval)/2)); a few more
+// missed and its leases are lost. It sends one statement.
 func (c *Client) Health(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Health"); err != nil {
 		return err
@@ -37,37 +36,19 @@ func (c *Client) Health(ctx context.Context) error {
 	}
 	// Renewals matter only while leases are held (the failing flag is
 	// left as the last pass set it once the client holds none).
-	if name, left, ok := c.leastTrust(); ok {
+	if s := c.session(); s != nil && s.count() > 0 {
 		if c.failing.Load() {
 			why = append(why, errors.New("renewals are failing"))
 		}
-		if slack := c.cfg.window().lateSlack(); left < slack {
-			why = append(why, fmt.Errorf("renewals are late: lease %q has %v of its trust window left (less than %v)",
-				name, left.Round(time.Millisecond), slack))
+		if left, slack := s.left(c.clock.Now()), c.cfg.window().lateSlack(); left < slack {
+			why = append(why, fmt.Errorf("renewals are late: the session holding %d leases has %v of its trust window left (less than %v)",
+				s.count(), left.Round(time.Millisecond), slack))
 		}
 	}
 	if len(why) == 0 {
 		return nil
 	}
 	return fmt.Errorf("%w: %w", ErrUnhealthy, errors.Join(why...))
-}
-
-// leastTrust returns the held lease with the least trust left, and how
-// much; ok is false when the client holds none.
-func (c *Client) leastTrust() (name string, left time.Duration, ok bool) {
-	c.mu.Lock()
-	held := make([]*Lease, 0, len(c.held))
-	for l := range c.held {
-		held = append(held, l)
-	}
-	c.mu.Unlock()
-	now := c.clock.Now()
-	for _, l := range held {
-		if d := l.TrustedUntil().Sub(now); !ok || d < left {
-			name, left, ok = l.name, d, true
-		}
-	}
-	return name, left, ok
 }
 
 // HealthHandler serves check as a readiness endpoint: 200 "ok", or 503

@@ -46,13 +46,13 @@ func TestHealth(t *testing.T) {
 		t.Fatalf("the handler of a healthy client: %d %q", code, body)
 	}
 
-	// Renewals held up: the leases table locked by another session.
+	// Renewals held up: the sessions table locked by another session.
 	tx, err := db.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, "LOCK TABLE "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" IN ACCESS EXCLUSIVE MODE"); err != nil {
+	if _, err := tx.Exec(ctx, "LOCK TABLE "+pgx.Identifier{db.Schema, "pgfence_sessions"}.Sanitize()+" IN ACCESS EXCLUSIVE MODE"); err != nil {
 		t.Fatal(err)
 	}
 	var unhealthy error

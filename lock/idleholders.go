@@ -143,7 +143,7 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, w
 			continue
 		}
 		var gone bool
-		switch err := db.QueryRow(kctx, q.endSession, f.b.PID, *f.xid, *f.since).Scan(&gone); {
+		switch err := db.QueryRow(kctx, q.endBackend, f.b.PID, *f.xid, *f.since).Scan(&gone); {
 		case errors.Is(err, pgx.ErrNoRows):
 			// It has moved on since the look: not ours to end.
 		case err != nil:

@@ -2,7 +2,6 @@ package lock
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -10,7 +9,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
-	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/txbound"
 )
@@ -21,6 +19,7 @@ import (
 // act only while it is live, and put the token on every protected write.
 type Lease struct {
 	c      *Client
+	s      *session // the client's session that holds it
 	name   string
 	token  fence.Token
 	secret []byte
@@ -28,23 +27,13 @@ type Lease struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 
-	mu         sync.Mutex
-	expiresAt  time.Time // database clock
-	trustUntil time.Time // local monotonic clock
-	timer      clock.Timer
-	ended      bool
+	mu    sync.Mutex
+	ended bool
 }
 
-func newLease(c *Client, name string, token fence.Token, secret []byte, expiresAt, sent time.Time) *Lease {
-	l := &Lease{c: c, name: name, token: token, secret: secret,
-		expiresAt: expiresAt, trustUntil: c.cfg.window().until(sent)}
+func newLease(c *Client, s *session, name string, token fence.Token, secret []byte) *Lease {
+	l := &Lease{c: c, s: s, name: name, token: token, secret: secret}
 	l.ctx, l.cancel = context.WithCancelCause(context.WithValue(context.Background(), leaseKey{}, l))
-	// The window may already be over (the process was paused while the
-	// acquisition was in flight): then the timer fires at once, and must
-	// find l.timer set. Holding mu makes it wait for the assignment.
-	l.mu.Lock()
-	l.timer = c.clock.AfterFunc(l.trustUntil.Sub(c.clock.Now()), l.trustElapsed)
-	l.mu.Unlock()
 	return l
 }
 
@@ -57,20 +46,22 @@ func (l *Lease) Token() fence.Token { return l.token }
 // Holder returns the holder identity recorded for the lease.
 func (l *Lease) Holder() string { return l.c.cfg.Holder }
 
-// ExpiresAt returns the expiry the database recorded at the last successful
-// acquire or renewal, on the database's clock.
+// ExpiresAt returns the expiry the database recorded for the client's
+// session at its last successful renewal (or start), on the database's
+// clock: the lease lives as long as the session.
 func (l *Lease) ExpiresAt() time.Time {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.expiresAt
+	l.s.mu.Lock()
+	defer l.s.mu.Unlock()
+	return l.s.expiresAt
 }
 
 // TrustedUntil returns the local deadline (monotonic clock) until which the
-// lease may be trusted without another successful renewal.
+// lease may be trusted without another successful renewal of the client's
+// session.
 func (l *Lease) TrustedUntil() time.Time {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.trustUntil
+	l.s.mu.Lock()
+	defer l.s.mu.Unlock()
+	return l.s.trustUntil
 }
 
 // Context returns a context that is cancelled when the lease ends; its cause
@@ -102,12 +93,12 @@ func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
 func (l *Lease) Err() error {
 	if l.ctx.Err() == nil {
 		l.mu.Lock()
-		over := !l.ended && !l.c.clock.Now().Before(l.trustUntil)
+		ended := l.ended
 		l.mu.Unlock()
-		if !over {
-			return nil
+		if ended || l.s.left(l.c.clock.Now()) > 0 {
+			return context.Cause(l.ctx)
 		}
-		l.trustElapsed()
+		l.s.trustElapsed()
 	}
 	return context.Cause(l.ctx)
 }
@@ -156,7 +147,7 @@ func (l *Lease) Check(ctx context.Context) error {
 		live      bool
 		expiresAt time.Time
 	)
-	err := l.c.pool.QueryRow(ctx, l.c.q.check, l.name, l.secret).Scan(&token, &ours, &live, &expiresAt)
+	err := l.c.pool.QueryRow(ctx, l.c.q.check, l.name, l.secret, l.s.id).Scan(&token, &ours, &live, &expiresAt)
 	if err != nil {
 		return fmt.Errorf("lock: check %q: %w", l.name, l.c.explain(err))
 	}
@@ -220,7 +211,6 @@ func (l *Lease) end() bool {
 		return false
 	}
 	l.ended = true
-	l.timer.Stop()
 	l.mu.Unlock()
 	l.cancel(ErrReleased)
 	l.c.untrack(l)
@@ -236,7 +226,6 @@ func (l *Lease) lose(cause LossCause, err error) {
 		return
 	}
 	l.ended = true
-	l.timer.Stop()
 	l.mu.Unlock()
 	l.cancel(err)
 	l.c.untrack(l)
@@ -245,43 +234,3 @@ func (l *Lease) lose(cause LossCause, err error) {
 		"cause", string(cause), "err", err)
 	l.c.emit(Event{Kind: Lost, Lease: l.name, Token: l.token, Cause: cause, Err: err})
 }
-
-// renewed extends the trust window after a successful renewal sent at sent.
-func (l *Lease) renewed(sent, expiresAt time.Time) {
-	l.mu.Lock()
-	if l.ended {
-		l.mu.Unlock()
-		return
-	}
-	now := l.c.clock.Now()
-	left := l.trustUntil.Sub(now)
-	l.expiresAt = expiresAt
-	if until := l.c.cfg.window().extend(l.trustUntil, sent); until != l.trustUntil {
-		l.trustUntil = until
-		l.timer.Reset(until.Sub(now))
-	}
-	l.mu.Unlock()
-	l.c.m.timeLeft.Record(context.Background(), max(left, 0).Seconds())
-	if left < l.c.cfg.RenewInterval {
-		l.c.emit(Event{Kind: RenewedLate, Lease: l.name, Token: l.token, TimeLeft: left})
-	}
-}
-
-// trustElapsed runs when the trust window's timer fires. A renewal may have
-// moved the window while the timer was firing; then it has been reset.
-func (l *Lease) trustElapsed() {
-	l.mu.Lock()
-	if l.ended || l.c.clock.Now().Before(l.trustUntil) {
-		l.mu.Unlock()
-		return
-	}
-	until := l.trustUntil
-	l.mu.Unlock()
-	cause := CauseExpired
-	if l.c.failing.Load() {
-		cause = CauseUnreachable
-	}
-	l.lose(cause, fmt.Errorf("%w: %q not renewed within its trust window (until %s)", ErrLeaseLost, l.name, until.Format(time.RFC3339Nano)))
-}
-
-var errNotRenewed = errors.New("renewal matched no row")

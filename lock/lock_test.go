@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -199,8 +201,7 @@ func TestRenewReleaseReacquire(t *testing.T) {
 // expire moves a lease's expiry into the past at the database.
 func expire(t testing.TB, db *pgtest.DB, name string) {
 	t.Helper()
-	_, err := db.Pool.Exec(context.Background(), "UPDATE "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
-		" SET expires_at = now() - interval '1 millisecond' WHERE name = $1", name)
+	_, err := db.Pool.Exec(context.Background(), expiry.SQL(db.Schema), name)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -230,13 +231,15 @@ func TestLeaseEndsBeforeTakeoverWhenRenewalsBlocked(t *testing.T) {
 	}
 	trustDeadline := l.TrustedUntil()
 
-	// Block renewals: an admin transaction holds the row's FOR UPDATE lock
-	// (which renewal's UPDATE needs), and the holder's backends are killed.
+	// Block renewals: an admin transaction holds the session row's FOR
+	// UPDATE lock (which renewal's UPDATE needs), and the holder's backends
+	// are killed.
 	admin, err := db.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := admin.Exec(ctx, "SELECT 1 FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name='blocked' FOR UPDATE"); err != nil {
+	if _, err := admin.Exec(ctx, "SELECT 1 FROM "+pgx.Identifier{db.Schema, "pgfence_sessions"}.Sanitize()+" WHERE id = "+
+		"(SELECT session FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'blocked') FOR UPDATE"); err != nil {
 		t.Fatal(err)
 	}
 	killed := pgtest.Terminate(t, db.Pool, app)
@@ -327,8 +330,10 @@ func TestExpiryIsJudgedByDatabaseClock(t *testing.T) {
 	// A holder whose row says "expires in an hour" by the database clock
 	// holds, whatever the client thinks of time.
 	var ghost int64
-	if err := db.Pool.QueryRow(ctx, "INSERT INTO "+tbl+` (name, holder, secret, acquired_at, renewed_at, expires_at)
-		VALUES ('clock', 'ghost', '\x00', now() - interval '2 hours', now(), now() + interval '1 hour') RETURNING token`).Scan(&ghost); err != nil {
+	if err := db.Pool.QueryRow(ctx, `WITH s AS (INSERT INTO `+db.Schema+`.pgfence_sessions (holder, started_at, renewed_at, expires_at)
+		VALUES ('ghost', now(), now(), now() + interval '1 hour') RETURNING id)
+		INSERT INTO `+tbl+` (name, holder, secret, session, acquired_at)
+		SELECT 'clock', 'ghost', '\x00', s.id, now() - interval '2 hours' FROM s RETURNING token`).Scan(&ghost); err != nil {
 		t.Fatal(err)
 	}
 	_, err := c.TryAcquire(ctx, "clock")
@@ -381,11 +386,11 @@ func TestInsertCannotReuseTheSessionsLastToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, stmt := range []string{
-		fmt.Sprintf("INSERT INTO %s (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE VALUES ('reuse', %d, now(), now(), now())", tbl, drawn),
+		fmt.Sprintf("INSERT INTO %s (name, token, acquired_at) OVERRIDING SYSTEM VALUE VALUES ('reuse', %d, now())", tbl, drawn),
 		// The first row draws a token; the second reuses it.
-		"INSERT INTO " + tbl + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE" +
+		"INSERT INTO " + tbl + " (name, token, acquired_at) OVERRIDING SYSTEM VALUE" +
 			" SELECT 'row' || i, CASE i WHEN 1 THEN nextval(pg_get_serial_sequence('" + tbl + "', 'token'))" +
-			" ELSE currval(pg_get_serial_sequence('" + tbl + "', 'token')) END, now(), now(), now() FROM generate_series(1, 2) i",
+			" ELSE currval(pg_get_serial_sequence('" + tbl + "', 'token')) END, now() FROM generate_series(1, 2) i",
 	} {
 		_, err := conn.Exec(ctx, stmt)
 		var pg *pgconn.PgError
@@ -394,10 +399,10 @@ func TestInsertCannotReuseTheSessionsLastToken(t *testing.T) {
 		}
 	}
 	var fresh int64
-	if err := conn.QueryRow(ctx, "INSERT INTO "+tbl+" (name, acquired_at, renewed_at, expires_at) VALUES ('fresh', now(), now(), now()) RETURNING token").Scan(&fresh); err != nil || fresh <= drawn {
+	if err := conn.QueryRow(ctx, "INSERT INTO "+tbl+" (name, acquired_at) VALUES ('fresh', now()) RETURNING token").Scan(&fresh); err != nil || fresh <= drawn {
 		t.Fatalf("INSERT drawing its own token on the same session: %d, %v; want a token above %d", fresh, err, drawn)
 	}
-	if _, err := conn.Exec(ctx, "INSERT INTO "+tbl+" (name, acquired_at, renewed_at, expires_at) SELECT 'many' || i, now(), now(), now() FROM generate_series(1, 3) i"); err != nil {
+	if _, err := conn.Exec(ctx, "INSERT INTO "+tbl+" (name, acquired_at) SELECT 'many' || i, now() FROM generate_series(1, 3) i"); err != nil {
 		t.Fatalf("a multi-row INSERT drawing its tokens: %v", err)
 	}
 }
@@ -422,15 +427,15 @@ func TestSchemaRefusesTokenDecrease(t *testing.T) {
 		{"UPDATE " + tbl + " SET token = 1", "428C9"},
 		{"DELETE FROM " + tbl, "PF010"},
 		{"TRUNCATE " + tbl, "PF010"},
-		{"INSERT INTO " + tbl + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE" +
-			" VALUES ('forged', 1000000, now(), now(), now())", "PF010"},
-		{"INSERT INTO " + tbl + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE" +
-			" VALUES ('zero', 0, now(), now(), now())", "PF010"},
+		{"INSERT INTO " + tbl + " (name, token, acquired_at) OVERRIDING SYSTEM VALUE" +
+			" VALUES ('forged', 1000000, now())", "PF010"},
+		{"INSERT INTO " + tbl + " (name, token, acquired_at) OVERRIDING SYSTEM VALUE" +
+			" VALUES ('zero', 0, now())", "PF010"},
 		// The row rules checked at insert: name length, holder and secret
 		// set together.
-		{"INSERT INTO " + tbl + " (name, acquired_at, renewed_at, expires_at) VALUES (repeat('n', 256), now(), now(), now())", "23514"},
-		{"INSERT INTO " + tbl + " (name, acquired_at, renewed_at, expires_at) VALUES ('', now(), now(), now())", "23514"},
-		{"INSERT INTO " + tbl + " (name, holder, acquired_at, renewed_at, expires_at) VALUES ('nosecret', 'h', now(), now(), now())", "23514"},
+		{"INSERT INTO " + tbl + " (name, acquired_at) VALUES (repeat('n', 256), now())", "23514"},
+		{"INSERT INTO " + tbl + " (name, acquired_at) VALUES ('', now())", "23514"},
+		{"INSERT INTO " + tbl + " (name, holder, acquired_at) VALUES ('nosecret', 'h', now())", "23514"},
 	} {
 		_, err := db.Pool.Exec(ctx, tc.stmt)
 		var pg *pgconn.PgError
@@ -680,7 +685,7 @@ func TestLateAcquisitionIsLiveWhenReturned(t *testing.T) {
 	}
 	var live bool
 	if err := db.Pool.QueryRow(ctx, "SELECT expires_at > clock_timestamp() FROM "+
-		pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'late'").Scan(&live); err != nil || !live {
+		pgx.Identifier{db.Schema, "pgfence_lease_states"}.Sanitize()+" WHERE name = 'late'").Scan(&live); err != nil || !live {
 		t.Fatalf("database expiry of the returned lease has passed (%v)", err)
 	}
 	// And it stays live: the renewer keeps it (three renewals, waited for).
@@ -785,16 +790,15 @@ func waitFor(t *testing.T, d time.Duration, cond func() bool) {
 // An acquisition whose reply was lost (connection dropped after the commit)
 // leaves the row held with the attempt's secret. Acquire keeps one secret
 // across its attempts, so its next attempt adopts that lease at once instead
-// of waiting for it to expire, trusting it from the first attempt's send time
-// (the earliest the lost acquisition can have happened). Another secret (any
-// other acquirer, or TryAcquire) still finds it held.
+// of waiting for it to expire, under the client's session, which holds it.
+// Another secret (any other acquirer, or TryAcquire) still finds it held.
 func TestAcquireAdoptsItsLostAcquisition(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
 	cfg := lock.Config{TTL: 3 * time.Second, RenewInterval: 500 * time.Millisecond, SafetyMargin: 300 * time.Millisecond}
 	c := newClient(t, db, cfg)
-	secret, sent, token, err := c.AcquireLostReply(ctx, "orphan")
+	secret, token, err := c.AcquireLostReply(ctx, "orphan")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -802,19 +806,12 @@ func TestAcquireAdoptsItsLostAcquisition(t *testing.T) {
 	if _, err := c.TryAcquire(ctx, "orphan"); !errors.As(err, &held) || int64(held.Token) != token {
 		t.Fatalf("TryAcquire with a fresh secret = %v, want held with token %d", err, token)
 	}
-	// A first attempt sent so long ago that no trust would be left: wait.
-	if _, err := c.TryAcquireAs(ctx, "orphan", secret, sent.Add(-cfg.TTL)); !errors.As(err, &held) {
-		t.Fatalf("adoption with no trust window left = %v, want *HeldError", err)
-	}
-	l, err := c.TryAcquireAs(ctx, "orphan", secret, sent)
+	l, err := c.TryAcquireAs(ctx, "orphan", secret)
 	if err != nil {
 		t.Fatalf("adopting the lost acquisition: %v", err)
 	}
 	if int64(l.Token()) != token {
 		t.Fatalf("adopted token %d, want %d", l.Token(), token)
-	}
-	if want := sent.Add(cfg.TTL - cfg.SafetyMargin); l.TrustedUntil().After(want) {
-		t.Fatalf("adopted lease trusted until %v, beyond first send + TTL - margin (%v)", l.TrustedUntil(), want)
 	}
 	// It is a lease like any other: renewed past its first expiry.
 	time.Sleep(cfg.TTL + time.Second)
@@ -871,7 +868,7 @@ func TestWaitersPollOncePerInterval(t *testing.T) {
 	// goroutine yet when a quiet window is seen). The count below is an
 	// upper bound, which load can only make easier to meet.
 	pgtest.Eventually(t, 30*time.Second, "every waiter's first attempt", func() bool {
-		return counter.count("SELECT token, coalesce(holder") >= n
+		return counter.count("SELECT l.token, coalesce(l.holder") >= n
 	})
 	pgtest.Eventually(t, 30*time.Second, "the waiters' first attempts to be over", func() bool {
 		counter.reset()
@@ -1037,47 +1034,11 @@ func TestCloseReleasesManyLeasesInFewStatements(t *testing.T) {
 		}
 	}
 	var held int
-	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{db.Schema, "pgfence_lease_states"}.Sanitize()+
 		" WHERE holder IS NOT NULL OR expires_at > now()").Scan(&held); err != nil || held != 0 {
 		t.Fatalf("%d lease rows still held after Close (%v)", held, err)
 	}
 	t.Logf("Close released %d leases with %d statements", n, counter.total())
-}
-
-// A client holding more leases than one renewal statement carries renews
-// them in several statements on two connections of its own, and keeps them
-// all.
-func TestManyLeasesRenewedOnTwoConnections(t *testing.T) {
-	t.Parallel()
-	db := pgtest.New(t)
-	ctx := ctxT(t, 2*time.Minute)
-	const app = "renew-lanes"
-	pool := pgtest.NewPool(t, app)
-	c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: 6 * time.Second, Logger: quiet})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close(ctx)
-	const n = 10001 // three statements a pass
-	leases := acquireMany(t, ctx, c, "lanes", n)
-	r0 := c.Stats().Renewals
-	pgtest.Eventually(t, time.Minute, "two passes of three statements", func() bool { return c.Stats().Renewals >= r0+6 })
-	var renewers int
-	if err := db.Pool.QueryRow(ctx, `SELECT count(DISTINCT pid) FROM pg_stat_activity
- WHERE application_name = $1 AND query LIKE '%unnest%' AND query LIKE '%expires_at > now()%'`, app).Scan(&renewers); err != nil {
-		t.Fatal(err)
-	}
-	if renewers < 2 { // a late acquisition's renewal on the pool could add one
-		t.Fatalf("the renewal statements ran on %d connection, want 2", renewers)
-	}
-	if st := c.Stats(); st.Held != n || st.RenewalFailures != 0 {
-		t.Fatalf("after two passes: %+v, want %d held and no failure", st, n)
-	}
-	for _, l := range leases {
-		if err := l.Err(); err != nil {
-			t.Fatalf("lease %q: %v", l.Name(), err)
-		}
-	}
 }
 
 // acquireMany acquires the leases prefix-00000 ... prefix-(n-1) on c, with

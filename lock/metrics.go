@@ -22,7 +22,6 @@ type metrics struct {
 	losses       metric.Int64Counter
 	renewTime    metric.Float64Histogram
 	slowRenews   metric.Int64Counter
-	heldBacks    metric.Int64Counter
 	timeLeft     metric.Float64Histogram
 	waitTime     metric.Float64Histogram
 	observed     metric.Registration
@@ -56,11 +55,9 @@ func newMetrics(c *Client) (*metrics, error) {
 	ms.slowRenews, e = m.Int64Counter("pgfence.lease.renewal.slow", metric.WithUnit("{renewal}"),
 		metric.WithDescription("Renewal passes (all of a client's leases, in statements of up to 5,000) that took more than half of RenewInterval."))
 	keep(e)
-	ms.heldBacks, e = m.Int64Counter("pgfence.lease.acquisition.held_back", metric.WithUnit("{acquisition}"),
-		metric.WithDescription("Acquisitions that waited for late renewals before they were sent (Stats.AcquisitionsHeldBack)."))
 	keep(e)
 	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renewal.duration", metric.WithUnit("s"),
-		metric.WithDescription("Round trip of a renewal statement (up to 5,000 of a client's leases at once)."),
+		metric.WithDescription("Round trip of a renewal of the client's session (one statement for all its leases)."),
 		metric.WithExplicitBucketBoundaries(buckets.Latency...))
 	keep(e)
 	ms.timeLeft, e = m.Float64Histogram("pgfence.lease.time_left", metric.WithUnit("s"),
@@ -129,5 +126,3 @@ func (m *metrics) lost(cause LossCause) {
 }
 
 func (m *metrics) slowRenewal() { m.slowRenews.Add(context.Background(), 1) }
-
-func (m *metrics) heldBack() { m.heldBacks.Add(context.Background(), 1) }

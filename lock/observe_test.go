@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/pgfence/pgfence/internal/expiry"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
@@ -72,8 +72,7 @@ func TestObserveSeesEachNewHolder(t *testing.T) {
 	}
 	// c's lease ends at the database (c frozen past its TTL) and d takes
 	// it over: no release is announced, the acquisition is.
-	if _, err := db.Pool.Exec(ctx, "UPDATE "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
-		" SET expires_at = now() WHERE name = 'watched'"); err != nil {
+	if _, err := db.Pool.Exec(ctx, expiry.SQL(db.Schema), "watched"); err != nil {
 		t.Fatal(err)
 	}
 	ld, err := holders["d"].TryAcquire(ctx, "watched")

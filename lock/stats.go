@@ -9,20 +9,17 @@ import (
 type Stats struct {
 	// Held is the number of leases the client holds now.
 	Held int
-	// Renewals and RenewalFailures count renewal statements (one per
-	// interval per 5,000 leases) that succeeded and failed.
+	// Renewals and RenewalFailures count the renewals of the client's
+	// session (one statement per RenewInterval, whatever the number of
+	// leases) that succeeded and failed.
 	Renewals, RenewalFailures uint64
 	// LastRenewLatency is the round trip of the last successful renewal.
 	LastRenewLatency time.Duration
-	// SlowRenewals counts successful renewal passes (every statement of
-	// one renewal of all the leases) that took more than half of
-	// RenewInterval (the client logs a warning when they start, and the
-	// metric pgfence.lease.renewal.slow counts them): a client holding
-	// more leases than its server renews in time.
+	// SlowRenewals counts renewals, successful or not, that took more
+	// than half of RenewInterval (the client logs a warning when they
+	// start, and the metric pgfence.lease.renewal.slow counts them): a
+	// server or network too slow for the TTL.
 	SlowRenewals uint64
-	// AcquisitionsHeldBack counts acquisitions that waited for late
-	// renewals before they were sent (see ErrRenewalsBehind).
-	AcquisitionsHeldBack uint64
 	// IdleHoldersEnded counts the sessions the client's acquisitions
 	// ended because they sat idle in a transaction on the row of an
 	// expired lease, blocking the acquisition (see
@@ -50,18 +47,18 @@ type stats struct {
 
 // Stats returns the client's current lease health.
 func (c *Client) Stats() Stats {
-	c.mu.Lock()
-	held := len(c.held)
-	c.mu.Unlock()
+	held := 0
+	if s := c.session(); s != nil {
+		held = s.count()
+	}
 	return Stats{
-		Held:                 held,
-		Renewals:             c.stats.renewals.Load(),
-		RenewalFailures:      c.stats.failures.Load(),
-		LastRenewLatency:     time.Duration(c.stats.latency.Load()),
-		SlowRenewals:         c.stats.slow.Load(),
-		AcquisitionsHeldBack: c.behind.waits.Load(),
-		IdleHoldersEnded:     c.stats.idleEnded.Load(),
-		ClockSkew:            time.Duration(c.stats.skew.Load()),
+		Held:             held,
+		Renewals:         c.stats.renewals.Load(),
+		RenewalFailures:  c.stats.failures.Load(),
+		LastRenewLatency: time.Duration(c.stats.latency.Load()),
+		SlowRenewals:     c.stats.slow.Load(),
+		IdleHoldersEnded: c.stats.idleEnded.Load(),
+		ClockSkew:        time.Duration(c.stats.skew.Load()),
 	}
 }
 

@@ -21,26 +21,12 @@ func (c Config) window() window {
 // until is the end of the trust window of a statement sent at sent.
 func (w window) until(sent time.Time) time.Time { return sent.Add(w.ttl - w.margin) }
 
-// lateSlack is how much of a lease's trust window a renewal must leave to
-// be on time (see late): a renewal on time leaves TTL - SafetyMargin -
-// RenewInterval (with the defaults, 1.7 RenewIntervals); one that leaves
-// less than half of that, or less than one RenewInterval, is late.
+// lateSlack is how much of the session's trust window a renewal must
+// leave to be on time (Health): a renewal on time leaves TTL -
+// SafetyMargin - RenewInterval (with the defaults, 1.7 RenewIntervals); one
+// that leaves less than half of that, or less than one RenewInterval, is
+// late.
 func (w window) lateSlack() time.Duration { return min(w.renew, (w.ttl-w.margin-w.renew)/2) }
-
-// lateGrant reports whether an acquisition won by a statement sent at sent
-// leaves, at now, less than one RenewInterval of trust: it is renewed before
-// it is handed out, or its holder would start on a lease about to end (the
-// reply was slow, or the acquisition waited for a guarded transaction).
-func (w window) lateGrant(sent, now time.Time) bool { return w.until(sent).Sub(now) < w.renew }
-
-// adoptable reports whether a lease found held with this Acquire's secret
-// (an earlier attempt won; its reply was lost) may be adopted at now: the
-// trust window counts from the first attempt, sent at since (the only send
-// time known to be no later than the winning one), and at least half a
-// RenewInterval of it must be left.
-func (w window) adoptable(since, now time.Time) bool {
-	return !since.IsZero() && w.until(since).Sub(now) > w.renew/2
-}
 
 // extend returns the trust deadline after a renewal sent at sent: the later
 // of the current deadline and the renewal's (a renewal's reply can arrive

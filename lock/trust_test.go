@@ -15,33 +15,16 @@ func TestTrustWindow(t *testing.T) {
 		t.Fatalf("until = %v, want send + TTL - SafetyMargin", got)
 	}
 	for _, tc := range []struct {
-		name      string
-		sent, now time.Duration
-		late      bool
+		name               string
+		ttl, margin, renew time.Duration
+		slack              time.Duration
 	}{
-		{"reply at once", 0, 10 * time.Millisecond, false},
-		{"reply after 8.5s: exactly RenewInterval left", 0, 8500 * time.Millisecond, false},
-		{"reply after 8.6s: less than RenewInterval left", 0, 8600 * time.Millisecond, true},
-		{"reply after the window", 0, 20 * time.Second, true},
+		{"defaults: half the headroom", 15 * time.Second, 1500 * time.Millisecond, 5 * time.Second, 4250 * time.Millisecond},
+		{"3s TTL: half the headroom", 3 * time.Second, 300 * time.Millisecond, time.Second, 850 * time.Millisecond},
+		{"long TTL: a RenewInterval", 60 * time.Second, time.Second, 5 * time.Second, 5 * time.Second},
 	} {
-		if got := w.lateGrant(at(tc.sent), at(tc.now)); got != tc.late {
-			t.Errorf("lateGrant, %s: %v, want %v", tc.name, got, tc.late)
-		}
-	}
-	for _, tc := range []struct {
-		name   string
-		since  time.Time
-		now    time.Duration
-		adopts bool
-	}{
-		{"no attempt before", time.Time{}, time.Second, false},
-		{"found at once", t0, time.Second, true},
-		{"half a RenewInterval and a bit left", t0, 10999 * time.Millisecond, true},
-		{"exactly half a RenewInterval left", t0, 11 * time.Second, false},
-		{"past the window", t0, 14 * time.Second, false},
-	} {
-		if got := w.adoptable(tc.since, at(tc.now)); got != tc.adopts {
-			t.Errorf("adoptable, %s: %v, want %v", tc.name, got, tc.adopts)
+		if got := (window{ttl: tc.ttl, margin: tc.margin, renew: tc.renew}).lateSlack(); got != tc.slack {
+			t.Errorf("lateSlack, %s: %v, want %v", tc.name, got, tc.slack)
 		}
 	}
 	cur := w.until(at(5 * time.Second))

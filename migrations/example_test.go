@@ -29,5 +29,5 @@ func ExampleUp() {
 	}
 	fmt.Println("pgfence schema version", version)
 	// Output:
-	// pgfence schema version 4
+	// pgfence schema version 5
 }

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -164,8 +166,8 @@ func TestLeastPrivilege(t *testing.T) {
 		{"delete a lease row (tokens would restart)", "DELETE FROM " + leases, "42501", "no DELETE privilege (the owner: trigger pgfence_leases_protect_delete)"},
 		{"truncate the leases", "TRUNCATE " + leases, "42501", "no TRUNCATE privilege"},
 		{"lower a token", "UPDATE " + leases + " SET token = token - 1", "428C9", "identity column (GENERATED ALWAYS)"},
-		{"insert a lease reusing an issued token", "INSERT INTO " + leases + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE VALUES ('forged', 1, now(), now(), now())", "PF010", "trigger pgfence_leases_check_insert"},
-		{"insert a lease with a future token", "INSERT INTO " + leases + " (name, token, acquired_at, renewed_at, expires_at) OVERRIDING SYSTEM VALUE VALUES ('forged', 1000000, now(), now(), now())", "PF010", "trigger pgfence_leases_check_insert"},
+		{"insert a lease reusing an issued token", "INSERT INTO " + leases + " (name, token, acquired_at) OVERRIDING SYSTEM VALUE VALUES ('forged', 1, now())", "PF010", "trigger pgfence_leases_check_insert"},
+		{"insert a lease with a future token", "INSERT INTO " + leases + " (name, token, acquired_at) OVERRIDING SYSTEM VALUE VALUES ('forged', 1000000, now())", "PF010", "trigger pgfence_leases_check_insert"},
 		{"lower a resource fence's mark", "UPDATE " + fences + " SET token = token - 1", "PF010", "trigger pgfence_fences_protect_update"},
 		{"delete a resource fence", "DELETE FROM " + fences, "42501", "no DELETE privilege"},
 		{"delete the latest run of a job (its slot would run again)", "DELETE FROM " + runs, "PF010", "trigger pgfence_runs_protect_delete"},
@@ -278,8 +280,7 @@ func TestApplicationRoleEndsIdleHolders(t *testing.T) {
 	defer taker.Close(ctx)
 	expire := func(name string) {
 		t.Helper()
-		if _, err := owner.Exec(ctx, "UPDATE "+ident.Table(schema, "pgfence_leases")+
-			" SET expires_at = now() - interval '1 millisecond' WHERE name = $1", name); err != nil {
+		if _, err := owner.Exec(ctx, expiry.SQL(schema), name); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -36,7 +36,7 @@ func leaseUpdateSQL(schema, r string) []string {
 	t := ident.Table(schema, "pgfence_leases")
 	return []string{
 		"REVOKE UPDATE ON " + t + " FROM " + r,
-		"GRANT UPDATE (token, holder, secret, acquired_at, renewed_at, expires_at, waiters_until, observers_until) ON " +
+		"GRANT UPDATE (token, holder, secret, session, acquired_at, freed_at, waiters_until, observers_until) ON " +
 			t + " TO " + r,
 	}
 }
@@ -48,6 +48,10 @@ func appGrantSQL(schema, s, r string) []string {
 	return append([]string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT, INSERT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
+		// A client's session: started, renewed, ended; expired ones are
+		// deleted a day later by the next session to start.
+		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_sessions") + " TO " + r,
+		"GRANT SELECT ON " + t("pgfence_lease_states") + " TO " + r,
 		// Not the key of a fence either: a renamed fence would let its
 		// resource's mark start again (the trigger refuses it to the owner).
 		"REVOKE UPDATE ON " + t("pgfence_fences") + " FROM " + r,
@@ -76,8 +80,12 @@ func operatorGrantSQL(schema, s, r string) []string {
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + ", " + t("pgfence_runs") + ", " +
 			t("pgfence_jobs") + ", " + t("pgfence_instances") + ", " + t("pgfence_offsets") + ", " + t("pgfence_epoch") + ", " +
-			t("pgfence_groups") + ", " + t("pgfence_terms") + ", " + t(VersionTable) + " TO " + r,
+			t("pgfence_groups") + ", " + t("pgfence_terms") + ", " + t(VersionTable) + ", " + t("pgfence_sessions") + ", " +
+			t("pgfence_lease_states") + " TO " + r,
 		"GRANT UPDATE ON " + t("pgfence_jobs") + ", " + t("pgfence_groups") + " TO " + r,
+		// ForceRelease and revocations count the loss on the holder's
+		// session, which tells its client at the next renewal.
+		"GRANT UPDATE (losses) ON " + t("pgfence_sessions") + " TO " + r,
 		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
 		// Prune deletes the terms that ended with the runs; Seek closes
 		// the term it revokes, and sets the offset with the revoking token

@@ -20,6 +20,8 @@ import (
 	"os"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -172,8 +174,7 @@ func (db *DB) Expire(tb TB, l *lock.Lease) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	_, err := db.Pool.Exec(ctx, "UPDATE "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
-		" SET expires_at = least(expires_at, now() - interval '1 microsecond') WHERE name = $1", l.Name())
+	_, err := db.Pool.Exec(ctx, expiry.SQL(db.Schema), l.Name())
 	if err != nil {
 		tb.Fatalf("pgfencetest: expire %q: %v", l.Name(), err)
 		return

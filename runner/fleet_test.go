@@ -107,7 +107,7 @@ func TestFleet(t *testing.T) {
 				(SELECT max(slot)::text FROM `+tbl(db, "effects")+` e WHERE 'pgfence/job/' || e.job || '/' || e.shard = l.name),
 				(SELECT string_agg(status || '@' || slot::time::text, ' ' ORDER BY slot DESC) FROM (SELECT * FROM `+tbl(db, "pgfence_runs")+` r
 				  WHERE 'pgfence/job/' || r.job || '/' || r.shard = l.name ORDER BY slot DESC LIMIT 3) x)
-				FROM `+tbl(db, "pgfence_leases")+` l ORDER BY 1`)
+				FROM `+tbl(db, "pgfence_lease_states")+` l ORDER BY 1`)
 			for rows.Next() {
 				var name, holder string
 				var live bool

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -130,7 +132,7 @@ func TestMetrics(t *testing.T) {
 	if _, err := b.TryAcquire(ctx, "metered"); !errors.Is(err, lock.ErrHeld) {
 		t.Fatalf("TryAcquire of a held lease: %v", err)
 	}
-	mustExec(t, db, "UPDATE "+tbl(db, "pgfence_leases")+" SET expires_at = now() - interval '1 second' WHERE name = 'metered'")
+	mustExec(t, db, expiry.SQL(db.Schema), "metered")
 	lb, err := b.TryAcquire(ctx, "metered") // the takeover
 	if err != nil {
 		t.Fatal(err)

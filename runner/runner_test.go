@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -147,7 +149,7 @@ func TestLeaderRevokedMidRun(t *testing.T) {
 	// Revoke: the lease ends at the database (as if the holder had been
 	// frozen past its TTL), and the leader's renewals are refused.
 	revoked := time.Now()
-	mustExec(t, db, "UPDATE "+tbl(db, "pgfence_leases")+" SET expires_at = now() WHERE name = $1", "pgfence/job/nightly")
+	mustExec(t, db, expiry.SQL(db.Schema), "pgfence/job/nightly")
 	waitFor(t, 30*time.Second, "the slot to succeed under a new leader", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_runs")+" WHERE slot = $1 AND status = 'succeeded'", zr.Slot) == 1
 	})

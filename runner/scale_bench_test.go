@@ -62,7 +62,7 @@ func shardFleet(b *testing.B, stagger time.Duration) {
 			func(r *runner.Runner) error { return r.RegisterSharded(job, shards) })
 	}
 	holders := func() map[int]string {
-		rows, err := db.Pool.Query(context.Background(), "SELECT split_part(name, '/', 4)::int, holder FROM "+tbl(db, "pgfence_leases")+
+		rows, err := db.Pool.Query(context.Background(), "SELECT split_part(name, '/', 4)::int, holder FROM "+tbl(db, "pgfence_lease_states")+
 			" WHERE name LIKE 'pgfence/job/fleet/%' AND holder IS NOT NULL AND expires_at > now()")
 		if err != nil {
 			b.Fatal(err)

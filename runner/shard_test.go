@@ -79,7 +79,7 @@ func TestShardsSpreadAndRebalance(t *testing.T) {
 		ins[who] = start(t, pool, lock.Config{Schema: db.Schema, Holder: who, TTL: ttl, PollInterval: 200 * time.Millisecond}, runner.Config{RebalanceInterval: rebalance}, func(r *runner.Runner) error { return r.RegisterSharded(job(who), shards) })
 	}
 	held := func() map[string]int {
-		r, err := db.Pool.Query(context.Background(), "SELECT holder, count(*) FROM "+tbl(db, "pgfence_leases")+
+		r, err := db.Pool.Query(context.Background(), "SELECT holder, count(*) FROM "+tbl(db, "pgfence_lease_states")+
 			" WHERE name LIKE 'pgfence/job/sharded/%' AND holder IS NOT NULL AND expires_at > now() GROUP BY holder")
 		if err != nil {
 			t.Fatal(err)
@@ -223,7 +223,7 @@ func TestGracefulLeaveHandsOverAtOnce(t *testing.T) {
 		return lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second}, runner.Config{RebalanceInterval: 10 * time.Second}
 	}
 	held := func(who string) int {
-		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_leases")+
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_lease_states")+
 			" WHERE name LIKE 'pgfence/job/handover/%' AND holder = $1 AND expires_at > now()", who)
 	}
 	a := startWith(t, db.Pool, "a", cfg, func(r *runner.Runner) error { return r.RegisterSharded(job, 8) })

@@ -76,7 +76,7 @@ func TestSingletonsSpreadOverReplicas(t *testing.T) {
 	})
 	// leads maps each live holder to the jobs it leads.
 	leads := func() (map[string][]string, int) {
-		rows, err := db.Pool.Query(ctx, "SELECT holder, name FROM "+tbl(db, "pgfence_leases")+
+		rows, err := db.Pool.Query(ctx, "SELECT holder, name FROM "+tbl(db, "pgfence_lease_states")+
 			" WHERE name LIKE 'pgfence/job/job-%' AND holder IS NOT NULL AND expires_at > now() ORDER BY holder, name")
 		if err != nil {
 			t.Fatal(err)

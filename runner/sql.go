@@ -72,7 +72,7 @@ func tablesOf(schema string) tables {
 		runs:    ident.Table(schema, "pgfence_runs"),
 		jobs:    ident.Table(schema, "pgfence_jobs"),
 		inst:    ident.Table(schema, "pgfence_instances"),
-		leases:  ident.Table(schema, "pgfence_leases"),
+		leases:  ident.Table(schema, "pgfence_lease_states"), // read only: held while holder IS NOT NULL AND expires_at > now()
 		wake:    ident.Table(schema, "pgfence_wake_waiters"),
 		offsets: ident.Table(schema, "pgfence_offsets"),
 		groups:  ident.Table(schema, "pgfence_groups"),
@@ -120,8 +120,8 @@ SELECT x.committed_offset, x.until_offset, (SELECT g.partitions FROM ` + t.group
 
 		// Every partition that has had a leader (of group $2, or of all
 		// when $2 is ''), with its lease ($1 the group lease prefix): a
-		// lease not held was last held until its expires_at (a release
-		// sets it to the release's time).
+		// lease not held was last held until its expires_at (its
+		// session's expiry, or the time it was freed).
 		partitions: `SELECT p.group_name, p.partition, p.committed_offset, p.token, coalesce(p.holder, ''), p.advanced_at, p.committed_at, p.commits,
        p.end_offset, p.end_at,
        coalesce(l.holder, ''), coalesce(l.token, 0), coalesce(l.holder IS NOT NULL AND l.expires_at > now(), false),

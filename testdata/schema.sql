@@ -326,12 +326,36 @@ CREATE TABLE pgfence.pgfence_leases (
     holder text,
     secret bytea,
     acquired_at timestamp with time zone NOT NULL,
-    renewed_at timestamp with time zone NOT NULL,
-    expires_at timestamp with time zone NOT NULL,
     waiters_until timestamp with time zone,
-    observers_until timestamp with time zone
+    observers_until timestamp with time zone,
+    session bigint,
+    freed_at timestamp with time zone
 )
 WITH (fillfactor='10');
+
+CREATE TABLE pgfence.pgfence_sessions (
+    id bigint NOT NULL,
+    holder text NOT NULL,
+    started_at timestamp with time zone NOT NULL,
+    renewed_at timestamp with time zone NOT NULL,
+    expires_at timestamp with time zone NOT NULL,
+    losses bigint DEFAULT 0 NOT NULL
+)
+WITH (fillfactor='50');
+
+CREATE VIEW pgfence.pgfence_lease_states AS
+ SELECT l.name,
+    l.token,
+    l.holder,
+    l.session,
+    l.acquired_at,
+    COALESCE(s.renewed_at, l.acquired_at) AS renewed_at,
+        CASE
+            WHEN (l.session IS NULL) THEN l.freed_at
+            ELSE s.expires_at
+        END AS expires_at
+   FROM (pgfence.pgfence_leases l
+     LEFT JOIN pgfence.pgfence_sessions s ON ((s.id = l.session)));
 
 ALTER TABLE pgfence.pgfence_leases ALTER COLUMN token ADD GENERATED ALWAYS AS IDENTITY (
     SEQUENCE NAME pgfence.pgfence_leases_token_seq
@@ -379,6 +403,15 @@ CREATE TABLE pgfence.pgfence_runs (
     CONSTRAINT pgfence_runs_token_check CHECK ((token >= 1))
 );
 
+ALTER TABLE pgfence.pgfence_sessions ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME pgfence.pgfence_sessions_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE TABLE pgfence.pgfence_terms (
     kind text NOT NULL,
     name text NOT NULL,
@@ -420,6 +453,9 @@ ALTER TABLE ONLY pgfence.pgfence_offsets
 ALTER TABLE ONLY pgfence.pgfence_runs
     ADD CONSTRAINT pgfence_runs_pkey PRIMARY KEY (job, shard, kind, slot, attempt);
 
+ALTER TABLE ONLY pgfence.pgfence_sessions
+    ADD CONSTRAINT pgfence_sessions_pkey PRIMARY KEY (id);
+
 ALTER TABLE ONLY pgfence.pgfence_terms
     ADD CONSTRAINT pgfence_terms_pkey PRIMARY KEY (kind, name, shard, token);
 
@@ -428,6 +464,8 @@ CREATE INDEX pgfence_instances_expires ON pgfence.pgfence_instances USING btree 
 CREATE INDEX pgfence_runs_pending ON pgfence.pgfence_runs USING btree (job, shard) WHERE (status = 'pending'::text);
 
 CREATE INDEX pgfence_runs_recent ON pgfence.pgfence_runs USING btree (started_at DESC);
+
+CREATE INDEX pgfence_sessions_expires ON pgfence.pgfence_sessions USING btree (expires_at);
 
 CREATE INDEX pgfence_terms_started ON pgfence.pgfence_terms USING btree (started_at);
 

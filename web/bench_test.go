@@ -29,9 +29,12 @@ func BenchmarkPages(b *testing.B) {
 		        now() - (i / 10) * interval '1 minute', now() - (i / 10) * interval '1 minute' + interval '2 seconds',
 		        CASE WHEN i % 10 = 3 THEN 'boom' END
 		   FROM generate_series(0, 9999) i`,
-		`INSERT INTO ` + db.Schema + `.pgfence_leases (name, holder, secret, acquired_at, renewed_at, expires_at)
-		 SELECT 'lease-' || i, CASE WHEN i % 2 = 0 THEN 'n0' END, CASE WHEN i % 2 = 0 THEN '\x01'::bytea END, now(), now(), now() + interval '1 minute'
-		   FROM generate_series(0, 199) i`,
+		`WITH s AS (INSERT INTO ` + db.Schema + `.pgfence_sessions (holder, started_at, renewed_at, expires_at)
+		            VALUES ('n0', now(), now(), now() + interval '1 minute') RETURNING id)
+		 INSERT INTO ` + db.Schema + `.pgfence_leases (name, holder, secret, session, acquired_at)
+		 SELECT 'lease-' || i, CASE WHEN i % 2 = 0 THEN 'n0' END, CASE WHEN i % 2 = 0 THEN '\x01'::bytea END,
+		        CASE WHEN i % 2 = 0 THEN s.id END, now()
+		   FROM generate_series(0, 199) i, s`,
 	} {
 		if _, err := db.Pool.Exec(ctx, q); err != nil {
 			b.Fatal(err)

@@ -223,9 +223,15 @@ func TestStatusPageInBrowser(t *testing.T) {
 	// Two holders that stopped renewing (rows as a frozen holder leaves
 	// them): one expired and not released, one with a renewal overdue.
 	leases := pgx.Identifier{rg.db.Schema, "pgfence_leases"}.Sanitize()
-	if _, err := rg.db.Pool.Exec(dbctx, `INSERT INTO `+leases+` (name, holder, secret, acquired_at, renewed_at, expires_at) VALUES
-		('compact-events', 'worker-7', '\x01', now() - interval '2 hours', now() - interval '20 seconds', now() - interval '5 seconds'),
-		('reports/daily', 'worker-3', '\x02', now() - interval '1 minute', now() - interval '100 seconds', now() + interval '30 seconds')`); err != nil {
+	sessions := pgx.Identifier{rg.db.Schema, "pgfence_sessions"}.Sanitize()
+	if _, err := rg.db.Pool.Exec(dbctx, `WITH s AS (INSERT INTO `+sessions+` (holder, started_at, renewed_at, expires_at) VALUES
+		('worker-7', now() - interval '2 hours', now() - interval '20 seconds', now() - interval '5 seconds'),
+		('worker-3', now() - interval '1 minute', now() - interval '100 seconds', now() + interval '30 seconds') RETURNING id, holder)
+		INSERT INTO `+leases+` (name, holder, secret, session, acquired_at)
+		SELECT CASE s.holder WHEN 'worker-7' THEN 'compact-events' ELSE 'reports/daily' END, s.holder,
+		       CASE s.holder WHEN 'worker-7' THEN '\x01'::bytea ELSE '\x02'::bytea END, s.id,
+		       CASE s.holder WHEN 'worker-7' THEN now() - interval '2 hours' ELSE now() - interval '1 minute' END
+		  FROM s`); err != nil {
 		t.Fatal(err)
 	}
 	err = chromedp.Do(ctx,

@@ -106,7 +106,9 @@ func run(schema string, duration time.Duration, replicas int) error {
 			return err
 		}
 		if i%7 == 6 {
-			_, _ = pool.Exec(ctx, "UPDATE "+q+".pgfence_leases SET expires_at = now() WHERE name = 'pgfence/job/compact-events'")
+			fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			_, _, _ = lock.ForceRelease(fctx, pool, schema, "pgfence/job/compact-events")
+			cancel()
 		}
 		time.Sleep(100 * time.Millisecond)
 	}

@@ -50,7 +50,7 @@ func TestReleaseAcrossCrash(t *testing.T) {
 		}
 		// The row as the lease left it at the database.
 		var expiresAt time.Time
-		if err := pool.QueryRow(ctx, "SELECT expires_at FROM pgfence.pgfence_leases WHERE name = 'crash'").Scan(&expiresAt); err != nil {
+		if err := pool.QueryRow(ctx, "SELECT expires_at FROM pgfence.pgfence_lease_states WHERE name = 'crash'").Scan(&expiresAt); err != nil {
 			t.Fatal(err)
 		}
 		if err := l.Release(ctx); err != nil {
@@ -70,7 +70,7 @@ func TestReleaseAcrossCrash(t *testing.T) {
 			token  int64
 			exp    time.Time
 		)
-		if err := pool.QueryRow(ctx, "SELECT holder, token, expires_at FROM pgfence.pgfence_leases WHERE name = 'crash'").Scan(&holder, &token, &exp); err != nil {
+		if err := pool.QueryRow(ctx, "SELECT holder, token, expires_at FROM pgfence.pgfence_lease_states WHERE name = 'crash'").Scan(&holder, &token, &exp); err != nil {
 			t.Fatalf("round %d after restart: %v", round, err)
 		}
 		switch {
@@ -80,8 +80,11 @@ func TestReleaseAcrossCrash(t *testing.T) {
 			t.Fatalf("round %d: a durable release was lost in the crash (holder %q)", round, *holder)
 		default:
 			lost++
-			if *holder != l.Holder() || token != int64(l.Token()) || !exp.Equal(expiresAt) {
-				t.Fatalf("round %d: after the crash the row is holder %q token %d expires %v; want the lease as it was: %q, %d, %v",
+			// Its session may have been renewed once more before the
+			// crash (a durable commit): the expiry is then one renewal
+			// later, never earlier.
+			if *holder != l.Holder() || token != int64(l.Token()) || exp.Before(expiresAt) || exp.After(expiresAt.Add(2*time.Second)) {
+				t.Fatalf("round %d: after the crash the row is holder %q token %d expires %v; want the lease as it was: %q, %d, %v (or one renewal later)",
 					round, *holder, token, exp, l.Holder(), l.Token(), expiresAt)
 			}
 		}

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/faultproxy"
@@ -207,13 +209,14 @@ func (s *suite) run() {
 		if rng.IntN(2) == 0 {
 			name = "pgfence/job/" + chargeJob
 		}
-		// Mostly expire the holder's lease under it; sometimes extend it
-		// past what the holder itself trusts.
-		shift := "now()"
+		// Mostly expire the holder's lease under it; sometimes extend
+		// its session past what the holder itself trusts.
+		expire := expiry.SQL("pgfence")
 		if rng.IntN(5) == 0 {
-			shift = "expires_at + interval '500 milliseconds'"
+			expire = "UPDATE pgfence.pgfence_sessions SET expires_at = expires_at + interval '500 milliseconds' " +
+				"WHERE id = (SELECT session FROM pgfence.pgfence_leases WHERE name = $1)"
 		}
-		tag, err := s.admin.Exec(ctx, "UPDATE pgfence.pgfence_leases SET expires_at = "+shift+" WHERE name = $1 AND holder IS NOT NULL", name)
+		tag, err := s.admin.Exec(ctx, expire, name)
 		if err == nil && tag.RowsAffected() > 0 {
 			s.f.clock.Add(1)
 		}

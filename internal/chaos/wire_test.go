@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/expiry"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -253,8 +255,7 @@ func runWire(t *testing.T, db *pgtest.DB, run wireRun) wireTally {
 // returns 1; the holder's next write with its old guard is refused. It
 // returns 0 when a renewal got in first.
 func takeOver(ctx context.Context, db *pgtest.DB, usurper *lock.Client, name string) (int, error) {
-	if _, err := db.Pool.Exec(ctx, "UPDATE "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
-		" SET expires_at = now() WHERE name = $1", name); err != nil {
+	if _, err := db.Pool.Exec(ctx, expiry.SQL(db.Schema), name); err != nil {
 		return 0, err
 	}
 	ul, err := usurper.TryAcquire(ctx, name)

@@ -24,7 +24,7 @@ const VersionTable = "pgfence_db_version"
 // Latest is the newest migration's version: the schema version this
 // pgfence needs. Package migrations checks at start-up that it is the
 // newest of its embedded files.
-const Latest int64 = 4
+const Latest int64 = 5
 
 // State is a schema's migration state.
 type State struct {
