@@ -45,6 +45,8 @@ func main() {
 	rounds := flag.Int("rounds", 5, "rounds per table")
 	cell := flag.Duration("cell", time.Second, "time per measurement")
 	handovers := flag.Int("handovers", 200, "handovers per handover row")
+	soakRuns := flag.Int("soak-runs", 20, "runs of each case of 10,000 leases in the soak section")
+	soakRunsLarge := flag.Int("soak-runs-large", 20, "runs of each case of 100,000 leases in the soak section")
 	write := flag.String("write", "", "BENCHMARKS.md to update between its generated-section markers")
 	only := flag.String("sections", strings.Join(sectionNames, ","), "the sections to run, comma-separated; also "+
 		strings.Join(longSections, ", ")+" (each a few minutes, written to a block of its own)")
@@ -96,12 +98,13 @@ func main() {
 		// renewal comes back well inside its trust window), 10 renewal
 		// intervals each.
 		"leases": func(out *bytes.Buffer) error { return b.manyLeases(ctx, out) },
-		// Fleets at scale: the leases above; 100, 1,000 and 10,000
-		// singleton jobs on ten replicas.
+		// The lease-loss reports' cases, run -soak-runs times each in a
+		// row with two CPU hogs: 10,000 and 100,000 leases at a 3 s TTL,
+		// 8 and 16 acquirers on pools of 8 and 16.
+		"soak": func(out *bytes.Buffer) error { return b.soak(ctx, out, *soakRuns, *soakRunsLarge) },
+		// Fleets at scale: 100, 1,000 and 10,000 singleton jobs on ten
+		// replicas.
 		"fleet": func(out *bytes.Buffer) error {
-			if err := b.manyLeases(ctx, out); err != nil {
-				return err
-			}
 			for _, jobs := range []int{100, 1000, 10000} {
 				if err := b.singletons(ctx, out, 10*time.Second, jobs); err != nil {
 					return err
@@ -151,7 +154,7 @@ var sectionNames = []string{"pairs", "guarded", "costs", "parts", "handover", "c
 // its own (<!-- bench:NAME:begin --> ... <!-- bench:NAME:end -->).
 // (singletons, 100 jobs, and leases, 100,000 leases on one client, also
 // run alone, for development: fleet has them.)
-var longSections = []string{"river", "fleet"}
+var longSections = []string{"river", "fleet", "leases", "soak"}
 
 type bench struct {
 	url   string

@@ -227,30 +227,62 @@ func (b *bench) costs(ctx context.Context, out *bytes.Buffer, d time.Duration) e
 }
 
 // parts measures what each part of the acquisition statement costs: the
-// statement as lock/sql.go has it, then with one part taken out at a time,
-// each paired with the default (asynchronous) release, against the floor
-// of a durable and an asynchronous commit. The statements mirror lock's;
-// the parts taken out are what the fencing guarantees rest on, so this is
-// an account of the gap, not a list of options.
+// statement as lock/sql.go has it, the statement before sessions (the lease
+// row alone, on a table of that layout), then that one with one part taken
+// out at a time, each paired with the default (asynchronous) release,
+// against the floor of an asynchronous commit. The statements mirror
+// lock's; the parts taken out are what the fencing guarantees rest on, so
+// this is an account of the gap, not a list of options.
 func (b *bench) parts(ctx context.Context, out *bytes.Buffer, rounds int, d time.Duration) error {
-	t := schema + ".pgfence_leases"
-	if _, err := b.pool.Exec(ctx, "INSERT INTO "+t+" (name, holder, secret, acquired_at, renewed_at, expires_at) "+
-		"SELECT 'parts-' || g, NULL, NULL, now(), now(), now() FROM generate_series(0, 7) g ON CONFLICT DO NOTHING"); err != nil {
+	t, st, old := schema+".pgfence_leases", schema+".pgfence_sessions", schema+".leases_before_sessions"
+	var session int64
+	if err := b.pool.QueryRow(ctx, "INSERT INTO "+st+" (holder, started_at, renewed_at, expires_at) "+
+		"VALUES ('bench-parts', now(), now(), now() + interval '1 day') RETURNING id").Scan(&session); err != nil {
 		return err
 	}
+	if _, err := b.pool.Exec(ctx, "INSERT INTO "+t+" (name, acquired_at) "+
+		"SELECT 'parts-' || g, now() FROM generate_series(0, 7) g ON CONFLICT DO NOTHING"); err != nil {
+		return err
+	}
+	if _, err := b.pool.Exec(ctx, "CREATE TABLE IF NOT EXISTS "+old+` (
+    name text PRIMARY KEY, token bigint GENERATED ALWAYS AS IDENTITY (CACHE 1), holder text, secret bytea,
+    acquired_at timestamptz NOT NULL, renewed_at timestamptz NOT NULL, expires_at timestamptz NOT NULL,
+    waiters_until timestamptz, observers_until timestamptz) WITH (fillfactor = 10);
+INSERT INTO `+old+` (name, acquired_at, renewed_at, expires_at)
+SELECT 'parts-' || g, now(), now(), now() FROM generate_series(0, 7) g ON CONFLICT DO NOTHING`); err != nil {
+		return err
+	}
+	epoch := fmt.Sprintf("(%[1]s.pgfence_timeline() = %[1]s.pgfence_epoch_timeline() OR %[1]s.pgfence_sync_epoch())", schema)
+	wake := "CASE WHEN l.waiters_until > now() THEN " + schema + ".pgfence_wake_waiters(l.name) ELSE false END"
+	// Today's statements, as lock/sql.go builds them.
+	acquire := `WITH locked AS (
+  SELECT f.name, f.session FROM ` + t + ` f
+   WHERE f.name = $1 AND (f.session IS NULL OR EXISTS (SELECT FROM ` + st + ` s WHERE s.id = f.session AND s.expires_at <= now()))
+   FOR UPDATE),
+taken AS (UPDATE ` + st + ` s SET losses = s.losses + 1 FROM locked WHERE s.id = locked.session AND s.expires_at <= now() RETURNING s.id)
+UPDATE ` + t + ` l SET token = DEFAULT, holder = $2, secret = $3, session = $4, acquired_at = clock_timestamp(), freed_at = NULL
+  FROM locked
+ WHERE l.name = locked.name AND (locked.session IS NULL OR EXISTS (SELECT FROM taken)) AND ` + epoch + `
+RETURNING l.token`
+	release := "UPDATE " + t + " l SET holder = NULL, secret = NULL, session = NULL, freed_at = now() WHERE l.name = $1 AND l.token = $2 AND l.secret = $3 " +
+		"RETURNING " + wake + ", set_config('synchronous_commit', 'off', true)"
+	// The statements before sessions: the lease row carried its own expiry.
 	const set = "SET token = DEFAULT, holder = $2, secret = $3, acquired_at = clock_timestamp(), renewed_at = clock_timestamp(), " +
 		"expires_at = clock_timestamp() + 15000000 * interval '1 microsecond'"
 	free := "(l.holder IS NULL OR l.expires_at <= now())"
-	epoch := fmt.Sprintf("(%[1]s.pgfence_timeline() = %[1]s.pgfence_epoch_timeline() OR %[1]s.pgfence_sync_epoch())", schema)
-	lockRow := "l.name = (SELECT f.name FROM " + t + " f WHERE f.name = $1 AND (f.holder IS NULL OR f.expires_at <= now()) FOR UPDATE)"
-	release := "UPDATE " + t + " l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now()) WHERE l.name = $1 AND l.token = $2 AND l.secret = $3 " +
-		"RETURNING CASE WHEN l.waiters_until > now() THEN " + schema + ".pgfence_wake_waiters(l.name) ELSE false END, set_config('synchronous_commit', 'off', true)"
-	pair := func(acquire string) func(context.Context, int, bool) (op, func(), error) {
+	lockRow := "l.name = (SELECT f.name FROM " + old + " f WHERE f.name = $1 AND (f.holder IS NULL OR f.expires_at <= now()) FOR UPDATE)"
+	releaseOld := "UPDATE " + old + " l SET holder = NULL, secret = NULL, expires_at = least(l.expires_at, now()) WHERE l.name = $1 AND l.token = $2 AND l.secret = $3 " +
+		"RETURNING " + wake + ", set_config('synchronous_commit', 'off', true)"
+	pair := func(acquire, release string, withSession bool) func(context.Context, int, bool) (op, func(), error) {
 		return func(_ context.Context, client int, _ bool) (op, func(), error) {
 			name, secret := fmt.Sprintf("parts-%d", client), []byte{byte(client)}
+			args := []any{name, "bench-parts", secret}
+			if withSession {
+				args = append(args, session)
+			}
 			return func(ctx context.Context) (bool, error) {
 				var token int64
-				if err := b.pool.QueryRow(ctx, acquire, name, "bench-parts", secret).Scan(&token); err != nil {
+				if err := b.pool.QueryRow(ctx, acquire, args...).Scan(&token); err != nil {
 					return false, fmt.Errorf("acquire: %w", err)
 				}
 				_, err := b.pool.Exec(ctx, release, name, token, secret)
@@ -258,7 +290,7 @@ func (b *bench) parts(ctx context.Context, out *bytes.Buffer, rounds int, d time
 			}, func() {}, nil
 		}
 	}
-	upd := "UPDATE " + t + " l "
+	upd := "UPDATE " + old + " l "
 	forms := []form{
 		{floorAsync, "acquire only", func(_ context.Context, client int, _ bool) (op, func(), error) {
 			st := "UPDATE " + schema + ".floor SET v = v + 1 WHERE id = $1"
@@ -270,18 +302,19 @@ func (b *bench) parts(ctx context.Context, out *bytes.Buffer, rounds int, d time
 				return err == nil, err
 			}, func() {}, nil
 		}},
-		{"the acquisition as pgfence sends it", "acquire only", pair(upd + set + " WHERE " + lockRow + " AND " + free + " AND " + epoch + " RETURNING l.token")},
-		{"without the explicit row lock (FOR UPDATE)", "acquire only", pair(upd + set + " WHERE l.name = $1 AND " + free + " AND " + epoch + " RETURNING l.token")},
-		{"... and without the epoch check", "acquire only", pair(upd + set + " WHERE l.name = $1 AND " + free + " RETURNING l.token")},
-		{"... and without a new token (no sequence)", "acquire only", pair(upd + strings.Replace(set, "token = DEFAULT, ", "", 1) +
-			" WHERE l.name = $1 AND " + free + " RETURNING l.token")},
+		{"the acquisition as pgfence sends it (the session's liveness)", "acquire only", pair(acquire, release, true)},
+		{"the acquisition before sessions (the lease row's own expiry)", "acquire only", pair(upd+set+" WHERE "+lockRow+" AND "+free+" AND "+epoch+" RETURNING l.token", releaseOld, false)},
+		{"... without the explicit row lock (FOR UPDATE)", "acquire only", pair(upd+set+" WHERE l.name = $1 AND "+free+" AND "+epoch+" RETURNING l.token", releaseOld, false)},
+		{"... and without the epoch check", "acquire only", pair(upd+set+" WHERE l.name = $1 AND "+free+" RETURNING l.token", releaseOld, false)},
+		{"... and without a new token (no sequence)", "acquire only", pair(upd+strings.Replace(set, "token = DEFAULT, ", "", 1)+
+			" WHERE l.name = $1 AND "+free+" RETURNING l.token", releaseOld, false)},
 	}
 	fmt.Fprint(out, "\n### What the acquisition's parts cost\n\nThe acquisition statement as `lock` sends it, then with its parts "+
 		"taken out one after another (cumulatively), each followed by the default release, against the like-for-like floor; "+
-		"raw statements, no lock client. What is taken out is what the guarantees rest on: the explicit row lock makes a "+
-		"takeover wait for guarded transactions, the epoch check keeps tokens rising across a failover, the sequence issues "+
-		"the token. What remains after the last row is the lease row's own bookkeeping (a wider row: holder, secret, three "+
-		"timestamps).\n")
+		"raw statements, no lock client. The second row is the statement before sessions, on a table of that layout (each "+
+		"lease row carried its own expiry, and every renewal rewrote it). What is taken out is what the guarantees rest on: "+
+		"the explicit row lock makes a takeover wait for guarded transactions, the epoch check keeps tokens rising across a "+
+		"failover, the sequence issues the token. What remains after the last row is the lease row's own bookkeeping.\n")
 	return table(ctx, out, "pairs/s", forms, []string{"distinct names"}, []int{8}, rounds, d, func(f form) string {
 		if f.name == floorAsync {
 			return ""

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"runtime"
 	"slices"
 	"sort"
@@ -48,27 +49,30 @@ func (b *bench) newPool(ctx context.Context, maxConns int32, tune ...func(*pgxpo
 // cost, and its memory per lease.
 func (b *bench) scale(ctx context.Context, out *bytes.Buffer, ttl time.Duration, intervals int, counts ...int) error {
 	renew := ttl / 3
-	fmt.Fprintf(out, "\n### Scale: one client holding many leases\n\nOne client (TTL %s, so a renewal every %s) acquires the leases (16 goroutines), then "+
-		"holds them for %d renewal intervals. Statements: what it sent per interval (a pgx tracer; a renewal is one statement per "+
-		"5,000 leases). Renew latency: a renewal statement's round trip (`Client.Stats`), median and max over the window. Server CPU: every `postgres` "+
-		"process, per second of holding. Heap: the client's live heap after a GC, with the leases minus without, per lease (with one lease: mostly the "+
-		"client's own structures). "+
-		"Close: `Client.Close`, which releases them all.\n\n"+
-		"Lost: leases that ended while they were acquired or held (none should). Held back: acquisitions that waited for late "+
-		"renewals (`Stats.AcquisitionsHeldBack`).\n\n"+
-		"| leases | statements / renewal interval | renew latency | server CPU / s | lost | held back | client heap / lease | acquiring them | Close |\n"+
-		"|---|---|---|---|---|---|---|---|---|\n", ttl, renew, intervals)
+	fmt.Fprintf(out, "\n### Scale: one client holding many leases\n\nOne client (TTL %s, so a renewal every %s; a pool of %d) acquires "+
+		"the leases (%d goroutines), then holds them for %d renewal intervals. Statements: what it sent per interval (a pgx tracer; "+
+		"a renewal is one statement of the client's session, whatever the number of leases). Renew latency: the renewal's round "+
+		"trip (`Client.Stats`), median and max over the window. Server CPU: every `postgres` process, per second of holding. Heap: "+
+		"the client's live heap after a GC, with the leases minus without, per lease (with one lease: mostly the client's own "+
+		"structures). Close: `Client.Close`, which releases them all and ends the session.\n\n"+
+		"Lost: leases that ended while they were acquired or held (none should), counted from `Config.OnEvent`.\n\n"+
+		"| leases | statements / renewal interval | renew latency | server CPU / s | lost | client heap / lease | acquiring them | Close |\n"+
+		"|---|---|---|---|---|---|---|---|\n", ttl, renew, acquirers, acquirers, intervals)
 	for _, n := range counts {
-		if err := b.hold(ctx, out, n, ttl, intervals); err != nil {
+		r, err := b.holdOnce(ctx, holdCase{leases: n, ttl: ttl, intervals: intervals, acquirers: acquirers, pool: acquirers})
+		if err != nil {
 			return fmt.Errorf("scale %d: %w", n, err)
 		}
+		fmt.Fprintf(out, "| %d | %.1f | %s (max %s) | %s | %s | %.0f B | %s | %s |\n", n, r.statements,
+			ms(r.latency[len(r.latency)/2]), ms(r.latency[len(r.latency)-1]), r.serverText(), r.lostText(), r.heapPerLease,
+			r.acquiring.Round(time.Millisecond), r.closing.Round(time.Millisecond))
 	}
 	return nil
 }
 
 // acquirers is how many goroutines acquire the leases of a scale row: as
 // many as an independent probe used, which saw 81-87% of 100,000 leases at
-// a 3 s TTL lost while they acquired.
+// a 3 s TTL lost while they acquired (before sessions).
 const acquirers = 16
 
 // manyLeases is scale with 100,000 leases at the default TTL and at 3 s.
@@ -81,10 +85,51 @@ func (b *bench) manyLeases(ctx context.Context, out *bytes.Buffer) error {
 	return nil
 }
 
-func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Duration, intervals int) error {
-	pool, sent, err := b.newPool(ctx, 8)
+// holdCase is one client holding many leases: how many, its TTL, how many
+// renewal intervals it holds them, how many goroutines acquire them, and
+// its pool's size.
+type holdCase struct {
+	leases, intervals, acquirers int
+	pool                         int32
+	ttl                          time.Duration
+}
+
+// holdResult is what one holdCase measured.
+type holdResult struct {
+	statements          float64         // per renewal interval, while holding
+	latency             []time.Duration // renewal round trips, sorted
+	cpu, took           time.Duration   // server CPU while holding, and the window
+	lostAcquiring, lost int
+	why                 map[LossWhy]int
+	renewals, slow      uint64
+	heapPerLease        float64
+	acquiring, closing  time.Duration
+}
+
+func (r holdResult) serverCPU() float64 {
+	return float64(r.cpu.Microseconds()) / 1000 / r.took.Seconds()
+}
+
+func (r holdResult) serverText() string {
+	if r.cpu < 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.0f ms", r.serverCPU())
+}
+
+func (r holdResult) lostText() string {
+	if r.lost == 0 {
+		return "0"
+	}
+	return fmt.Sprintf("**%d**, %d of them while acquiring (%v; slow renewals: %d of %d)", r.lost, r.lostAcquiring, r.why, r.slow, r.renewals)
+}
+
+// holdOnce runs one holdCase. Leases lost are a result, not an error.
+func (b *bench) holdOnce(ctx context.Context, hc holdCase) (holdResult, error) {
+	var r holdResult
+	pool, sent, err := b.newPool(ctx, hc.pool)
 	if err != nil {
-		return err
+		return r, err
 	}
 	defer pool.Close()
 	heap := func() uint64 {
@@ -93,9 +138,15 @@ func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Dur
 		runtime.ReadMemStats(&m)
 		return m.HeapAlloc
 	}
-	c, err := lock.New(pool, lock.Config{Schema: schema, TTL: ttl, Holder: "bench-scale", Logger: quiet})
+	var lost atomic.Int64
+	c, err := lock.New(pool, lock.Config{Schema: schema, TTL: hc.ttl, Holder: "bench-scale", Logger: quiet,
+		OnEvent: func(e lock.Event) {
+			if e.Kind == lock.Lost {
+				lost.Add(1)
+			}
+		}})
 	if err != nil {
-		return err
+		return r, err
 	}
 	open := true // Close is measured below; on an error return, close here
 	defer func() {
@@ -103,61 +154,160 @@ func (b *bench) hold(ctx context.Context, out *bytes.Buffer, n int, ttl time.Dur
 			_ = c.Close(context.Background())
 		}
 	}()
+	// Stats read every 2 ms throughout, as a busy exporter would.
+	stop := make(chan struct{})
+	var readers sync.WaitGroup
+	readers.Add(1)
+	go func() {
+		defer readers.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(2 * time.Millisecond):
+				_ = c.Stats()
+			}
+		}
+	}()
+	defer func() { close(stop); readers.Wait() }()
+	prefix := fmt.Sprintf("scale-%d-%s-", hc.leases, randName())
 	heap0 := heap()
-	leases := make([]*lock.Lease, n)
+	leases := make([]*lock.Lease, hc.leases)
 	began := time.Now()
-	if err := parallel(acquirers, n, func(i int) error {
-		l, err := c.TryAcquire(ctx, fmt.Sprintf("scale-%d", i))
+	if err := parallel(hc.acquirers, hc.leases, func(i int) error {
+		l, err := c.TryAcquire(ctx, prefix+fmt.Sprint(i))
 		leases[i] = l
 		return err
 	}); err != nil {
-		return err
+		return r, err
 	}
-	acquiring := time.Since(began)
-	lostAcquiring := n - c.Stats().Held
-	perLease := (float64(heap()) - float64(heap0)) / float64(n)
+	r.acquiring = time.Since(began)
+	r.lostAcquiring = int(lost.Load())
+	r.heapPerLease = (float64(heap()) - float64(heap0)) / float64(hc.leases)
 	renewals := func() uint64 { return c.Stats().Renewals }
-	// Start counting once renewals run: the window then holds whole
-	// renewal intervals (each a pass of one statement per 5,000 leases).
-	if err := waitUntil(2*ttl, func() bool { return renewals() > 0 }); err != nil {
-		return errors.New("no renewal")
+	r0 := renewals()
+	if err := waitUntil(2*hc.ttl, func() bool { return renewals() > r0 }); err != nil {
+		return r, errors.New("no renewal")
 	}
 	s0, cpu0, t0 := sent.statements.Load(), mustCPU(), time.Now()
-	var lat []time.Duration
-	for end := t0.Add(time.Duration(intervals) * c.Config().RenewInterval); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
-		if st := c.Stats(); len(lat) == 0 || st.LastRenewLatency != lat[len(lat)-1] {
-			lat = append(lat, st.LastRenewLatency)
+	for end := t0.Add(time.Duration(hc.intervals) * c.Config().RenewInterval); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		if st := c.Stats(); len(r.latency) == 0 || st.LastRenewLatency != r.latency[len(r.latency)-1] {
+			r.latency = append(r.latency, st.LastRenewLatency)
 		}
 	}
-	took, statements, cpu := time.Since(t0), sent.statements.Load()-s0, mustCPU()-cpu0
-	// Leases lost while acquiring or holding are a result, not an error:
-	// the table says how many, and why.
+	r.took, r.cpu = time.Since(t0), mustCPU()-cpu0
+	if cpu0 < 0 {
+		r.cpu = -1
+	}
+	r.statements = float64(sent.statements.Load()-s0) / float64(hc.intervals)
 	st := c.Stats()
-	lost := n - st.Held
-	why := map[LossWhy]int{}
+	r.renewals, r.slow = st.Renewals, st.SlowRenewals
+	r.lost = int(lost.Load())
+	if held := hc.leases - st.Held; held > r.lost {
+		r.lost = held
+	}
+	r.why = map[LossWhy]int{}
 	for _, l := range leases {
 		if err := l.Err(); err != nil {
-			why[lossWhy(err)]++
+			r.why[lossWhy(err)]++
 		}
 	}
 	closing := time.Now()
 	open = false
 	if err := c.Close(ctx); err != nil {
+		return r, err
+	}
+	r.closing = time.Since(closing)
+	sort.Slice(r.latency, func(i, j int) bool { return r.latency[i] < r.latency[j] })
+	return r, nil
+}
+
+// randName is a short random name part: each run's leases are new names.
+func randName() string { return fmt.Sprintf("%06x", rand.IntN(1<<24)) }
+
+// soak holds the cases of the lease-loss reports runs times each, in a row,
+// with two CPU hogs on the machine (busy shell loops), and writes how many
+// leases were lost in all, with the spread of the rest.
+func (b *bench) soak(ctx context.Context, out *bytes.Buffer, runs, largeRuns int) error {
+	hogs, err := startHogs(2)
+	if err != nil {
 		return err
 	}
-	closed := time.Since(closing)
-	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
-	server := "–"
-	if cpu >= 0 {
-		server = fmt.Sprintf("%.0f ms", float64(cpu.Microseconds())/1000/took.Seconds())
+	defer stopHogs(hogs)
+	cases := []holdCase{
+		{leases: 10000, ttl: 3 * time.Second, intervals: 5, acquirers: 8, pool: 8},
+		{leases: 10000, ttl: 3 * time.Second, intervals: 10, acquirers: 16, pool: 16},
+		{leases: 100000, ttl: 3 * time.Second, intervals: 10, acquirers: 8, pool: 8},
+		{leases: 100000, ttl: 3 * time.Second, intervals: 10, acquirers: 16, pool: 16},
 	}
-	lostText := "0"
-	if lost > 0 {
-		lostText = fmt.Sprintf("**%d**, %d of them while acquiring (%v; slow renewals: %d of %d)", lost, lostAcquiring, why, st.SlowRenewals, st.Renewals)
+	fmt.Fprintf(out, "\n### Soak: one client acquiring and holding many leases at a 3 s TTL, two CPU hogs running\n\n"+
+		"Each case run in a row (runs: the count), with two busy shell loops on the 2-core machine throughout. One client (TTL 3s, "+
+		"RenewInterval 1s, defaults otherwise; `Stats` read every 2 ms) acquires the leases with `TryAcquire` from the "+
+		"goroutines given, then holds them for the intervals given. Lost: leases lost while acquiring or holding, all runs "+
+		"together (`Config.OnEvent`, and `Stats.Held` at the end). Statements and server CPU: while holding, per renewal "+
+		"interval and per second, median [max] over the runs. Renew latency: the slowest renewal of all runs.\n\n"+
+		"| leases | acquirers | pool | intervals held | runs | lost | acquiring them | statements / interval | server CPU / s | slowest renewal |\n"+
+		"|---|---|---|---|---|---|---|---|---|---|\n")
+	for _, hc := range cases {
+		var (
+			lost             int
+			acq, stmts, cpus []float64
+			slowest          time.Duration
+		)
+		n := runs
+		if hc.leases > 10000 {
+			n = largeRuns
+		}
+		for i := range n {
+			r, err := b.holdOnce(ctx, hc)
+			if err != nil {
+				return fmt.Errorf("soak %d leases, run %d: %w", hc.leases, i, err)
+			}
+			lost += r.lost
+			acq = append(acq, r.acquiring.Seconds())
+			stmts = append(stmts, r.statements)
+			cpus = append(cpus, r.serverCPU())
+			slowest = max(slowest, r.latency[len(r.latency)-1])
+			fmt.Fprintf(os.Stderr, "bench: soak %d leases, %d acquirers: run %d: lost %d, acquired in %s, %.1f statements/interval, %.0f ms CPU/s\n",
+				hc.leases, hc.acquirers, i+1, r.lost, r.acquiring.Round(time.Millisecond), r.statements, r.serverCPU())
+		}
+		lostText := "0"
+		if lost > 0 {
+			lostText = fmt.Sprintf("**%d**", lost)
+		}
+		fmt.Fprintf(out, "| %d | %d | %d | %d | %d | %s | %s | %s | %s | %s |\n", hc.leases, hc.acquirers, hc.pool, hc.intervals, n, lostText,
+			spread(acq, "%.1f s"), spread(stmts, "%.1f"), spread(cpus, "%.0f ms"), ms(slowest))
 	}
-	fmt.Fprintf(out, "| %d | %.1f | %s (max %s) | %s | %s | %d | %.0f B | %s | %s |\n", n, float64(statements)/float64(intervals),
-		ms(lat[len(lat)/2]), ms(lat[len(lat)-1]), server, lostText, st.AcquisitionsHeldBack, perLease, acquiring.Round(time.Millisecond), closed.Round(time.Millisecond))
 	return nil
+}
+
+// spread is the median of xs and its max, in format f.
+func spread(xs []float64, f string) string {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	return fmt.Sprintf(f+" ["+f+"]", s[len(s)/2], s[len(s)-1])
+}
+
+// startHogs starts n processes that spin on a CPU each.
+func startHogs(n int) ([]*exec.Cmd, error) {
+	var hogs []*exec.Cmd
+	for range n {
+		h := exec.Command("sh", "-c", "while :; do :; done")
+		if err := h.Start(); err != nil {
+			stopHogs(hogs)
+			return nil, err
+		}
+		hogs = append(hogs, h)
+	}
+	return hogs, nil
+}
+
+// stopHogs kills the hogs and waits for them.
+func stopHogs(hogs []*exec.Cmd) {
+	for _, h := range hogs {
+		_ = h.Process.Kill()
+		_ = h.Wait()
+	}
 }
 
 // mustCPU is serverCPU, or -1 when it is not known.
@@ -373,7 +523,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 	like := "pgfence/job/" + prefix + "-%"
 	led := func() int {
 		var n int
-		_ = b.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".pgfence_leases WHERE name LIKE $1 AND holder IS NOT NULL AND expires_at > now()", like).Scan(&n)
+		_ = b.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".pgfence_lease_states WHERE name LIKE $1 AND holder IS NOT NULL AND expires_at > now()", like).Scan(&n)
 		return n
 	}
 	if err := waitUntil(time.Minute, func() bool { return led() == jobs }); err != nil {
@@ -387,7 +537,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 		var per map[string]int
 		err := waitUntil(2*time.Minute, func() bool {
 			per = map[string]int{}
-			rows, err := b.pool.Query(ctx, "SELECT holder, count(*) FROM "+schema+".pgfence_leases WHERE name LIKE $1 AND holder IS NOT NULL "+
+			rows, err := b.pool.Query(ctx, "SELECT holder, count(*) FROM "+schema+".pgfence_lease_states WHERE name LIKE $1 AND holder IS NOT NULL "+
 				"AND expires_at > now() GROUP BY holder ORDER BY holder", like)
 			if err != nil {
 				return false
@@ -465,7 +615,7 @@ func (b *bench) fleet(ctx context.Context, replicas, jobs int, sharded bool, win
 	}
 	ledBy := func(holder string) int {
 		var n int
-		_ = b.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".pgfence_leases WHERE name LIKE $1 AND holder = $2 AND expires_at > now()",
+		_ = b.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".pgfence_lease_states WHERE name LIKE $1 AND holder = $2 AND expires_at > now()",
 			like, holder).Scan(&n)
 		return n
 	}
@@ -542,7 +692,7 @@ func (b *bench) crash(ctx context.Context, out *bytes.Buffer, rounds int) error 
 		// The waiter waits; the kill lands anywhere in the holder's renewal cycle.
 		time.Sleep(300*time.Millisecond + rand.N(ttl/3))
 		var left float64
-		if err := b.pool.QueryRow(ctx, "SELECT extract(epoch FROM expires_at - now()) FROM "+schema+".pgfence_leases WHERE name = $1", name).Scan(&left); err != nil {
+		if err := b.pool.QueryRow(ctx, "SELECT extract(epoch FROM expires_at - now()) FROM "+schema+".pgfence_lease_states WHERE name = $1", name).Scan(&left); err != nil {
 			return err
 		}
 		killed := time.Now()

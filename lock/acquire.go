@@ -207,27 +207,34 @@ type casResult struct {
 	session int64      // the session the row names (0: none)
 }
 
-// compareAndSet sends the acquire statement and, if it did not win, heldBy.
-// It reports whether the lease was won (filling token), or else the row as
-// it stands, if there is one.
+// compareAndSet sends the acquire statement and, if it did not win, heldBy;
+// and if that finds the row named by an expired session, the takeover. It
+// reports whether the lease was won (filling token), or else the row as it
+// stands, if there is one.
 func (c *Client) compareAndSet(ctx context.Context, req acquisition, s *session, token *int64) (casResult, error) {
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
 		return casResult{}, err
 	}
 	defer conn.Release()
-	var notified bool // an observer was told
-	stop := func() {}
-	if !c.cfg.WaitForIdleHolders {
-		var waiter *int64 // the acquisition's backend, if the client knows it (verify)
-		if c.backendPIDs.Load() {
-			pid := int64(conn.Conn().PgConn().PID())
-			waiter = &pid
+	// cas runs one compare-and-set statement; the statement may wait on
+	// the row for a holder frozen in a guarded transaction (idleholders.go).
+	cas := func(sql string) error {
+		stop := func() {}
+		if !c.cfg.WaitForIdleHolders {
+			var waiter *int64 // the acquisition's backend, if the client knows it (verify)
+			if c.backendPIDs.Load() {
+				pid := int64(conn.Conn().PgConn().PID())
+				waiter = &pid
+			}
+			stop = c.watchIdleHolders(ctx, req.name, waiter)
 		}
-		stop = c.watchIdleHolders(ctx, req.name, waiter)
+		var notified bool // an observer was told
+		err := conn.QueryRow(ctx, sql, req.args(c, s)...).Scan(token, &notified)
+		stop()
+		return err
 	}
-	err = conn.QueryRow(ctx, c.q.acquire, req.args(c, s)...).Scan(token, &notified)
-	stop()
+	err = cas(c.q.acquire)
 	switch {
 	case err == nil:
 		return casResult{won: true}, nil
@@ -241,14 +248,24 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, s *session,
 	)
 	err = conn.QueryRow(ctx, c.q.heldBy, req.name, req.secret).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine, &r.session)
 	switch {
-	case err == nil:
-		h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
-		r.held = h
-		return r, nil
-	case !errors.Is(err, pgx.ErrNoRows):
+	case errors.Is(err, pgx.ErrNoRows):
+		return casResult{}, nil
+	case err != nil:
 		return casResult{}, err
 	}
-	return casResult{}, nil
+	h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
+	r.held = h
+	if r.live || r.session == 0 {
+		return r, nil
+	}
+	// Named by an expired session: take it over.
+	switch err := cas(c.q.takeOver); {
+	case err == nil:
+		return casResult{won: true}, nil
+	case !errors.Is(err, pgx.ErrNoRows):
+		return casResult{}, inFlight(err, conn.Conn().PgConn().PID())
+	}
+	return r, nil // renewed meanwhile, or taken by someone else: the caller looks again
 }
 
 // Acquire blocks until it acquires the lease name or ctx ends. It wakes

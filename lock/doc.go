@@ -3,11 +3,13 @@
 //
 // # Model
 //
-// A lease is one row of pgfence_leases. Acquiring it is a single
-// compare-and-set UPDATE that succeeds only if the row is free, released, or
-// expired by the database's clock, and gives the row a new token: the next
-// value of the token column's sequence (an identity column, which nothing
-// else can write). So:
+// A lease is one row of pgfence_leases, and a client's liveness is one row
+// of pgfence_sessions: every lease a client holds names its session, and
+// lives while the session has not expired by the database's clock.
+// Acquiring a lease is a single compare-and-set statement that succeeds only
+// if the row is free, released, or its session has expired, and gives the
+// row a new token: the next value of the token column's sequence (an
+// identity column, which nothing else can write). So:
 //
 //   - at most one client holds a lease at any moment by the database's clock;
 //   - every acquisition returns a token strictly greater than every token
@@ -20,12 +22,21 @@
 // says why that is safe and how to turn it off): a crash in the moment after
 // a release can only leave the lease held until its expiry.
 //
-// A Client renews all of its leases in one statement every RenewInterval.
-// Each Lease carries a context that is cancelled the moment the lease is lost
-// (the database refused a renewal, or Check found it taken) or can no longer
-// be trusted: the holder trusts its lease only until the time its last
-// successful acquire or renew was sent + TTL - SafetyMargin, on Go's monotonic
-// clock, and gives up then even if the database cannot be reached.
+// A Client renews its session, and so all of its leases, in one statement
+// of one row every RenewInterval, whatever their number; acquisitions never
+// wait for it. Each Lease carries a context that is cancelled the moment the
+// lease is lost (the session's renewal found it taken, freed or expired, or
+// Check did) or can no longer be trusted: the holder trusts its leases only
+// until the time its session's last successful renewal (or start) was sent
+// + TTL - SafetyMargin, on Go's monotonic clock, and gives up then even if
+// the database cannot be reached. A takeover after expiry counts the loss
+// on the session's row in its own transaction (a renewal in flight and the
+// takeover serialise there), ForceRelease and a revocation record theirs
+// beside it without locking it, and a renewal returns the count: when it
+// moved, the renewal reads which leases were taken (one statement) before
+// it extends the window for the others, so the loss of one lease reaches
+// its holder within one RenewInterval. Close frees every lease and ends the
+// session at once.
 //
 // # What is not guaranteed
 //
@@ -50,13 +61,6 @@
 // frees with a hand-written UPDATE, are noticed by polling: one statement
 // per PollInterval (jittered) for every lease the client's Acquires wait
 // for, however many, and one just after the soonest of their expiries.
-//
-// A client renews every lease it holds, in statements of up to 5,000 at a
-// fixed rate. While a renewal pass is late (its leases' trust nearly out
-// when a statement would come back), the client's acquisitions, TryAcquire
-// included, wait until the pass ends: a client acquiring many leases on a
-// server that cannot renew and grant at once would otherwise lose the
-// ones it holds (ErrRenewalsBehind, Stats.AcquisitionsHeldBack).
 //
 // Election is the loop most programs want: campaign, lead with a context that
 // is cancelled on loss, release, campaign again.

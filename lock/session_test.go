@@ -299,3 +299,62 @@ func TestForceReleaseEndsOneLeaseOfTheSession(t *testing.T) {
 		t.Fatalf("after ForceRelease of x: causes %v, y %v; want x released_by_operator, y live", causes, y.Err())
 	}
 }
+
+// A transaction that holds one lease's row does not hold up the renewal
+// of the client's other leases: a revocation of one of them, left open
+// (as runner.Seek's transaction is until it commits), while the client
+// renews three times and loses nothing; then, committed, it costs that one
+// lease only. Before sessions, the renewal updated every lease row and
+// waited for the revoking transaction's row lock, and every lease of the
+// client ran out of trust behind it.
+func TestRenewalDoesNotWaitForALeaseRow(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	var lost atomic.Int64
+	c := newClient(t, db, lock.Config{TTL: 3 * time.Second, OnEvent: func(e lock.Event) {
+		if e.Kind == lock.Lost {
+			lost.Add(1)
+		}
+	}})
+	const n = 50
+	leases := make([]*lock.Lease, n)
+	for i := range leases {
+		l, err := c.TryAcquire(ctx, fmt.Sprintf("row-%02d", i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		leases[i] = l
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx))
+	if _, _, err := lock.RevokeTx(ctx, tx, db.Schema, "row-00"); err != nil {
+		t.Fatal(err)
+	}
+	r0 := c.Stats().Renewals
+	pgtest.Eventually(t, 20*time.Second, "three renewals while a lease row is locked", func() bool { return c.Stats().Renewals >= r0+3 })
+	if got := lost.Load(); got != 0 {
+		t.Fatalf("%d leases lost while one lease's row was locked", got)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-leases[0].Done():
+	case <-ctx.Done():
+		t.Fatal("the revoked lease is still live")
+	}
+	r1 := c.Stats().Renewals
+	pgtest.Eventually(t, 20*time.Second, "two more renewals", func() bool { return c.Stats().Renewals >= r1+2 })
+	for _, l := range leases[1:] {
+		if err := l.Err(); err != nil {
+			t.Fatalf("%s: %v; only the revoked lease should end", l.Name(), err)
+		}
+	}
+	if got := lost.Load(); got != 1 {
+		t.Fatalf("%d leases lost, want the revoked one", got)
+	}
+}

@@ -34,7 +34,7 @@ type queries struct {
 
 type leaseSQL struct {
 	startSession, renew, endSession, reconcile                                            string
-	acquire, heldBy, acquireNew, syncEpoch, check                                         string
+	acquire, takeOver, heldBy, acquireNew, syncEpoch, check                               string
 	release, releaseDurable, releaseMany, releaseManyDurable, releaseSecret, backendAlive string
 	idleHolders, endBackend                                                               string
 }
@@ -98,13 +98,8 @@ func newLeaseSQL(schema string) leaseSQL {
 	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
 	ready := readyCheck(schema)
 	return leaseSQL{
-		// A client's session ($1 holder, $2 TTL in µs). Sessions that
-		// expired more than a day ago are deleted on the way, a few at a
-		// time, skipping any row a statement has locked.
-		startSession: fmt.Sprintf(`WITH gone AS (
-  DELETE FROM %[1]s WHERE id IN (SELECT g.id FROM %[1]s g WHERE g.expires_at < now() - interval '1 day'
-                                  ORDER BY g.expires_at LIMIT 100 FOR UPDATE SKIP LOCKED))
-INSERT INTO %[1]s (holder, started_at, renewed_at, expires_at)
+		// A client's session ($1 holder, $2 TTL in µs).
+		startSession: fmt.Sprintf(`INSERT INTO %[1]s (holder, started_at, renewed_at, expires_at)
 VALUES ($1, now(), now(), now() + $2 * interval '1 microsecond')
 RETURNING id, expires_at`, st),
 
@@ -112,9 +107,11 @@ RETURNING id, expires_at`, st),
 		// for a takeover in flight that counts a loss on the row (and
 		// then returns the new count), and a takeover that comes after
 		// it sees the session live. An expired session stays expired.
+		// The count adds the losses ForceRelease and revocations recorded
+		// (committed ones: those in flight are counted at a later renewal).
 		renew: fmt.Sprintf(`UPDATE %[1]s SET renewed_at = now(), expires_at = now() + $2 * interval '1 microsecond'
  WHERE id = $1 AND expires_at > now()
-RETURNING expires_at, losses`, st),
+RETURNING expires_at, losses + (SELECT count(*) FROM %[2]s x WHERE x.session = $1)`, st, ident.Table(schema, "pgfence_session_losses")),
 
 		// Close: the session's leases are freed by then (releaseMany).
 		endSession: fmt.Sprintf(`UPDATE %[1]s SET expires_at = least(expires_at, now()) WHERE id = $1`, st),
@@ -130,19 +127,14 @@ RETURNING expires_at, losses`, st),
  WHERE (l.token = r.token AND l.secret = r.secret AND l.session = $4) IS NOT TRUE`, t, st),
 
 		// The compare-and-set ($1 name, $2 holder, $3 secret, $4 the
-		// acquirer's session). cur reads the row, free when it names no
-		// session or one that has expired; locked locks it FOR UPDATE if
-		// its token is still the one cur read (a concurrent acquisition
-		// gives it a new one, and the session that acquisition named may
-		// be newer than this statement's snapshot: its liveness could not
-		// be judged here). taken counts the loss on the expired session,
-		// which locks its row: a renewal in flight is waited for, and if
-		// it renewed the session the row no longer matches, and nothing is
-		// taken. The token comes from the column's sequence (token is
-		// GENERATED ALWAYS AS IDENTITY: DEFAULT is its nextval()), after
-		// the epoch check (ready), which on the first acquisition after a
-		// promotion moves the sequence into the new timeline's range
-		// (00001_leases.sql).
+		// acquirer's session) of a lease that names no session (released,
+		// or never held): it locks the row FOR UPDATE if so, and gives it
+		// a new token from the column's sequence (token is GENERATED
+		// ALWAYS AS IDENTITY: DEFAULT is its nextval()), after the epoch
+		// check (ready), which on the first acquisition after a promotion
+		// moves the sequence into the new timeline's range
+		// (00001_leases.sql). Concurrent acquirers queue on the row lock and
+		// re-check the condition on the newest version: exactly one wins.
 		//
 		// The explicit FOR UPDATE is the fence's other half. pgfence_check
 		// holds FOR KEY SHARE on the row for the rest of a guarded
@@ -155,22 +147,39 @@ RETURNING expires_at, losses`, st),
 		// renewals do not touch it at all. Since token is not indexed, the
 		// update is HOT.
 		//
-		// Kept to one statement: heldBy answers the failure case, sent
-		// only then (pipelined after every acquisition, it cost 10-15 µs
-		// of server CPU per pair: BENCHMARKS.md).
-		acquire: fmt.Sprintf(`WITH cur AS (
-  SELECT f.name, f.token FROM %[1]s f
-   WHERE f.name = $1 AND (f.session IS NULL OR NOT EXISTS (SELECT FROM %[2]s s WHERE s.id = f.session AND s.expires_at > now()))),
-locked AS (
-  SELECT f.name, f.session FROM %[1]s f JOIN cur ON f.name = cur.name AND f.token = cur.token FOR UPDATE OF f),
+		// A lease whose session expired is taken by takeOver, sent when
+		// heldBy (sent when this one wins nothing) finds the row so: kept
+		// out of this statement, the session's table costs the common case
+		// nothing (as one statement, the pair was about 10% slower at 8
+		// clients: BENCHMARKS.md).
+		acquire: fmt.Sprintf(`UPDATE %[1]s l SET token = DEFAULT, holder = $2, secret = $3, session = $4, acquired_at = clock_timestamp(), freed_at = NULL
+ WHERE l.name = (SELECT f.name FROM %[1]s f WHERE f.name = $1 AND f.session IS NULL FOR UPDATE)
+   AND l.session IS NULL AND %[3]s
+RETURNING l.token, CASE WHEN l.observers_until > now() THEN %[4]s(l.name) ELSE false END`,
+			t, st, ready, ident.Table(schema, "pgfence_wake_waiters")),
+
+		// The takeover of lease $1 whose session expired (the arguments
+		// as acquire's). locked locks the row FOR UPDATE if it names a
+		// session this statement sees expired. Only a session row seen
+		// expired counts: if a concurrent acquisition takes the row first,
+		// the row is checked again in its new version, whose session may
+		// be newer than this statement's snapshot (then it is not seen,
+		// and not taken); session rows are never deleted
+		// (00005_sessions.sql). taken counts the loss on the expired
+		// session, which locks its row: a renewal in flight is waited for,
+		// and if it renewed the session the row no longer matches, and
+		// nothing is taken. Lease row first, then session row: the lock
+		// order of every statement that takes both.
+		takeOver: fmt.Sprintf(`WITH locked AS (
+  SELECT f.name, f.session FROM %[1]s f
+   WHERE f.name = $1 AND EXISTS (SELECT FROM %[2]s s WHERE s.id = f.session AND s.expires_at <= now())
+   FOR UPDATE),
 taken AS (
   UPDATE %[2]s s SET losses = s.losses + 1 FROM locked
    WHERE s.id = locked.session AND s.expires_at <= now() RETURNING s.id)
 UPDATE %[1]s l SET token = DEFAULT, holder = $2, secret = $3, session = $4, acquired_at = clock_timestamp(), freed_at = NULL
   FROM locked
- WHERE l.name = locked.name
-   AND (locked.session IS NULL OR EXISTS (SELECT FROM taken) OR NOT EXISTS (SELECT FROM %[2]s s WHERE s.id = locked.session))
-   AND %[3]s
+ WHERE l.name = locked.name AND EXISTS (SELECT FROM taken) AND %[3]s
 RETURNING l.token, CASE WHEN l.observers_until > now() THEN %[4]s(l.name) ELSE false END`,
 			t, st, ready, ident.Table(schema, "pgfence_wake_waiters")),
 
@@ -201,7 +210,7 @@ RETURNING l.token, CASE WHEN l.observers_until > now() THEN %[4]s(l.name) ELSE f
    AND (w.locktype = 'relation' AND w.pid::int8 = $3::int8
         OR w.locktype = 'tuple' AND w.page = (l.ctid::text::point)[0]::int AND w.tuple = (l.ctid::text::point)[1]::int)
   JOIN pg_stat_activity a ON a.pid = ANY (pg_blocking_pids(w.pid))
- WHERE l.name = $1 AND (l.session IS NULL OR NOT EXISTS (SELECT FROM %[2]s s WHERE s.id = l.session AND s.expires_at > now()))
+ WHERE l.name = $1 AND (l.session IS NULL OR EXISTS (SELECT FROM %[2]s s WHERE s.id = l.session AND s.expires_at <= now()))
    AND (a.state IS NULL
         OR a.state = 'idle in transaction' AND a.state_change <= now() - $2 * interval '1 microsecond'
            AND EXISTS (SELECT 1 FROM pg_locks x WHERE x.pid = w.pid AND NOT x.granted
@@ -332,17 +341,15 @@ SELECT v.name, NOT coalesce(v.holder IS NOT NULL AND v.expires_at > now(), false
 // newOperatorSQL: the operators' reads, force-release and revocation.
 func newOperatorSQL(schema string) operatorSQL {
 	t := ident.Table(schema, "pgfence_leases")
-	st := ident.Table(schema, "pgfence_sessions")
 	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
 	inspect := inspectSQL(ident.Table(schema, "pgfence_lease_states"))
 	ready := readyCheck(schema)
-	// lost counts a loss on the sessions that held the rows of old (its
-	// column session), in id order: their clients learn it at their next
-	// renewal.
+	// lost records a loss for the sessions that held the rows of old (its
+	// columns session and name), without locking their rows: their
+	// clients learn it at their next renewal after the commit.
 	lost := fmt.Sprintf(`lost AS (
-  UPDATE %[1]s s SET losses = s.losses + 1
-    FROM (SELECT x.id FROM %[1]s x WHERE x.id IN (SELECT old.session FROM old) ORDER BY x.id FOR NO KEY UPDATE) o
-   WHERE s.id = o.id RETURNING s.id)`, st)
+  INSERT INTO %[1]s (session, name, lost_at) SELECT old.session, old.name, now() FROM old WHERE old.session IS NOT NULL)`,
+		ident.Table(schema, "pgfence_session_losses"))
 	return operatorSQL{
 		// The sessions that block backend $1, for an operator whose
 		// ForceRelease waits behind them.

@@ -48,9 +48,9 @@ func appGrantSQL(schema, s, r string) []string {
 	return append([]string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + r,
 		"GRANT SELECT, INSERT ON " + t("pgfence_leases") + ", " + t("pgfence_fences") + " TO " + r,
-		// A client's session: started, renewed, ended; expired ones are
-		// deleted a day later by the next session to start.
-		"GRANT SELECT, INSERT, UPDATE, DELETE ON " + t("pgfence_sessions") + " TO " + r,
+		// A client's session: started, renewed, ended (never deleted).
+		"GRANT SELECT, INSERT, UPDATE ON " + t("pgfence_sessions") + " TO " + r,
+		"GRANT SELECT, INSERT ON " + t("pgfence_session_losses") + " TO " + r,
 		"GRANT SELECT ON " + t("pgfence_lease_states") + " TO " + r,
 		// Not the key of a fence either: a renamed fence would let its
 		// resource's mark start again (the trigger refuses it to the owner).
@@ -83,9 +83,9 @@ func operatorGrantSQL(schema, s, r string) []string {
 			t("pgfence_groups") + ", " + t("pgfence_terms") + ", " + t(VersionTable) + ", " + t("pgfence_sessions") + ", " +
 			t("pgfence_lease_states") + " TO " + r,
 		"GRANT UPDATE ON " + t("pgfence_jobs") + ", " + t("pgfence_groups") + " TO " + r,
-		// ForceRelease and revocations count the loss on the holder's
-		// session, which tells its client at the next renewal.
-		"GRANT UPDATE (losses) ON " + t("pgfence_sessions") + " TO " + r,
+		// ForceRelease and revocations record the loss for the holder's
+		// session, whose client learns it at its next renewal.
+		"GRANT INSERT ON " + t("pgfence_session_losses") + " TO " + r,
 		"GRANT INSERT, DELETE ON " + t("pgfence_runs") + " TO " + r,
 		// Prune deletes the terms that ended with the runs; Seek closes
 		// the term it revokes, and sets the offset with the revoking token

@@ -403,6 +403,12 @@ CREATE TABLE pgfence.pgfence_runs (
     CONSTRAINT pgfence_runs_token_check CHECK ((token >= 1))
 );
 
+CREATE TABLE pgfence.pgfence_session_losses (
+    session bigint NOT NULL,
+    name text NOT NULL,
+    lost_at timestamp with time zone NOT NULL
+);
+
 ALTER TABLE pgfence.pgfence_sessions ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
     SEQUENCE NAME pgfence.pgfence_sessions_id_seq
     START WITH 1
@@ -464,6 +470,8 @@ CREATE INDEX pgfence_instances_expires ON pgfence.pgfence_instances USING btree 
 CREATE INDEX pgfence_runs_pending ON pgfence.pgfence_runs USING btree (job, shard) WHERE (status = 'pending'::text);
 
 CREATE INDEX pgfence_runs_recent ON pgfence.pgfence_runs USING btree (started_at DESC);
+
+CREATE INDEX pgfence_session_losses_session ON pgfence.pgfence_session_losses USING btree (session);
 
 CREATE INDEX pgfence_sessions_expires ON pgfence.pgfence_sessions USING btree (expires_at);
 

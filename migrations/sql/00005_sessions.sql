@@ -4,16 +4,24 @@
 -- third of a 2-core server just to hold).
 --   * A lease is held while its row names a session (session) that has not
 --     expired by the database clock. Released, force-released and revoked
---     leases name none; a session whose row is gone (cleaned up a day after
---     it expired) holds nothing either.
+--     leases name none. Session rows are never deleted (one per client that
+--     acquired, ended by its Close or its expiry): an acquisition frees a
+--     lease only on seeing its session expired, so a lease naming a deleted
+--     session would stay held until force-released.
 --   * A takeover of a lease whose session expired locks that session's row
 --     and counts the loss there (losses), in the acquisition's transaction:
 --     a renewal in flight and the takeover serialise on the row (the one
 --     that comes second sees what the first did), and a renewal that
 --     returns an unchanged count proves that none of the session's leases
---     was taken since the last one. ForceRelease and revocations count
---     theirs the same way. Locks are taken lease rows first, then session
---     rows (in id order when there are several), so they cannot deadlock.
+--     was taken since the last one. Locks are taken lease row first, then
+--     session row, so they cannot deadlock.
+--   * ForceRelease and revocations take a lease from a live session, which
+--     needs no such proof (the token, or its absence, refuses the holder's
+--     writes; the holder learns it at its next renewal). They record the
+--     loss as a row of pgfence_session_losses, without locking the
+--     session's row: a revocation may sit in a longer transaction of the
+--     caller's (runner.Seek), and the session's renewals, which count these
+--     rows too, must not wait for it.
 --   * The lease row keeps token, holder (for operators), the acquisition's
 --     secret, and freed_at: when it was last freed (a release, a
 --     force-release, a revocation), shown while nobody holds it.
@@ -40,6 +48,14 @@ CREATE TABLE pgfence_sessions (
 ) WITH (fillfactor = 50);
 
 CREATE INDEX pgfence_sessions_expires ON pgfence_sessions (expires_at);
+
+CREATE TABLE pgfence_session_losses (
+    session bigint      NOT NULL,
+    name    text        NOT NULL,
+    lost_at timestamptz NOT NULL
+);
+
+CREATE INDEX pgfence_session_losses_session ON pgfence_session_losses (session);
 
 ALTER TABLE pgfence_leases ADD COLUMN session bigint, ADD COLUMN freed_at timestamptz;
 
@@ -80,4 +96,5 @@ UPDATE pgfence_leases l
 ALTER TABLE pgfence_leases ALTER COLUMN renewed_at SET NOT NULL, ALTER COLUMN expires_at SET NOT NULL;
 DROP VIEW pgfence_lease_states;
 ALTER TABLE pgfence_leases DROP COLUMN session, DROP COLUMN freed_at;
+DROP TABLE pgfence_session_losses;
 DROP TABLE pgfence_sessions;
