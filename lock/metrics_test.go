@@ -88,11 +88,15 @@ func TestRenewLatencyHistogramAnswers(t *testing.T) {
 		return h != nil && h.Count == uint64(len(values))
 	})
 	slices.Sort(values)
-	measured := values[len(values)*99/100]
+	// The p99 lies between the order statistics around rank 0.99 n (with
+	// a tight body and a few slow renewals, the two can be far apart): the
+	// histogram's must be within 2x of that range.
+	rank := len(values) * 99 / 100
+	lo, hi := values[rank-1], values[rank]
 	est := quantile(0.99, h.Bounds, h.BucketCounts)
-	t.Logf("%d renewals: measured p99 %.3f ms, the histogram's %.3f ms (%d buckets)", h.Count, measured*1000, est*1000, len(h.Bounds))
-	if est > 2*measured || est < measured/2 {
-		t.Errorf("the histogram's p99 is %.4f s, the measured one %.4f s: more than 2x apart", est, measured)
+	t.Logf("%d renewals: measured p99 between %.3f and %.3f ms, the histogram's %.3f ms (%d buckets)", h.Count, lo*1000, hi*1000, est*1000, len(h.Bounds))
+	if est > 2*hi || est < lo/2 {
+		t.Errorf("the histogram's p99 is %.4f s, the measured one between %.4f and %.4f s: more than 2x apart", est, lo, hi)
 	}
 }
 

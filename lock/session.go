@@ -373,7 +373,10 @@ func (c *Client) renewLoop(ctx context.Context) {
 				failing.Recover(c.log, "pgfence: renewals healthy again", "leases", s.count())
 				c.failing.Store(false)
 			case errors.Is(err, errSessionExpired):
-				c.stats.failures.Add(1)
+				// Not a failure to reach the database: the session had
+				// expired there (a frozen or partitioned client), and its
+				// leases are lost, each with its cause.
+				c.failing.Store(false)
 			default:
 				c.stats.failures.Add(1)
 				failing.Fail(c.log, "pgfence: renewals failing; leases end at their trust deadline unless one succeeds",
