@@ -17,9 +17,10 @@ import (
 
 // Acquisitions: one attempt (TryAcquire), and the waiting loop (Acquire).
 
-// TryAcquire acquires the lease name in one round trip if it is free, was
-// released, or its holder's session has expired at the database; otherwise
-// it returns a *HeldError. The lease belongs to the client's session, which
+// TryAcquire acquires the lease name if it is free or was released (one
+// round trip), or if its holder's session has expired at the database (a
+// takeover: two more, the second locking the session's row); otherwise it
+// returns a *HeldError. The lease belongs to the client's session, which
 // the client starts on its first acquisition (and again after one ended).
 // The new lease's token is greater than every token issued for name before.
 //
@@ -98,6 +99,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			}
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
 		}
+		seen := s.lossCount()
 		token, r, err := c.attempt(ctx, req, s)
 		if err != nil {
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
@@ -117,6 +119,15 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 				return nil, ErrClosed
 			}
 			continue
+		}
+		if s.lossCount() != seen {
+			// A renewal counted a loss while this acquisition was in
+			// flight, and read which leases were lost before this one was
+			// tracked: it may be this one (freed or revoked at once).
+			if err := l.Check(ctx); err != nil {
+				_ = l.Release(ctx)
+				return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
+			}
 		}
 		if s.left(c.clock.Now()) >= c.cfg.RenewInterval {
 			return l, nil

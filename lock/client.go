@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -25,8 +27,9 @@ import (
 // leases. It is safe for concurrent use. Its background goroutines belong
 // to one group; the first three run while there is work for them (each a
 // bg.Demand):
-//   - the renewer, while it holds leases (it stops after one RenewInterval
-//     without any), on a connection of its own;
+//   - the renewer, while it holds leases and for sessionLinger (5 minutes)
+//     after the last one ends, so that a client that acquires now and then
+//     keeps one session; on a connection of its own;
 //   - the release listener, while an Acquire waits or a Watch or Observe is
 //     open (it lingers briefly after the last one ends), on a connection
 //     taken out of the pool;
@@ -97,7 +100,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		idle:    newLooker(pool),
 	}
 	c.turn <- struct{}{}
-	c.renewer = c.bg.Demand(c.renewLoop, cfg.RenewInterval, clock.Real())
+	c.renewer = c.bg.Demand(c.renewLoop, max(cfg.RenewInterval, sessionLinger), clock.Real())
 	c.lis = newListener(c)
 	c.poll = newPoller(c)
 	m, err := newMetrics(c)
@@ -188,6 +191,8 @@ func (c *Client) releaseAll(ctx context.Context, s *session) error {
 		return nil
 	}
 	leases := s.held()
+	// In name order, as RevokeAllTx locks rows: the two cannot deadlock.
+	slices.SortFunc(leases, func(a, b *Lease) int { return strings.Compare(a.name, b.name) })
 	names := make([]string, 0, len(leases))
 	tokens := make([]int64, 0, len(leases))
 	secrets := make([][]byte, 0, len(leases))

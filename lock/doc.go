@@ -6,9 +6,10 @@
 // A lease is one row of pgfence_leases, and a client's liveness is one row
 // of pgfence_sessions: every lease a client holds names its session, and
 // lives while the session has not expired by the database's clock.
-// Acquiring a lease is a single compare-and-set statement that succeeds only
-// if the row is free, released, or its session has expired, and gives the
-// row a new token: the next value of the token column's sequence (an
+// Acquiring a lease is a compare-and-set that succeeds only if the row is
+// free, released, or its session has expired (a takeover, which also locks
+// the session's row and counts the loss there), and gives the row a new
+// token: the next value of the token column's sequence (an
 // identity column, which nothing else can write). So:
 //
 //   - at most one client holds a lease at any moment by the database's clock;

@@ -53,7 +53,7 @@ func newMetrics(c *Client) (*metrics, error) {
 		metric.WithDescription("Leases lost, by pgfence.cause: expired, taken_over, released_by_operator, renew_failed, database_unreachable."))
 	keep(e)
 	ms.slowRenews, e = m.Int64Counter("pgfence.lease.renewal.slow", metric.WithUnit("{renewal}"),
-		metric.WithDescription("Renewal passes (all of a client's leases, in statements of up to 5,000) that took more than half of RenewInterval."))
+		metric.WithDescription("Renewals of the client's session (one statement for all its leases) that took more than half of RenewInterval."))
 	keep(e)
 	keep(e)
 	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renewal.duration", metric.WithUnit("s"),
@@ -77,7 +77,7 @@ func newMetrics(c *Client) (*metrics, error) {
 	// Counted from the client's start, so that they are there (at 0)
 	// before the first failure: an alert on their increase then works.
 	renewals, e := m.Int64ObservableCounter("pgfence.lease.renewals", metric.WithUnit("{statement}"),
-		metric.WithDescription("Renewals that succeeded (Stats.Renewals: one per pass of a client's leases)."))
+		metric.WithDescription("Renewals of the client's session that succeeded (Stats.Renewals: one statement for all its leases)."))
 	keep(e)
 	renewalFailures, e := m.Int64ObservableCounter("pgfence.lease.renewal.failures", metric.WithUnit("{statement}"),
 		metric.WithDescription("Renewals that failed: the database did not answer in time, refused, or the connection broke (Stats.RenewalFailures)."))

@@ -33,6 +33,7 @@ type session struct {
 	trustUntil time.Time // local monotonic clock
 	expiresAt  time.Time // database clock
 	losses     int64     // the loss count the last reconciled renewal saw
+	timeline   int64     // the server's timeline at the last renewal (0: none yet)
 	leases     map[*Lease]struct{}
 	timer      clock.Timer
 	ended      bool
@@ -54,6 +55,13 @@ func (s *session) left(now time.Time) time.Duration {
 		return 0
 	}
 	return s.trustUntil.Sub(now)
+}
+
+// lossCount is the loss count the last reconciled renewal saw.
+func (s *session) lossCount() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.losses
 }
 
 // isEnded reports whether s has ended.
@@ -150,7 +158,7 @@ func (s *session) trustElapsed() {
 // renewed extends s's trust window after a successful renewal sent at
 // sent, which found the loss count losses (the leases lost since the last
 // one have been ended by then).
-func (s *session) renewed(sent, expiresAt time.Time, losses int64) (left time.Duration) {
+func (s *session) renewed(sent, expiresAt time.Time, losses, timeline int64) (left time.Duration) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.c.clock.Now()
@@ -158,7 +166,7 @@ func (s *session) renewed(sent, expiresAt time.Time, losses int64) (left time.Du
 	if s.ended {
 		return left
 	}
-	s.expiresAt, s.losses = expiresAt, max(s.losses, losses)
+	s.expiresAt, s.losses, s.timeline = expiresAt, max(s.losses, losses), timeline
 	if until := s.c.cfg.window().extend(s.trustUntil, sent); until != s.trustUntil {
 		s.trustUntil = until
 		s.timer.Reset(until.Sub(now))
@@ -222,18 +230,26 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 		c.mu.Lock()
 		s = c.sess
 		c.mu.Unlock()
+		// The turn is the renewer's too: what is done under it is bound
+		// as the renewer's own renewal is (renewTurn), whatever ctx allows.
 		var err error
+		left := time.Duration(0)
+		if s != nil {
+			left = s.left(c.clock.Now())
+		}
+		tctx, cancel := context.WithTimeout(ctx, max(c.cfg.RenewInterval, left))
 		switch {
-		case s != nil && s.left(c.clock.Now()) >= c.cfg.RenewInterval:
+		case left >= c.cfg.RenewInterval:
 			// Renewed or started while this call waited its turn.
-		case s != nil && s.left(c.clock.Now()) > 0:
-			err = c.renewSession(ctx, c.pool, s)
+		case left > 0:
+			err = c.renewSession(tctx, c.pool, s)
 			if errors.Is(err, errSessionExpired) {
-				_, err = c.startSession(ctx)
+				_, err = c.startSession(tctx)
 			}
 		default:
-			_, err = c.startSession(ctx)
+			_, err = c.startSession(tctx)
 		}
+		cancel()
 		c.turn <- struct{}{}
 		if err != nil {
 			return nil, err
@@ -247,12 +263,12 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 // window. A session the database found expired ends, with every lease.
 func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error {
 	var (
-		exp    time.Time
-		losses int64
+		exp              time.Time
+		losses, timeline int64
 	)
 	sent := c.clock.Now() // the trust window counts from here
 	began := time.Now()
-	err := q.QueryRow(ctx, c.q.renew, s.id, c.cfg.TTL.Microseconds()).Scan(&exp, &losses)
+	err := q.QueryRow(ctx, c.q.renew, s.id, c.cfg.TTL.Microseconds()).Scan(&exp, &losses, &timeline)
 	got := time.Now()
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -263,7 +279,9 @@ func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error
 		return err
 	}
 	s.mu.Lock()
-	moved := losses != s.losses
+	// A new timeline: a promotion, after which the newest acquisitions
+	// may be missing (asynchronous replication) with no loss counted.
+	moved := losses != s.losses || s.timeline != 0 && timeline != s.timeline
 	s.mu.Unlock()
 	if moved {
 		why, err := c.reconcile(ctx, q, s)
@@ -277,7 +295,7 @@ func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error
 	rtt := c.stats.observe(began, got, exp.Add(-c.cfg.TTL)) // expires_at = the statement's now() + TTL
 	c.m.renewTime.Record(ctx, rtt.Seconds())
 	c.watchSkew()
-	left := s.renewed(sent, exp, losses)
+	left := s.renewed(sent, exp, losses, timeline)
 	c.m.timeLeft.Record(context.Background(), max(left, 0).Seconds())
 	if left < c.cfg.RenewInterval {
 		for _, l := range s.held() {
@@ -326,10 +344,18 @@ func (c *Client) reconcile(ctx context.Context, q fence.DB, s *session) (map[*Le
 	return why, err
 }
 
+// sessionLinger is how long the renewer keeps renewing the client's
+// session after its last lease ended (or RenewInterval, if longer): a
+// client that acquires now and then keeps one session row, where one that
+// starts a session per acquisition would add a row each time (they are
+// never deleted: 00005_sessions.sql). It costs one statement per
+// RenewInterval meanwhile.
+const sessionLinger = 5 * time.Minute
+
 // renewLoop renews the client's session once per RenewInterval (from one
 // renewal's send to the next's) until ctx ends. It is the client's renewer
-// Demand: wanted while a lease is held, ended once none has been held for a
-// whole interval (a session not renewed then expires on its own; the next
+// Demand: wanted while a lease is held, ended once none has been held for
+// sessionLinger (a session not renewed then expires on its own; the next
 // acquisition starts another). A failed renewal is retried after a quarter
 // interval; if none succeeds, the leases end at the trust deadline.
 //
@@ -343,7 +369,7 @@ func (c *Client) renewLoop(ctx context.Context) {
 	again := retry.Backoff{Base: c.cfg.RenewInterval / 4, Max: c.cfg.RenewInterval / 4}
 	var failing retry.Failing // logs once per failure period
 	tick := make(chan struct{}, 1)
-	t := c.clock.AfterFunc(c.cfg.RenewInterval, func() {
+	t := c.clock.AfterFunc(c.firstRenewal(), func() {
 		select {
 		case tick <- struct{}{}:
 		default:
@@ -387,6 +413,18 @@ func (c *Client) renewLoop(ctx context.Context) {
 		}
 		t.Reset(wait)
 	}
+}
+
+// firstRenewal is when a starting renewer first renews: a RenewInterval
+// after the session's last renewal (or start) was sent, which its trust
+// window tells (TTL - SafetyMargin after it), or at once if that is past; a
+// RenewInterval from now when there is no session yet.
+func (c *Client) firstRenewal() time.Duration {
+	s := c.session()
+	if s == nil {
+		return c.cfg.RenewInterval
+	}
+	return max(s.left(c.clock.Now())-(c.cfg.TTL-c.cfg.SafetyMargin-c.cfg.RenewInterval), 0)
 }
 
 // renewTurn renews s on q once it has the turn, within s's trust window

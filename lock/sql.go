@@ -18,9 +18,10 @@ import (
 // now() could be seconds old and would wrongly call an expired lease held.
 //
 // Liveness lives in the session row (00005_sessions.sql): a lease is held
-// while its row names a session that has not expired. Lock order: lease rows
-// first, then session rows (in id order), in every statement that takes
-// both.
+// while its row names a session that has not expired. Lock order: the lease
+// row first, then the session row, in every statement that takes both (the
+// takeover, and tests' expiry); renewals take the session row alone, and
+// ForceRelease and revocations lease rows alone.
 
 // queries is the package's SQL for one schema, by concern: a holder's
 // session, acquisitions, checks and releases; waiting for and watching a
@@ -109,9 +110,14 @@ RETURNING id, expires_at`, st),
 		// it sees the session live. An expired session stays expired.
 		// The count adds the losses ForceRelease and revocations recorded
 		// (committed ones: those in flight are counted at a later renewal).
+		// It returns the server's timeline too: after a promotion the new
+		// primary may lack the newest acquisitions (asynchronous
+		// replication), with no loss counted, so a new timeline makes the
+		// client read all its leases again.
 		renew: fmt.Sprintf(`UPDATE %[1]s SET renewed_at = now(), expires_at = now() + $2 * interval '1 microsecond'
  WHERE id = $1 AND expires_at > now()
-RETURNING expires_at, losses + (SELECT count(*) FROM %[2]s x WHERE x.session = $1)`, st, ident.Table(schema, "pgfence_session_losses")),
+RETURNING expires_at, losses + (SELECT count(*) FROM %[2]s x WHERE x.session = $1), %[3]s()`,
+			st, ident.Table(schema, "pgfence_session_losses"), ident.Table(schema, "pgfence_timeline")),
 
 		// Close: the session's leases are freed by then (releaseMany).
 		endSession: fmt.Sprintf(`UPDATE %[1]s SET expires_at = least(expires_at, now()) WHERE id = $1`, st),
@@ -378,8 +384,8 @@ RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake, ready, lost, freeL
 
 		// revoke for each of the leases $1 that exists, in one statement:
 		// the rows are locked in name order (two revocations of
-		// overlapping sets cannot deadlock), then their sessions in id
-		// order.
+		// overlapping sets cannot deadlock, nor one and a Close, which
+		// frees its leases in name order too).
 		revokeAll: fmt.Sprintf(`WITH old AS (SELECT name, session FROM %[1]s WHERE name = ANY($1) ORDER BY name FOR UPDATE),
 %[4]s
 UPDATE %[1]s l SET token = DEFAULT, %[5]s

@@ -190,8 +190,8 @@ func (r *Runner) finishChange(ctx context.Context, group string) (bool, error) {
 }
 
 // switchBound bounds a switch's waits for lease rows and its idle time:
-// half a RenewInterval, at most a second, so that the renewals it holds up
-// are late by less than that.
+// half a RenewInterval, at most a second, so that the releases and
+// acquisitions of the group's leases it holds up wait less than that.
 func (r *Runner) switchBound() time.Duration {
 	return max(min(r.lcfg.RenewInterval/2, time.Second), 10*time.Millisecond)
 }

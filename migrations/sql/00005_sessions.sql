@@ -35,7 +35,9 @@
 -- version fails its next renewal (the columns it updates are gone) and ends
 -- its leases at their trust deadlines, before they expire here: stop such
 -- clients, or let them lose their leases this way, then start the new
--- version. Tokens are untouched.
+-- version. Tokens are untouched. Grant the roles again after the upgrade
+-- (pgfence grant app ROLE, pgfence grant operator ROLE): the new tables and
+-- columns need their rights.
 
 -- +goose Up
 CREATE TABLE pgfence_sessions (
@@ -87,6 +89,9 @@ SELECT l.name, l.token, l.holder, l.session, l.acquired_at,
   FROM pgfence_leases l LEFT JOIN pgfence_sessions s ON s.id = l.session;
 
 -- +goose Down
+-- Renewals of the new layout write only pgfence_sessions: locked first, so
+-- that none commits after its expiry has been copied to the lease rows.
+LOCK TABLE pgfence_leases, pgfence_sessions IN ACCESS EXCLUSIVE MODE;
 ALTER TABLE pgfence_leases ADD COLUMN renewed_at timestamptz, ADD COLUMN expires_at timestamptz;
 UPDATE pgfence_leases l
    SET renewed_at = coalesce(s.renewed_at, l.acquired_at),
