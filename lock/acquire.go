@@ -99,7 +99,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			}
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
 		}
-		seen := s.lossCount()
+		seen := s.generation()
 		token, r, err := c.attempt(ctx, req, s)
 		if err != nil {
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
@@ -120,12 +120,15 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			}
 			continue
 		}
-		if s.lossCount() != seen {
-			// A renewal counted a loss while this acquisition was in
-			// flight, and read which leases were lost before this one was
-			// tracked: it may be this one (freed or revoked at once).
+		if s.generation() != seen {
+			// A renewal read which of the session's leases were lost
+			// while this acquisition was in flight, before this one was
+			// tracked: it may be one of them (freed or revoked at once).
 			if err := l.Check(ctx); err != nil {
 				_ = l.Release(ctx)
+				if s.isEnded() {
+					continue // the session ended meanwhile: try again on the next
+				}
 				return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
 			}
 		}

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -191,8 +189,6 @@ func (c *Client) releaseAll(ctx context.Context, s *session) error {
 		return nil
 	}
 	leases := s.held()
-	// In name order, as RevokeAllTx locks rows: the two cannot deadlock.
-	slices.SortFunc(leases, func(a, b *Lease) int { return strings.Compare(a.name, b.name) })
 	names := make([]string, 0, len(leases))
 	tokens := make([]int64, 0, len(leases))
 	secrets := make([][]byte, 0, len(leases))

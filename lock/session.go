@@ -33,7 +33,8 @@ type session struct {
 	trustUntil time.Time // local monotonic clock
 	expiresAt  time.Time // database clock
 	losses     int64     // the loss count the last reconciled renewal saw
-	timeline   int64     // the server's timeline at the last renewal (0: none yet)
+	timeline   int64     // the server's timeline at the last renewal (or the start)
+	gen        uint64    // reconciliations begun: an acquisition in flight across one checks its lease
 	leases     map[*Lease]struct{}
 	timer      clock.Timer
 	ended      bool
@@ -57,11 +58,12 @@ func (s *session) left(now time.Time) time.Duration {
 	return s.trustUntil.Sub(now)
 }
 
-// lossCount is the loss count the last reconciled renewal saw.
-func (s *session) lossCount() int64 {
+// generation counts the reconciliations begun: one that began while an
+// acquisition was in flight read the session's leases without it.
+func (s *session) generation() uint64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.losses
+	return s.gen
 }
 
 // isEnded reports whether s has ended.
@@ -185,7 +187,7 @@ type loss struct {
 func (c *Client) startSession(ctx context.Context) (*session, error) {
 	sent := c.clock.Now()
 	s := &session{c: c, leases: make(map[*Lease]struct{})}
-	if err := c.pool.QueryRow(ctx, c.q.startSession, c.cfg.Holder, c.cfg.TTL.Microseconds()).Scan(&s.id, &s.expiresAt); err != nil {
+	if err := c.pool.QueryRow(ctx, c.q.startSession, c.cfg.Holder, c.cfg.TTL.Microseconds()).Scan(&s.id, &s.expiresAt, &s.timeline); err != nil {
 		return nil, fmt.Errorf("lock: start a session: %w", c.explain(err))
 	}
 	s.trustUntil = c.cfg.window().until(sent)
@@ -237,7 +239,13 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 		if s != nil {
 			left = s.left(c.clock.Now())
 		}
-		tctx, cancel := context.WithTimeout(ctx, max(c.cfg.RenewInterval, left))
+		// A renewal gets the trust left (past it the session is over), a
+		// start a RenewInterval.
+		bound := c.cfg.RenewInterval
+		if left > 0 {
+			bound = left
+		}
+		tctx, cancel := context.WithTimeout(ctx, bound)
 		switch {
 		case left >= c.cfg.RenewInterval:
 			// Renewed or started while this call waited its turn.
@@ -281,7 +289,7 @@ func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error
 	s.mu.Lock()
 	// A new timeline: a promotion, after which the newest acquisitions
 	// may be missing (asynchronous replication) with no loss counted.
-	moved := losses != s.losses || s.timeline != 0 && timeline != s.timeline
+	moved := losses != s.losses || timeline != s.timeline
 	s.mu.Unlock()
 	if moved {
 		why, err := c.reconcile(ctx, q, s)
@@ -308,7 +316,13 @@ func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error
 // reconcile reads, in one statement, which of s's leases the database no
 // longer counts as s's, and why.
 func (c *Client) reconcile(ctx context.Context, q fence.DB, s *session) (map[*Lease]loss, error) {
-	leases := s.held()
+	s.mu.Lock()
+	s.gen++ // under the lock add takes: a lease tracked later sees it, and checks itself
+	leases := make([]*Lease, 0, len(s.leases))
+	for l := range s.leases {
+		leases = append(leases, l)
+	}
+	s.mu.Unlock()
 	byName := make(map[string]*Lease, len(leases))
 	names := make([]string, len(leases))
 	tokens := make([]int64, len(leases))
@@ -398,6 +412,9 @@ func (c *Client) renewLoop(ctx context.Context) {
 			case err == nil:
 				failing.Recover(c.log, "pgfence: renewals healthy again", "leases", s.count())
 				c.failing.Store(false)
+			case s.count() == 0:
+				// Lingering with no lease: nothing to lose, nothing to
+				// alert on; the next acquisition renews or starts anew.
 			case errors.Is(err, errSessionExpired):
 				// Not a failure to reach the database: the session had
 				// expired there (a frozen or partitioned client), and its

@@ -102,7 +102,7 @@ func newLeaseSQL(schema string) leaseSQL {
 		// A client's session ($1 holder, $2 TTL in µs).
 		startSession: fmt.Sprintf(`INSERT INTO %[1]s (holder, started_at, renewed_at, expires_at)
 VALUES ($1, now(), now(), now() + $2 * interval '1 microsecond')
-RETURNING id, expires_at`, st),
+RETURNING id, expires_at, %[2]s()`, st, ident.Table(schema, "pgfence_timeline")),
 
 		// The renewal: one row, whatever the number of leases. It waits
 		// for a takeover in flight that counts a loss on the row (and
@@ -270,15 +270,21 @@ RETURNING %[2]s, set_config('synchronous_commit', 'off', true)`, t, wake, freeLe
 RETURNING %[2]s`, t, wake, freeLease),
 
 		// Close's release of all the client's leases in one statement
-		// ($1 names, $2 tokens, $3 secrets).
-		releaseMany: fmt.Sprintf(`UPDATE %[1]s l SET %[3]s
-  FROM unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
- WHERE l.name = r.name AND l.token = r.token AND l.secret = r.secret
+		// ($1 names, $2 tokens, $3 secrets), their rows locked in name
+		// order as revokeAll locks them (FOR NO KEY UPDATE: like any
+		// release, it does not wait for guarded transactions).
+		releaseMany: fmt.Sprintf(`WITH mine AS (
+  SELECT f.name FROM %[1]s f JOIN unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
+    ON f.name = r.name AND f.token = r.token AND f.secret = r.secret
+   ORDER BY f.name FOR NO KEY UPDATE OF f)
+UPDATE %[1]s l SET %[3]s FROM mine WHERE l.name = mine.name
 RETURNING %[2]s, set_config('synchronous_commit', 'off', true)`, t, wake, freeLease),
 
-		releaseManyDurable: fmt.Sprintf(`UPDATE %[1]s l SET %[3]s
-  FROM unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
- WHERE l.name = r.name AND l.token = r.token AND l.secret = r.secret
+		releaseManyDurable: fmt.Sprintf(`WITH mine AS (
+  SELECT f.name FROM %[1]s f JOIN unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
+    ON f.name = r.name AND f.token = r.token AND f.secret = r.secret
+   ORDER BY f.name FOR NO KEY UPDATE OF f)
+UPDATE %[1]s l SET %[3]s FROM mine WHERE l.name = mine.name
 RETURNING %[2]s`, t, wake, freeLease),
 
 		// Frees an acquisition whose outcome its client does not know
