@@ -176,3 +176,69 @@ func (d *Demand) startLocked() {
 	})
 	d.running, d.cancel = ok, cancel
 }
+
+// Task is one goroutine whose owner is a function, not a Group: the
+// function that starts it with Run stops it, on every path out (Stop:
+// cancel, then wait). Done is closed when it has returned, for an owner
+// that waits on other things too.
+type Task struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// Run runs fn(ctx) in a new goroutine, ctx derived from parent and ended by
+// the Task's Stop.
+func Run(parent context.Context, fn func(ctx context.Context)) *Task {
+	ctx, cancel := context.WithCancel(parent)
+	t := &Task{cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(t.done)
+		defer cancel()
+		fn(ctx)
+	}()
+	return t
+}
+
+// RunAfter is Run that starts the goroutine only once d has passed (on the
+// real clock: it paces work), so that a Task stopped sooner costs none.
+func RunAfter(parent context.Context, d time.Duration, fn func(ctx context.Context)) *Task {
+	ctx, cancel := context.WithCancel(parent)
+	t := &Task{done: make(chan struct{})}
+	timer := time.AfterFunc(d, func() {
+		defer close(t.done)
+		defer cancel()
+		fn(ctx)
+	})
+	t.cancel = func() {
+		cancel()
+		if timer.Stop() { // it never started, and now never will
+			close(t.done)
+		}
+	}
+	return t
+}
+
+// Done is closed once the goroutine has returned.
+func (t *Task) Done() <-chan struct{} { return t.done }
+
+// Stop cancels the goroutine's context and waits until it has returned.
+// It may be called more than once, and concurrently.
+func (t *Task) Stop() {
+	t.cancel()
+	<-t.done
+}
+
+// StopWithin is Stop that waits at most d (on the real clock: it paces a
+// shutdown), and reports whether the goroutine returned; if not, it keeps
+// ending on its own.
+func (t *Task) StopWithin(d time.Duration) bool {
+	t.cancel()
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-t.done:
+		return true
+	case <-timer.C:
+		return false
+	}
+}

@@ -182,3 +182,70 @@ func waitFor(t *testing.T, cond func() bool) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// A Task's Stop cancels its goroutine and returns once it has returned, and
+// may be called again; Done is closed when the goroutine returns on its own;
+// StopWithin gives up on a goroutine that does not end, which still ends
+// later on its own.
+func TestTaskStopCancelsThenWaits(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	var returned atomic.Bool
+	task := Run(context.Background(), func(ctx context.Context) {
+		<-ctx.Done()
+		time.Sleep(10 * time.Millisecond) // cleanup after the cancel
+		returned.Store(true)
+	})
+	select {
+	case <-task.Done():
+		t.Fatal("Done before Stop")
+	default:
+	}
+	task.Stop()
+	if !returned.Load() {
+		t.Fatal("Stop returned before the goroutine did")
+	}
+	task.Stop()
+
+	own := Run(context.Background(), func(context.Context) {})
+	<-own.Done()
+	own.Stop()
+
+	release := make(chan struct{})
+	stuck := Run(context.Background(), func(context.Context) { <-release })
+	if stuck.StopWithin(20 * time.Millisecond) {
+		t.Fatal("StopWithin reported a goroutine that ignores its context as returned")
+	}
+	close(release)
+	<-stuck.Done()
+	if !Run(context.Background(), func(ctx context.Context) { <-ctx.Done() }).StopWithin(time.Minute) {
+		t.Fatal("StopWithin gave up on a goroutine that ends with its context")
+	}
+}
+
+// RunAfter starts nothing before its delay: stopped sooner, its function
+// never runs and Stop returns at once; otherwise it runs as Run's does, and
+// Stop cancels it, then waits.
+func TestRunAfterStartsOnlyAfterItsDelay(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	var ran atomic.Bool
+	early := RunAfter(context.Background(), time.Hour, func(context.Context) { ran.Store(true) })
+	early.Stop()
+	early.Stop()
+	<-early.Done()
+	if ran.Load() {
+		t.Fatal("a Task stopped before its delay ran its function")
+	}
+	started := make(chan struct{})
+	var returned atomic.Bool
+	late := RunAfter(context.Background(), time.Millisecond, func(ctx context.Context) {
+		close(started)
+		<-ctx.Done()
+		time.Sleep(10 * time.Millisecond) // cleanup after the cancel
+		returned.Store(true)
+	})
+	<-started
+	late.Stop()
+	if !returned.Load() {
+		t.Fatal("Stop returned before the started goroutine did")
+	}
+}

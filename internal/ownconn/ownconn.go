@@ -1,7 +1,9 @@
 // Package ownconn gives a background loop a database connection of its own,
-// opened with a pool's settings but outside the pool, so that the loop never
-// waits behind the pool's other users: renewals and heartbeats must not
-// starve because jobs or waiting acquirers hold every pooled connection.
+// opened with a pool's settings but outside the pool, so that the loop does
+// not wait behind the pool's other users: renewals and heartbeats must not
+// starve because jobs or waiting acquirers hold every pooled connection
+// (Link falls back to an idle pooled connection only while its own cannot
+// open).
 // With several hosts it dials them all at once (Dial), so that a host that
 // hangs during a failover does not hold the renewer past its trust window.
 package ownconn
@@ -9,10 +11,15 @@ package ownconn
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgfence/pgfence/internal/bg"
+	"github.com/pgfence/pgfence/internal/pgexec"
+	"github.com/pgfence/pgfence/internal/retry"
 )
 
 // Conn is a connection owned by one goroutine. It is opened on first use
@@ -134,6 +141,15 @@ func perHost(cfg *pgx.ConnConfig) []*pgx.ConnConfig {
 	return out
 }
 
+// Open opens the connection if it is not open (never opened, or broken).
+func (c *Conn) Open(ctx context.Context) error {
+	_, err := c.get(ctx)
+	return err
+}
+
+// IsOpen reports whether the connection is open.
+func (c *Conn) IsOpen() bool { return c.conn != nil && !c.conn.IsClosed() }
+
 // Query runs sql on the connection. Read the rows before the next call.
 func (c *Conn) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	conn, err := c.get(ctx)
@@ -180,5 +196,155 @@ func (c *Conn) Close() {
 	if c.conn != nil {
 		_ = c.conn.Close(context.Background())
 		c.conn = nil
+	}
+}
+
+// Link is a background loop's connection of its own, opened beside the
+// loop's path: one connect attempt at a time runs on a goroutine the Link
+// owns, each bounded. Do runs the loop's statements on it, and only when
+// it cannot open in time on one of the pool's idle connections, which
+// still answer when new connections stall (a busy server's listen queue
+// overflowing, a path that drops SYNs). It is not safe for concurrent use:
+// one loop owns it.
+type Link struct {
+	pool    *pgxpool.Pool
+	ctx     context.Context
+	bound   time.Duration
+	conn    *Conn       // open, or nil
+	opening *bg.Task    // the attempt in flight, or nil
+	opened  chan opened // its result
+}
+
+// opened is a connect attempt's result.
+type opened struct {
+	conn *Conn // nil if it failed
+	err  error
+	at   time.Time // when it ended
+}
+
+// NewLink returns a link to pool's server and starts its first connect;
+// each attempt is bounded by bound, and every one ends with ctx or Close.
+func NewLink(ctx context.Context, pool *pgxpool.Pool, bound time.Duration) *Link {
+	l := &Link{pool: pool, ctx: ctx, bound: bound, opened: make(chan opened, 1)}
+	l.open()
+	return l
+}
+
+// open starts a connect attempt.
+func (l *Link) open() {
+	l.opening = bg.Run(l.ctx, func(ctx context.Context) {
+		conn := New(l.pool)
+		ctx, cancel := context.WithTimeout(ctx, l.bound)
+		defer cancel()
+		err := conn.Open(ctx)
+		if err != nil {
+			conn.Close()
+			conn = nil
+		}
+		l.opened <- opened{conn, err, time.Now()}
+	})
+}
+
+// pollIdle is how often Do looks for an idle pooled connection, and for
+// the connect's result, once it may fall back to the pool.
+const pollIdle = 20 * time.Millisecond
+
+// Do runs fn on the link's own connection if it is open or opens within
+// wait. If not (new connections stall), it runs fn on an idle connection
+// of the pool, looked for every pollIdle, with fn's context bounded by
+// wait: it may be a connection to a server that is gone, as after a
+// failover. A pooled run that fails for want of an answer is tried again,
+// on the link's own connection if it has opened meanwhile, else on another
+// idle one (at once if the failed one broke, otherwise wait later), until
+// ctx ends: fn must be safe to run again. A connect is kept in flight all
+// along (a failed one is tried again wait/2 after it failed): after a
+// failover, its dial of every host at once is what finds the new primary
+// soonest. Do itself opens none of the pool's connections; the pool's
+// acquire hooks run on fn's bounded context.
+func (l *Link) Do(ctx context.Context, wait time.Duration, fn func(ctx context.Context, db pgexec.DB) error) error {
+	tick := time.NewTicker(pollIdle)
+	defer tick.Stop()
+	var (
+		connectErr, pooledErr error
+		nextOpen              time.Time
+		nextPool              = time.Now().Add(wait)
+	)
+	for {
+		if l.conn != nil && !l.conn.IsOpen() {
+			l.conn.Close()
+			l.conn = nil
+		}
+		if l.conn != nil {
+			err := fn(ctx, l.conn)
+			if !l.conn.IsOpen() {
+				l.conn.Close()
+				l.conn = nil
+				l.open() // at once, for the next call
+			}
+			return err
+		}
+		if l.opening == nil && !time.Now().Before(nextOpen) {
+			l.open()
+		}
+		if !time.Now().Before(nextPool) {
+			if ran, broke, err := l.onIdle(ctx, wait, fn); ran {
+				if err == nil || ctx.Err() != nil || !(errors.Is(err, context.DeadlineExceeded) || retry.Transient(err)) {
+					return err
+				}
+				pooledErr, nextPool = err, time.Now().Add(wait)
+				if broke {
+					nextPool = time.Now()
+				}
+			}
+		}
+		select {
+		case r := <-l.opened:
+			l.opening.Stop() // done: returns at once
+			l.conn, l.opening = r.conn, nil
+			if r.conn == nil {
+				connectErr, nextOpen = r.err, r.at.Add(wait/2)
+			}
+		case <-tick.C:
+		case <-ctx.Done():
+			return errors.Join(ctx.Err(), connectErr, pooledErr)
+		}
+	}
+}
+
+// onIdle runs fn on an idle connection of the pool, with a context bounded
+// by wait, if the pool has one (ran), and reports whether that connection
+// broke.
+func (l *Link) onIdle(ctx context.Context, wait time.Duration, fn func(ctx context.Context, db pgexec.DB) error) (ran, broke bool, err error) {
+	if l.pool.Stat().IdleConns() == 0 {
+		return false, false, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	all := l.pool.AcquireAllIdle(ctx)
+	if len(all) == 0 {
+		return false, false, nil
+	}
+	for _, pc := range all[1:] {
+		pc.Release()
+	}
+	pc := all[0]
+	defer pc.Release()
+	err = fn(ctx, pc)
+	return true, pc.Conn().IsClosed(), err
+}
+
+// Close stops the attempt in flight, waiting for it, and closes the
+// connection.
+func (l *Link) Close() {
+	if l.opening != nil {
+		l.opening.Stop()
+		if r := <-l.opened; r.conn != nil {
+			r.conn.Close()
+		}
+		l.opening = nil
+	}
+	if l.conn != nil {
+		l.conn.Close()
+		l.conn = nil
 	}
 }
