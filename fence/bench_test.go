@@ -27,15 +27,8 @@ import (
 func BenchmarkGuardedTx(b *testing.B) {
 	db := pgtest.New(b)
 	ctx := context.Background()
-	tbl := table(db, "bench_events")
-	mustExec(b, db, "CREATE TABLE "+tbl+" (id bigserial PRIMARY KEY, payload text)")
-	c := newClient(b, db, lock.Config{TTL: time.Minute})
-	l, err := c.TryAcquire(ctx, "bench")
-	if err != nil {
-		b.Fatal(err)
-	}
-	g := l.Guard()
-	ins := "INSERT INTO " + tbl + " (payload) VALUES ($1)"
+	tbl, ins, g := benchTable(b, db, "bench_events")
+	var err error
 	unguarded := inTx(ctx, db, func(tx pgx.Tx) error {
 		_, err := tx.Exec(ctx, ins, "x")
 		return err
@@ -84,6 +77,104 @@ func BenchmarkGuardedTx(b *testing.B) {
 	b.ReportMetric(t[0].Seconds()/t[4].Seconds(), "runtx_bound_ratio")
 }
 
+// BenchmarkServerIdleBounds measures what bounding a frozen holder at the
+// server costs each guarded transaction, against the default that costs
+// none (the takeover ends a frozen holder's session: lock's
+// Config.IdleHolderAfter). Every form is Guard.Exec's one-row transaction
+// (BEGIN; the check pipelined with the INSERT; COMMIT), taking turns:
+//
+//   - none: no bound (the default);
+//   - idle_check: idle_in_transaction_session_timeout set in the check's
+//     own round trip (Guard.IdleTimeout);
+//   - idle_begin: the same setting sent with BEGIN, in BEGIN's round trip
+//     (pgx.TxOptions.BeginQuery);
+//   - idle_pool: the same setting on the pool's connections (every
+//     transaction on that pool is bounded, guarded or not);
+//   - txn_begin, txn_pool: PostgreSQL 17's transaction_timeout, sent with
+//     BEGIN or set on the pool's connections (on 17 or newer; the metrics
+//     are missing before).
+//
+// TestServerBoundsEndAnIdleGuardedTransaction checks that each form bounds.
+// Metrics: each form's tx/s over none's.
+//
+//	go test -run '^$' -bench ServerIdleBounds -benchtime 8000x ./fence
+func BenchmarkServerIdleBounds(b *testing.B) {
+	db := pgtest.New(b)
+	ctx := context.Background()
+	tbl, ins, g := benchTable(b, db, "bench_bounds")
+	var major int
+	if err := db.Pool.QueryRow(ctx, "SELECT current_setting('server_version_num')::int / 10000").Scan(&major); err != nil {
+		b.Fatal(err)
+	}
+	form := func(pool *pgxpool.Pool, g fence.Guard, begin string) func() error {
+		return func() error {
+			tx, err := pool.BeginTx(ctx, pgx.TxOptions{BeginQuery: begin})
+			if err != nil {
+				return err
+			}
+			defer tx.Rollback(ctx)
+			if _, err := g.Exec(ctx, tx, ins, "x"); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		}
+	}
+	// Each form has a pool of its own, so that each keeps its own warm
+	// backend; the pool forms differ only by their setting.
+	poolWith := func(params ...string) *pgxpool.Pool {
+		return pgtest.NewPool(b, pgtest.UniqueName("bounds"), func(c *pgxpool.Config) {
+			c.MaxConns = 1
+			for _, p := range params {
+				c.ConnConfig.RuntimeParams[p] = "60s"
+			}
+		})
+	}
+	bounded := g
+	bounded.IdleTimeout = time.Minute
+	names := []string{"idle_check", "idle_begin", "idle_pool"}
+	forms := []func() error{
+		form(poolWith(), g, ""),
+		form(poolWith(), bounded, ""),
+		form(poolWith(), g, "BEGIN; SET LOCAL idle_in_transaction_session_timeout = '60s'"),
+		form(poolWith("idle_in_transaction_session_timeout"), g, ""),
+	}
+	if major >= 17 {
+		names = append(names, "txn_begin", "txn_pool")
+		forms = append(forms,
+			form(poolWith(), g, "BEGIN; SET LOCAL transaction_timeout = '60s'"),
+			form(poolWith("transaction_timeout"), g, ""))
+	}
+	// Rounds in turn as takeTurns, each round starting one form later, so
+	// that every form takes every place in the order equally often.
+	run := func(fn func() error) time.Duration {
+		start := time.Now()
+		if err := fn(); err != nil {
+			b.Fatal(err)
+		}
+		return time.Since(start)
+	}
+	for range 50 {
+		for _, fn := range forms {
+			run(fn)
+		}
+	}
+	analyze(b, db, tbl, table(db, "pgfence_leases"))
+	per := max(b.N/len(forms), 1)
+	t := make([]time.Duration, len(forms))
+	b.ResetTimer()
+	for r := range per {
+		for i := range forms {
+			k := (r + i) % len(forms)
+			t[k] += run(forms[k])
+		}
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(per)/t[0].Seconds(), "none_tx/s")
+	for i, name := range names {
+		b.ReportMetric(t[0].Seconds()/t[i+1].Seconds(), name+"_ratio")
+	}
+}
+
 // BenchmarkResourceAdmit measures a transaction fenced by a resource fence
 // against the same transaction unfenced, taking turns transaction by
 // transaction. Metrics, fenced tx/s over unfenced tx/s: admit_ratio
@@ -120,6 +211,19 @@ func BenchmarkResourceAdmit(b *testing.B) {
 }
 
 // inTx returns a transaction as a benchmark form: begin, first, commit.
+// benchTable creates the table name for a benchmark's one-row inserts and
+// returns it, the insert, and the guard of a lease acquired for it.
+func benchTable(b testing.TB, db *pgtest.DB, name string) (tbl, ins string, g fence.Guard) {
+	tbl = table(db, name)
+	mustExec(b, db, "CREATE TABLE "+tbl+" (id bigserial PRIMARY KEY, payload text)")
+	c := newClient(b, db, lock.Config{TTL: time.Minute})
+	l, err := c.TryAcquire(context.Background(), "bench")
+	if err != nil {
+		b.Fatal(err)
+	}
+	return tbl, "INSERT INTO " + tbl + " (payload) VALUES ($1)", l.Guard()
+}
+
 func inTx(ctx context.Context, db *pgtest.DB, first func(tx pgx.Tx) error) func() error {
 	return func() error {
 		tx, err := db.Pool.Begin(ctx)

@@ -45,7 +45,7 @@
 //   - A guarded transaction holds the lease row's KEY SHARE lock until it
 //     ends: while it is open, a takeover waits. Once the lease has expired,
 //     a lock client's takeover ends the session of a guarded transaction
-//     that sits idle on the row (lock.Config.WaitForIdleHolders), so a
+//     that sits idle on the row (lock.Config.IdleHolderAfter), so a
 //     holder frozen inside one is replaced about TTL + PollInterval after
 //     it froze; Guard.IdleTimeout bounds it at the server instead, for
 //     takers that wait. A single long statement is bounded only by

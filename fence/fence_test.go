@@ -662,7 +662,7 @@ func newTaker(t *testing.T, db *pgtest.DB) (*lock.Client, *pgxpool.Pool, string)
 	app := pgtest.UniqueName("taker")
 	pool := pgtest.NewPool(t, app)
 	// It waits for the idle transactions the tests keep open on purpose.
-	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet, WaitForIdleHolders: true})
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: pgtest.Quiet, IdleHolderAfter: -1})
 	if err != nil {
 		t.Fatal(err)
 	}

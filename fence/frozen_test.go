@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -95,7 +96,7 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		idle  time.Duration // the holder's GuardIdleTimeout (0: none)
-		wait  bool          // the taker's WaitForIdleHolders
+		wait  bool          // the taker waits for idle holders (a negative IdleHolderAfter)
 		force bool          // ForceRelease instead of a takeover
 	}{
 		{name: "takeover"},
@@ -167,10 +168,21 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 			// The next holder (or an operator) tries from the moment of the
 			// freeze; the bound is TTL + PollInterval + 1 s.
 			bound := frozenTTL + frozenPoll + time.Second
-			c := newClient(t, db, lock.Config{PollInterval: frozenPoll, WaitForIdleHolders: tc.wait})
+			cfg := lock.Config{PollInterval: frozenPoll}
+			if tc.wait {
+				cfg.IdleHolderAfter = -1
+			}
+			var endedEvents atomic.Int64 // the taker's IdleHolderEnded events
+			cfg.OnEvent = func(e lock.Event) {
+				if e.Kind == lock.IdleHolderEnded && e.Lease == "frozen" && e.Backend != nil && e.Backend.PID > 0 {
+					endedEvents.Add(1)
+				}
+			}
+			c := newClient(t, db, cfg)
 			type res struct {
-				tok fence.Token
-				err error
+				tok   fence.Token
+				err   error
+				ended int // the sessions ForceRelease reported it ended
 			}
 			got := make(chan res, 1)
 			actx, cancel := context.WithCancel(ctx)
@@ -186,17 +198,18 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 						}
 						time.Sleep(frozenPoll)
 					}
-					if _, _, err := lock.ForceRelease(actx, c.Pool(), c.Config().Schema, "frozen"); err != nil {
-						got <- res{0, err}
+					freed, err := lock.ForceRelease(actx, c.Pool(), c.Config().Schema, "frozen")
+					if err != nil {
+						got <- res{0, err, 0}
 						return
 					}
 					// Then a new holder, so that the frozen one is stale.
 					l, err := c.TryAcquire(actx, "frozen")
 					if err != nil {
-						got <- res{0, err}
+						got <- res{0, err, 0}
 						return
 					}
-					got <- res{l.Token(), nil}
+					got <- res{l.Token(), nil, len(freed.Ended)}
 					return
 				}
 				l, err := c.Acquire(actx, "frozen")
@@ -204,7 +217,7 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 				if err == nil {
 					tok = l.Token()
 				}
-				got <- res{tok, err}
+				got <- res{tok, err, 0}
 			}()
 			control := tc.wait && tc.idle == 0
 			var took time.Duration
@@ -220,6 +233,19 @@ func TestFrozenHolderInGuardedTx(t *testing.T) {
 				}
 				if int64(r.tok) <= oldTok {
 					t.Fatalf("next holder's token %d, frozen holder's %d", r.tok, oldTok)
+				}
+				// The frozen session, ended, is reported: by ForceRelease,
+				// or by the taker's event and Stats; none where the
+				// server's bound ended it.
+				want := 1
+				if tc.wait {
+					want = 0
+				}
+				if tc.force && r.ended != want {
+					t.Fatalf("ForceRelease reported %d sessions ended, want %d", r.ended, want)
+				}
+				if n, st := endedEvents.Load(), c.Stats().IdleHoldersEnded; !tc.force && (n != int64(want) || st != uint64(want)) {
+					t.Fatalf("the taker's IdleHolderEnded events %d and Stats.IdleHoldersEnded %d, want %d", n, st, want)
 				}
 				t.Logf("%s %v after the freeze (bound %v)", tc.name, took, bound)
 			case <-time.After(bound):

@@ -25,7 +25,7 @@ import (
 // expiry) are not blocked. A guarded transaction that stays open therefore
 // delays a takeover: keep guarded transactions short. Once the lease has
 // expired, a taker ends the session of a guarded transaction that sits idle
-// on the row (lock.Config.WaitForIdleHolders), or the server does, past
+// on the row (lock.Config.IdleHolderAfter), or the server does, past
 // IdleTimeout; bound single long statements with statement_timeout.
 //
 // A Guard is a value; the zero Schema means "pgfence", the default schema
@@ -49,10 +49,12 @@ type Guard struct {
 	// inside a guarded transaction (a GC pause, SIGSTOP, a stalled VM)
 	// holds the row for as long as it is frozen, and the lease's takers
 	// end its session themselves once the lease has expired (see
-	// lock.Config.WaitForIdleHolders); the bound is for takers that do
+	// lock.Config.IdleHolderAfter); the bound is for takers that do
 	// not. It costs a changed setting per transaction (BENCHMARKS.md).
-	// Lease.Guard sets the lease client's GuardIdleTimeout. 0 or negative:
-	// none. A statement in progress (a long query, a COPY) is not idle:
+	// Lease.Guard sets the lease client's GuardIdleTimeout. The rule is
+	// Resource.IdleTimeout's: 0 is the default (for a guard, none: its
+	// lease's takers end idle holders), negative is none, positive is the
+	// bound. A statement in progress (a long query, a COPY) is not idle:
 	// bound those with statement_timeout.
 	IdleTimeout time.Duration
 }
@@ -205,22 +207,21 @@ func (g Guard) fence(id bool) *txFence {
 }
 
 // idleMillis is the idle bound the check sets, in milliseconds (0: none).
-func (g Guard) idleMillis() int64 {
-	if g.IdleTimeout <= 0 {
-		return 0
-	}
-	return idleMillis(g.IdleTimeout)
-}
+func (g Guard) idleMillis() int64 { return idleMillis(g.IdleTimeout, 0) }
 
-// idleMillis turns a Resource's IdleTimeout into the admission's parameter:
-// the default for 0, none (0) for a negative value, at least 1 ms, and at most
-// what the server accepts (INT_MAX ms, about 24.8 days).
-func idleMillis(d time.Duration) int64 {
+// idleMillis turns an IdleTimeout into the statement's parameter by the one
+// rule of Guard and Resource: def (the type's default; 0: none) for 0, none
+// (0) for a negative value; at least 1 ms, and at most what the server
+// accepts (INT_MAX ms, about 24.8 days).
+func idleMillis(d, def time.Duration) int64 {
 	switch {
 	case d < 0:
 		return 0
 	case d == 0:
-		d = DefaultIdleTimeout
+		d = def
+	}
+	if d == 0 {
+		return 0
 	}
 	return min(max(d.Milliseconds(), 1), math.MaxInt32)
 }

@@ -34,9 +34,10 @@ type Resource struct {
 	Metrics *Metrics
 	// IdleTimeout bounds how long a transaction that admitted a token may
 	// sit idle between its statements holding the fence row's lock, which
-	// a writer of a greater token waits for (see Guard.IdleTimeout). 0
-	// means DefaultIdleTimeout; a negative value leaves the session's
-	// setting alone.
+	// a writer of a greater token waits for (see Guard.IdleTimeout). The
+	// rule is Guard's: 0 is the default, here DefaultIdleTimeout (a
+	// resource has no lease whose takers end idle holders); negative is
+	// none (the session's setting is left alone); positive is the bound.
 	IdleTimeout time.Duration
 }
 
@@ -124,7 +125,7 @@ func (r Resource) fence(t Token, id bool) *txFence {
 		schema:    r.Schema,
 		metrics:   r.metrics(),
 	}
-	if ms := idleMillis(r.IdleTimeout); ms > 0 {
+	if ms := idleMillis(r.IdleTimeout, DefaultIdleTimeout); ms > 0 {
 		f.bound = true
 		f.args = append(f.args, ms)
 	}

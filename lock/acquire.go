@@ -12,7 +12,6 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/retry"
-	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // Acquisitions: one attempt (TryAcquire), and the waiting loop (Acquire).
@@ -57,9 +56,33 @@ func newSecret() []byte {
 	return secret
 }
 
+// backoffOrWake waits d, or less if a release of the lease is announced
+// (sub) or the poller finds it free or expired (w), either of which may
+// be nil; it returns false if ctx ends first.
+func backoffOrWake(ctx context.Context, d time.Duration, sub *subscription, w *waiter) bool {
+	var released, polled <-chan struct{}
+	if sub != nil {
+		released = sub.C
+	}
+	if w != nil {
+		polled = w.C
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+	case <-released:
+	case <-polled:
+	}
+	return true
+}
+
 // errRowChanging is returned when three attempts in a row found the row
-// changed between the acquisition and the look-up that followed it.
-var errRowChanging = errors.New("the row kept changing under three attempts")
+// changed between the acquisition and the look-up that followed it, or
+// lost the lease they had won before it could be handed out.
+var errRowChanging = fmt.Errorf("%w: the row kept changing under three attempts", ErrTryAgain)
 
 // tryAcquire is TryAcquire with a given secret. Blocking Acquire keeps one
 // secret across its attempts, so that when an attempt's reply is lost (its
@@ -74,7 +97,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 	defer func() {
 		c.m.attempted(ctx, err)
 		if l != nil {
-			c.emit(Event{Kind: Acquired, Lease: name, Token: l.token})
+			l.announce()
 		}
 	}()
 	if c.isClosed() {
@@ -126,13 +149,18 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			// tracked: it may be one of them (freed or revoked at once).
 			if err := l.Check(ctx); err != nil {
 				_ = l.Release(ctx)
-				if s.isEnded() {
-					continue // the session ended meanwhile: try again on the next
+				if errors.Is(err, ErrLeaseLost) {
+					// Lost before it was handed out (expired, freed,
+					// or its session ended meanwhile): try again.
+					continue
 				}
 				return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
 			}
 		}
 		if s.left(c.clock.Now()) >= c.cfg.RenewInterval {
+			if !l.handOut() {
+				continue // lost meanwhile: try again
+			}
 			return l, nil
 		}
 		// The acquisition came back late: renew the session before the
@@ -141,8 +169,15 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			_ = l.Release(ctx)
 			return nil, fmt.Errorf("lock: acquire %q: renew the session after a late acquisition: %w", name, c.explain(err))
 		}
-		if err := l.Err(); err != nil {
-			return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
+		if l.Err() != nil {
+			// Lost while this acquisition came back (the session ran out
+			// of trust and the renewal just now started another, or the
+			// renewal found the lease expired or freed): it was never
+			// handed out; try again.
+			continue
+		}
+		if !l.handOut() {
+			continue
 		}
 		return l, nil
 	}
@@ -235,7 +270,7 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, s *session,
 	// the row for a holder frozen in a guarded transaction (idleholders.go).
 	cas := func(sql string) error {
 		stop := func() {}
-		if !c.cfg.WaitForIdleHolders {
+		if c.cfg.IdleHolderAfter > 0 {
 			var waiter *int64 // the acquisition's backend, if the client knows it (verify)
 			if c.backendPIDs.Load() {
 				pid := int64(conn.Conn().PgConn().PID())
@@ -364,12 +399,16 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 				}
 				return nil, gaveUp()
 			case cut: // the attempt's own bound: tried again
-			case errors.Is(err, ErrClosed) || !(retry.Transient(err) || errors.Is(err, errRowChanging)):
+			case errors.Is(err, ErrClosed) || !(retry.Transient(err) || errors.Is(err, ErrTryAgain)):
 				return nil, err
 			}
 			last = err
 			failing.Fail(c.log, "pgfence: acquire failing; retrying with backoff", err, "lease", name)
-			if !wait.Sleep(ctx, c.backoff.Wait(failing.Count()-1)) {
+			// A release (or the poller) that comes during the backoff
+			// wakes it: the database answers again, and the lease may be
+			// free (a waiter cut off by a partition otherwise slept up to
+			// a PollInterval past the release that followed the heal).
+			if !backoffOrWake(ctx, c.backoff.Wait(failing.Count()-1), sub, w) {
 				return nil, gaveUp()
 			}
 			continue

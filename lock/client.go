@@ -37,7 +37,7 @@ import (
 //     lease once the server has let go of it (at most 5s);
 //   - one per acquisition that has waited on a lease row for 250 ms, which
 //     looks for idle holders until the acquisition is done
-//     (Config.WaitForIdleHolders).
+//     (Config.IdleHolderAfter).
 //
 // Close stops them all and waits for them while its context allows.
 type Client struct {
@@ -57,8 +57,8 @@ type Client struct {
 	clock   clock.Clock   // trust windows and the renewals' pace; tests move it
 
 	closeOnce sync.Once
-	closeErr  error         // the release's, set once
-	stopped   chan struct{} // closed once Close's goroutines have all stopped
+	closeErr  error    // the release's, set once
+	stopping  *bg.Task // set by the first Close: stops the goroutines
 	stats     stats
 
 	verified atomic.Bool   // the schema version was checked
@@ -92,12 +92,11 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		q:       sqlFor(cfg.Schema),
 		bg:      bg.New(context.Background()),
 		turn:    make(chan struct{}, 1),
-		stopped: make(chan struct{}),
 		clock:   clock.Real(),
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
-		idle:    newLooker(pool),
 	}
 	c.turn <- struct{}{}
+	c.idle = newLooker(pool, c.bg.Go)
 	c.renewer = c.bg.Demand(c.renewLoop, max(cfg.RenewInterval, sessionLinger), clock.Real())
 	c.lis = newListener(c)
 	c.poll = newPoller(c)
@@ -156,7 +155,7 @@ func (c *Client) Close(ctx context.Context) error {
 	}
 	c.closeOnce.Do(func() { c.closeErr = c.close(ctx) })
 	select {
-	case <-c.stopped:
+	case <-c.stopping.Done():
 		return c.closeErr
 	case <-ctx.Done():
 		return errors.Join(c.closeErr, fmt.Errorf("lock: Close: %w (its goroutines stop in the background, within %v)",
@@ -165,7 +164,7 @@ func (c *Client) Close(ctx context.Context) error {
 }
 
 // close releases the leases, ends the session and starts stopping the
-// goroutines, whose end closes c.stopped.
+// goroutines (c.stopping, which every Close waits on).
 func (c *Client) close(ctx context.Context) error {
 	c.mu.Lock()
 	c.closed = true
@@ -173,12 +172,11 @@ func (c *Client) close(ctx context.Context) error {
 	c.mu.Unlock()
 	first := c.releaseAll(ctx, s)
 	c.poll.close()
-	go func() { // its end is c.stopped, which every Close waits on
-		defer close(c.stopped)
+	c.stopping = bg.Run(context.Background(), func(context.Context) {
 		c.bg.Stop() // cancel, then wait for every goroutine (each within its own bound)
 		c.idle.close()
 		_ = c.m.observed.Unregister()
-	}()
+	})
 	return first
 }
 

@@ -54,31 +54,36 @@ type Config struct {
 	// Lease.Guard) may sit idle between its statements: past it the server
 	// ends the transaction's session (fence.Guard.IdleTimeout). It is not
 	// needed for takeovers, which end a holder's session idle on the lease
-	// row past its expiry themselves (see WaitForIdleHolders); set it when
-	// the takers cannot (WaitForIdleHolders, or a role without the right to
-	// end the holder's sessions), at the price of changing a setting in
-	// every guarded transaction (about 4-5% of a one-row transaction on
-	// PostgreSQL 15: BENCHMARKS.md). Default 0: none; negative is invalid.
+	// row past its expiry themselves (see IdleHolderAfter); set it when
+	// the takers cannot (IdleHolderAfter negative, or a role without the
+	// right to end the holder's sessions), at the price of changing a setting in
+	// every guarded transaction (4-6% of a one-row transaction on
+	// PostgreSQL 15 and 17: BENCHMARKS.md). fence.Guard.IdleTimeout's rule: 0,
+	// the default, is none; negative is none too; positive is the bound.
 	GuardIdleTimeout time.Duration
 
-	// WaitForIdleHolders makes the client's acquisitions wait, however
-	// long, for a transaction that sits idle holding the lease row of an
-	// expired or released lease: a holder frozen (a GC pause, SIGSTOP, a
-	// stalled VM) or cut off inside a guarded transaction. By default an
-	// acquisition that has waited on the row for 250 ms ends the session
-	// of each such transaction idle for 250 ms or more
-	// (pg_terminate_backend, on a connection of the client's own outside
-	// the pool), logs it, and counts it in Stats.IdleHoldersEnded. The
-	// session's transaction aborts, so none of its writes commits, and the
-	// acquisition goes on: a frozen holder is replaced about TTL +
-	// PollInterval + 250 ms after it froze. A transaction running a
-	// statement is not idle and is waited for: bound those with
-	// statement_timeout. The client's role needs the right to end the
-	// session: the holder's own role has it; another needs
-	// pg_signal_backend, and pg_read_all_stats to see the session's state
-	// (only a superuser may end a superuser's session). Without it the
-	// acquisition waits, and the client logs why, once per acquisition.
-	WaitForIdleHolders bool
+	// IdleHolderAfter is how long an acquisition waits on the lease row
+	// of an expired or released lease, held by a transaction that sits
+	// idle there, before it ends that transaction's session: a holder
+	// frozen (a GC pause, SIGSTOP, a stalled VM) or cut off inside a
+	// guarded transaction. It ends the session of each such transaction
+	// idle for IdleHolderAfter or more (pg_terminate_backend, on a
+	// connection of the client's own outside the pool), logs it, counts
+	// it in Stats.IdleHoldersEnded, and looks again every IdleHolderAfter
+	// while it waits. The session's transaction aborts, so none of its
+	// writes commits, and the acquisition goes on: a frozen holder is
+	// replaced about TTL + PollInterval + IdleHolderAfter after it froze.
+	// A transaction running a statement is not idle and is waited for:
+	// bound those with statement_timeout. The client's role needs the
+	// right to end the session: the holder's own role has it; another
+	// needs pg_signal_backend, and pg_read_all_stats to see the session's
+	// state (only a superuser may end a superuser's session). Without it
+	// the acquisition waits, and the client logs why, once per
+	// acquisition. Default 0: PollInterval / 4, within 10 ms and the
+	// smaller of 1 s and TTL / 10 (250 ms with the default TTL and
+	// PollInterval); negative: never, the client's acquisitions wait
+	// however long such a transaction sits there.
+	IdleHolderAfter time.Duration
 
 	// Holder identifies this client in the leases table (for operators and
 	// HeldError). At most 255 bytes of UTF-8 without NUL.
@@ -172,6 +177,9 @@ func (c Config) withDefaults() Config {
 	if c.PollInterval == 0 {
 		c.PollInterval = time.Second
 	}
+	if c.IdleHolderAfter == 0 {
+		c.IdleHolderAfter = idleHolderAfterFor(c.TTL, c.PollInterval)
+	}
 	if c.Holder == "" {
 		c.Holder = defaultHolder()
 	}
@@ -199,8 +207,6 @@ func (c Config) validate() error {
 		return bad("RenewInterval", "must be positive, got %v", c.RenewInterval)
 	case c.SafetyMargin < 0:
 		return bad("SafetyMargin", "must not be negative, got %v", c.SafetyMargin)
-	case c.GuardIdleTimeout < 0:
-		return bad("GuardIdleTimeout", "must not be negative (0 means none), got %v", c.GuardIdleTimeout)
 	case c.PollInterval < MinPollInterval:
 		return bad("PollInterval", "must be at least %v, got %v", MinPollInterval, c.PollInterval)
 	case c.RenewInterval > c.TTL/2: // not 2*RenewInterval > TTL, which can overflow

@@ -30,6 +30,14 @@ var (
 
 	// ErrClosed is returned by a Client after Close.
 	ErrClosed = errors.New("lock: client closed")
+
+	// ErrTryAgain is returned by TryAcquire when an attempt could not
+	// finish through no holder's doing: the row kept changing under it,
+	// the session's renewal or start took longer than its bound, or the
+	// lease was lost (expired, freed or taken over) before it could be
+	// handed out. Nothing is held; a later attempt may succeed. Acquire
+	// tries again itself.
+	ErrTryAgain = errors.New("lock: acquisition interrupted; try again")
 )
 
 // HeldError reports that a lease is held by someone else. It matches ErrHeld.

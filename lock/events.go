@@ -20,11 +20,15 @@ const (
 	Lost
 	// Released: Release ended the lease.
 	Released
+	// IdleHolderEnded: an acquisition of the lease, waiting on its row
+	// after it expired, ended the session of a transaction idle there
+	// (Backend; Config.IdleHolderAfter).
+	IdleHolderEnded
 )
 
 // String returns the kind in snake_case, for logs and metric attributes.
 func (k EventKind) String() string {
-	return [...]string{"acquired", "renewed_late", "lost", "released"}[k]
+	return [...]string{"acquired", "renewed_late", "lost", "released", "idle_holder_ended"}[k]
 }
 
 // LossCause says why a lease was lost.
@@ -64,6 +68,8 @@ type Event struct {
 	// TimeLeft is what was left of the trust window: for RenewedLate,
 	// when the renewal succeeded.
 	TimeLeft time.Duration
+	// Backend is the session ended, for IdleHolderEnded.
+	Backend *Backend
 }
 
 func (c *Client) emit(e Event) {

@@ -2,8 +2,9 @@ package lock
 
 import (
 	"context"
-	"sync"
 	"sync/atomic"
+
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/clock"
 )
@@ -35,30 +36,12 @@ func (c *Client) TryAcquireAs(ctx context.Context, name string, secret []byte) (
 // on clk; call it before the first acquisition.
 func (c *Client) SetClock(clk clock.Clock) { c.clock = clk }
 
-// looks counts the looks for idle holders by lease name: name → *lookCount.
-var looks sync.Map
-
-type lookCount struct{ started, succeeded atomic.Uint64 }
-
-func init() {
-	h := func(name string, done bool, err error) {
-		n, _ := looks.LoadOrStore(name, new(lookCount))
-		switch c := n.(*lookCount); {
-		case !done:
-			c.started.Add(1)
-		case err == nil:
-			c.succeeded.Add(1)
+// ForceReleaseLooking is ForceRelease that counts its looks for idle
+// holders that end without error in succeeded.
+func ForceReleaseLooking(ctx context.Context, pool *pgxpool.Pool, schema, name string, succeeded *atomic.Uint64) (Freed, error) {
+	return forceRelease(ctx, pool, schema, name, func(err error) {
+		if err == nil {
+			succeeded.Add(1)
 		}
-	}
-	lookHook.Store(&h)
-}
-
-// IdleHolderLooks is how many looks for idle holders of lease name every
-// client has made without error, and how many have started.
-func IdleHolderLooks(name string) (succeeded, started uint64) {
-	if n, ok := looks.Load(name); ok {
-		c := n.(*lookCount)
-		return c.succeeded.Load(), c.started.Load()
-	}
-	return 0, 0
+	})
 }

@@ -225,23 +225,37 @@ func TestForceReleaseBoundedAndNamesBlocker(t *testing.T) {
 	if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
 		t.Fatal(err)
 	}
-	fctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	// Long enough for its statement to reach the row on a loaded machine
+	// (at 300 ms it sometimes had not, and had no blocker to name).
+	fctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	_, _, err = lock.ForceRelease(fctx, c.Pool(), c.Config().Schema, "busy")
+	_, err = lock.ForceRelease(fctx, c.Pool(), c.Config().Schema, "busy")
 	var be *lock.BlockedError
 	if !errors.As(err, &be) || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("ForceRelease behind an open guarded transaction: %v, want a BlockedError", err)
 	}
-	if len(be.Backends) != 1 || be.Backends[0].PID != pid || be.Backends[0].Application != app ||
+	// The blockers are looked up within 500 ms past the deadline: on a
+	// loaded machine the look-up may not finish, and the error then says
+	// why after the BlockedError (a race-enabled full run once named
+	// none). When it says nothing more, it must name the blocker.
+	lookupFailed := len(be.Backends) == 0 && err.Error() != be.Error()
+	if lookupFailed {
+		t.Logf("the blockers could not be looked up in time: %v", err)
+	} else if len(be.Backends) != 1 || be.Backends[0].PID != pid || be.Backends[0].Application != app ||
 		!strings.Contains(err.Error(), app) {
 		t.Fatalf("BlockedError names %+v, want backend %d (%s)", be.Backends, pid, app)
 	}
 	if err := l.Err(); err != nil {
 		t.Fatalf("a ForceRelease that gave up ended the lease: %v", err)
 	}
+	// If the server did not confirm the cancel within ForceRelease's
+	// bound (a loaded machine), ForceRelease said so: its statement may
+	// still free the lease once the transaction ends.
+	mayStillFree := strings.Contains(err.Error(), "may still be freed")
 	_ = tx.Rollback(ctx)
-	if holder, _, err := lock.ForceRelease(ctx, c.Pool(), c.Config().Schema, "busy"); err != nil || holder != l.Holder() {
-		t.Fatalf("ForceRelease after the transaction ended: %q, %v", holder, err)
+	freed, err := lock.ForceRelease(ctx, c.Pool(), c.Config().Schema, "busy")
+	if err != nil || freed.Holder != l.Holder() && !(freed.Holder == "" && mayStillFree) {
+		t.Fatalf("ForceRelease after the transaction ended: %q, %v (the first said it may still free it: %v)", freed.Holder, err, mayStillFree)
 	}
 }
 
@@ -435,10 +449,15 @@ func TestSlowRenewalsWarnOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Eventually(t, 30*time.Second, "a renewal", func() bool { return c.Stats().Renewals >= 1 })
-	if st := c.Stats(); st.SlowRenewals != 0 || len(rec.Find(slog.LevelWarn, "renewals take more")) != 0 {
-		t.Fatalf("a fast renewal counted or warned as slow: %+v", st)
-	}
+	warnings := func() int { return len(rec.Find(slog.LevelWarn, "renewals take more")) }
+	notes := func() int { return len(rec.Find(slog.LevelInfo, "renewals fast again")) }
+	// The counts from here on: from a fast renewal, once any slow period
+	// that a loaded machine caused has ended.
+	pgtest.Eventually(t, 30*time.Second, "a fast renewal, no slow period open", func() bool {
+		st := c.Stats()
+		return st.Renewals >= 1 && st.LastRenewLatency < 500*time.Millisecond && warnings() == notes()
+	})
+	slow0, warn0, note0 := c.Stats().SlowRenewals, warnings(), notes()
 	tx, err := db.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -459,13 +478,13 @@ func TestSlowRenewalsWarnOnce(t *testing.T) {
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
-	pgtest.Eventually(t, 30*time.Second, "the slow renewal counted", func() bool { return c.Stats().SlowRenewals >= 1 })
+	pgtest.Eventually(t, 30*time.Second, "the slow renewal counted", func() bool { return c.Stats().SlowRenewals >= slow0+1 })
 	r0 := c.Stats().Renewals
 	pgtest.Eventually(t, 30*time.Second, "renewals fast again", func() bool {
-		return len(rec.Find(slog.LevelInfo, "renewals fast again")) == 1 && c.Stats().Renewals >= r0+2
+		return notes() == note0+1 && c.Stats().Renewals >= r0+2
 	})
-	if n := len(rec.Find(slog.LevelWarn, "renewals take more")); n != 1 {
-		t.Fatalf("%d warnings of slow renewals, want 1", n)
+	if n := warnings() - warn0; n != 1 {
+		t.Fatalf("%d warnings of slow renewals for one slow period, want 1", n)
 	}
 	if err := l.Check(ctx); err != nil {
 		t.Fatalf("the lease after a slow renewal (within its TTL): %v", err)

@@ -23,7 +23,10 @@ func TestHealth(t *testing.T) {
 	t.Parallel()
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
-	c := newClient(t, db, lock.Config{TTL: 2 * time.Second})
+	// TTL 6 s: renewals are late (under 1.7 s of trust left) for 1.7 s
+	// before the lease is lost, a window a loaded machine does not miss
+	// (with TTL 2 s it was 0.57 s, and once was missed).
+	c := newClient(t, db, lock.Config{TTL: 6 * time.Second})
 	l, err := c.TryAcquire(ctx, "healthy")
 	if err != nil {
 		t.Fatal(err)
@@ -56,7 +59,7 @@ func TestHealth(t *testing.T) {
 		t.Fatal(err)
 	}
 	var unhealthy error
-	pgtest.Eventually(t, 5*time.Second, "Health to report late renewals", func() bool {
+	pgtest.Eventually(t, 15*time.Second, "Health to report late renewals", func() bool {
 		unhealthy = c.Health(ctx)
 		return unhealthy != nil
 	})

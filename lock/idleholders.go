@@ -4,14 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/ownconn"
 )
 
@@ -27,56 +26,60 @@ import (
 // Doing it here, on the rare takeover that waits, costs nothing per guarded
 // transaction. The other way, a server-side idle bound set in every guarded
 // transaction (fence.Guard.IdleTimeout), costs a changed setting per
-// transaction, about 4-5% of a one-row transaction on PostgreSQL 15
-// (BENCHMARKS.md); it remains for takers that wait (WaitForIdleHolders).
+// transaction, 4-6% of a one-row transaction on PostgreSQL 15 and 17
+// (BENCHMARKS.md); it remains for takers that wait (a negative
+// Config.IdleHolderAfter).
 
-// idleHolderAfter is how long a statement waits on a lease row before it
-// first looks for idle holders, how often it looks again while it waits,
-// and how long a transaction must have sat idle to be ended.
-const idleHolderAfter = 250 * time.Millisecond
+// idleHolderAfterFor is Config.IdleHolderAfter's default: how long a
+// statement waits on a lease row before it first looks for idle holders,
+// how often it looks again while it waits, and how long a transaction must
+// have sat idle to be ended. A quarter of PollInterval keeps the takeover
+// of a frozen holder within TTL + 1.25 PollInterval; the floor spares the
+// server a look every few milliseconds, the ceiling (TTL / 10, at most
+// 1 s) keeps the wait small beside the lease's own.
+func idleHolderAfterFor(ttl, poll time.Duration) time.Duration {
+	return max(10*time.Millisecond, min(poll/4, ttl/10, time.Second))
+}
+
+// forceReleaseIdleAfter is the same for ForceRelease, which has no client
+// configuration: the default's value with the default TTL and PollInterval.
+const forceReleaseIdleAfter = 250 * time.Millisecond
 
 // idleHolderTimeout bounds one look (and the sessions it ends).
 const idleHolderTimeout = 5 * time.Second
 
-// lookHook, when set (by tests), hears each look for idle holders of lease
-// name: when it starts (done false) and when it ends (done true, with its
-// error).
-var lookHook atomic.Pointer[func(name string, done bool, err error)]
-
-// hookLook calls lookHook if it is set.
-func hookLook(name string, done bool, err error) {
-	if h := lookHook.Load(); h != nil {
-		(*h)(name, done, err)
-	}
-}
-
 // idleLook is one look: it ends the idle holders it finds and returns them.
-type idleLook func(ctx context.Context) ([]Backend, error)
+// Both contexts are bounded by idleHolderTimeout; stopping also ends when
+// the watcher is stopped (the statement is done), ctx only when the
+// watcher's own context does (the statement's caller gives up). A look may
+// run its query on ctx, so that a look in flight when the statement ends
+// finishes (in milliseconds) rather than having its connection closed
+// mid-query, which would make the next look connect again.
+type idleLook func(stopping, ctx context.Context) ([]Backend, error)
 
-// watchIdleHolders runs look from idleHolderAfter on and every
-// idleHolderAfter after that, until stop is called; report hears each look
-// that ended a session or failed. stop cancels the looking and waits for
-// the look in progress (calling it again does nothing): the watcher's one
-// owner is the waiting statement's caller.
-func watchIdleHolders(ctx context.Context, name string, look idleLook, report func(ended []Backend, err error)) (stop func()) {
-	ctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	timer := time.AfterFunc(idleHolderAfter, func() {
-		defer close(done)
+// watchIdleHolders runs look from after on and every after after that,
+// until stop is called; report hears each look that ended a session or
+// failed. stop ends the looking and waits for the look in progress
+// (calling it again does nothing): the watcher's one owner is the waiting
+// statement's caller.
+func watchIdleHolders(ctx context.Context, after time.Duration, look idleLook, report func(ended []Backend, err error)) (stop func()) {
+	// Started only once after has passed: most statements are done by
+	// then, and cost no goroutine.
+	return bg.RunAfter(ctx, after, func(stopping context.Context) {
 		next := time.NewTimer(0)
 		defer next.Stop()
 		for {
 			select {
-			case <-ctx.Done():
+			case <-stopping.Done():
 				return
 			case <-next.C:
 			}
-			hookLook(name, false, nil)
+			sctx, scancel := context.WithTimeout(stopping, idleHolderTimeout)
 			lctx, lcancel := context.WithTimeout(ctx, idleHolderTimeout)
-			ended, err := look(lctx)
+			ended, err := look(sctx, lctx)
 			lcancel()
-			hookLook(name, true, err)
-			if ctx.Err() != nil {
+			scancel()
+			if stopping.Err() != nil {
 				// The statement is done (often because of what this
 				// look ended): a failure no longer matters, what was
 				// ended does.
@@ -85,32 +88,26 @@ func watchIdleHolders(ctx context.Context, name string, look idleLook, report fu
 			if len(ended) > 0 || err != nil {
 				report(ended, err)
 			}
-			next.Reset(idleHolderAfter)
+			next.Reset(after)
 		}
-	})
-	return sync.OnceFunc(func() {
-		cancel()
-		if !timer.Stop() {
-			<-done
-		}
-	})
+	}).Stop
 }
 
 // endIdleHolders ends the sessions idle in a transaction for at least
-// idleHolderAfter that block the statement of backend waiter (nil: not
+// after that block the statement of backend waiter (nil: not
 // known, as behind PgBouncer) or any statement waiting on the row of lease
 // name, if that lease has expired
 // or is free, and returns them. A session it may not end (another role's,
 // without pg_signal_backend) or whose state it may not see is an error that
 // names it; the others are ended all the same, also once ctx has ended
 // (each was still idle in the transaction that held the row).
-func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, waiter *int64) ([]Backend, error) {
+func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, after time.Duration, waiter *int64) ([]Backend, error) {
 	type found struct {
 		b     Backend
 		xid   *string
 		since *time.Time
 	}
-	rows, err := db.Query(ctx, q.idleHolders, name, idleHolderAfter.Microseconds(), waiter)
+	rows, err := db.Query(ctx, q.idleHolders, name, after.Microseconds(), waiter)
 	if err != nil {
 		return nil, err
 	}
@@ -159,32 +156,77 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, w
 // connection of its own: the statements waiting on lease rows may hold
 // every pooled connection. It is opened on the first look and closed with
 // the client.
+//
+// The connect outlives the look that needs it: a look is often cut short
+// (the acquisition it watched went through), and a connect cut short with
+// it would be redone by the next look, so that every short wait on a
+// contended lease would dial the server again; on a busy server that storm
+// overflows its listen queue and holds up every client's connects, the
+// renewers' too. So the connect runs on a goroutine the client owns (run),
+// bounded by idleHolderTimeout, and a look waits for it only as long as
+// its own context.
 type looker struct {
 	turn   chan struct{} // holds one token: the right to use conn
 	conn   *ownconn.Conn
-	closed bool // under turn
+	closed bool                                    // under turn
+	run    func(fn func(ctx context.Context)) bool // starts a goroutine of the client's (bg.Group.Go)
 }
 
-// newLooker returns a looker whose connection is opened from pool.
-func newLooker(pool *pgxpool.Pool) *looker {
-	l := &looker{turn: make(chan struct{}, 1), conn: ownconn.New(pool)}
+// newLooker returns a looker whose connection is opened from pool, on
+// goroutines started with run.
+func newLooker(pool *pgxpool.Pool, run func(fn func(ctx context.Context)) bool) *looker {
+	l := &looker{turn: make(chan struct{}, 1), conn: ownconn.New(pool), run: run}
 	l.turn <- struct{}{}
 	return l
 }
 
 // look is one look for idle holders of lease name that block backend
-// waiter (see endIdleHolders). It waits its turn only as long as ctx.
-func (l *looker) look(ctx context.Context, q *queries, name string, waiter *int64) ([]Backend, error) {
-	select {
-	case <-l.turn:
-	case <-ctx.Done():
-		return nil, ctx.Err()
+// waiter (see endIdleHolders), on ctx. It waits its turn, and the connect,
+// only as long as stopping.
+func (l *looker) look(stopping, ctx context.Context, q *queries, name string, after time.Duration, waiter *int64) ([]Backend, error) {
+	if err := l.take(stopping); err != nil {
+		return nil, err
 	}
 	defer func() { l.turn <- struct{}{} }()
-	if l.closed {
-		return nil, ErrClosed
+	return endIdleHolders(ctx, l.conn, q, name, after, waiter)
+}
+
+// take waits for the turn and an open connection. A connect it starts
+// holds the turn until it is done, whenever ctx ends.
+func (l *looker) take(ctx context.Context) error {
+	for {
+		select {
+		case <-l.turn:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		switch {
+		case l.closed:
+			l.turn <- struct{}{}
+			return ErrClosed
+		case l.conn.IsOpen():
+			return nil
+		}
+		opened := make(chan error, 1)
+		if !l.run(func(ctx context.Context) {
+			ctx, cancel := context.WithTimeout(ctx, idleHolderTimeout)
+			defer cancel()
+			err := l.conn.Open(ctx)
+			l.turn <- struct{}{}
+			opened <- err
+		}) {
+			l.turn <- struct{}{}
+			return ErrClosed // the client is closing
+		}
+		select {
+		case err := <-opened:
+			if err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
-	return endIdleHolders(ctx, l.conn, q, name, waiter)
 }
 
 // close closes the connection, once the look in progress is done; looks
@@ -197,13 +239,21 @@ func (l *looker) close() {
 }
 
 // watchIdleHolders watches, for the client, the acquisition of lease name
-// on backend waiter: see Config.WaitForIdleHolders.
+// on backend waiter: see Config.IdleHolderAfter.
 func (c *Client) watchIdleHolders(ctx context.Context, name string, waiter *int64) (stop func()) {
-	look := func(ctx context.Context) ([]Backend, error) { return c.idle.look(ctx, c.q, name, waiter) }
+	after := c.cfg.IdleHolderAfter
+	look := func(stopping, ctx context.Context) ([]Backend, error) {
+		c.stats.idleLooks.Add(1)
+		return c.idle.look(stopping, ctx, c.q, name, after, waiter)
+	}
 	warned := false
-	return watchIdleHolders(ctx, name, look, func(ended []Backend, err error) {
+	return watchIdleHolders(ctx, after, look, func(ended []Backend, err error) {
+		if err != nil {
+			c.stats.idleLookErrors.Add(1)
+		}
 		for _, b := range ended {
 			c.stats.idleEnded.Add(1)
+			c.emit(Event{Kind: IdleHolderEnded, Lease: name, Backend: &b})
 			c.log.Warn("pgfence: ended a session idle in a transaction on an expired lease's row, which blocked its acquisition",
 				"lease", name, "pid", b.PID, "application", b.Application, "user", b.User,
 				"xact_start", b.XactStart, "query", b.Query)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -59,18 +60,18 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 		_, err := tx.Exec(ctx, "SELECT 1")
 		return err == nil
 	}
-	// looked is how many looks at name have run without error.
-	looked := func(name string) uint64 {
-		n, _ := lock.IdleHolderLooks(name)
-		return n
-	}
-	// looks waits until the watcher has looked n more times at name.
+	// looks waits until the taker's acquisition of name has looked n
+	// more times for idle holders, none failing: n+1 begun, since one
+	// acquisition's looks run one after the other.
 	looks := func(name string, n uint64) {
 		t.Helper()
-		from := looked(name)
+		from := taker.Stats()
 		pgtest.Eventually(t, time.Minute, fmt.Sprintf("%d looks for idle holders of %s", n, name), func() bool {
-			return looked(name) >= from+n
+			return taker.Stats().IdleHolderLooks >= from.IdleHolderLooks+n+1
 		})
+		if failed := taker.Stats().IdleHolderLookErrors - from.IdleHolderLookErrors; failed > 0 {
+			t.Fatalf("%d looks for idle holders of %s failed", failed, name)
+		}
 	}
 	type result struct {
 		l   *lock.Lease
@@ -91,13 +92,13 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 	_, live := guarded(liveName)
 	fctx, cancel := context.WithCancel(ctx)
 	forced := make(chan error, 1)
+	var forceLooks atomic.Uint64 // ForceRelease's looks that succeeded
 	go func() {
-		_, _, err := lock.ForceRelease(fctx, taker.Pool(), taker.Config().Schema, liveName)
+		_, err := lock.ForceReleaseLooking(fctx, taker.Pool(), taker.Config().Schema, liveName, &forceLooks)
 		forced <- err
 	}()
-	from := looked(liveName)
 	pgtest.Eventually(t, time.Minute, "two looks for idle holders of the live lease, or ForceRelease returning", func() bool {
-		return looked(liveName) >= from+2 || len(forced) > 0
+		return forceLooks.Load() >= 2 || len(forced) > 0
 	})
 	cancel()
 	var be *lock.BlockedError
@@ -224,6 +225,7 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 		movedName := pgtest.UniqueName("moved")
 		_, idle := guarded(movedName)
 		expire(t, db, movedName)
+		before := taker.Stats().IdleHolderLooks
 		got = acquire(movedName)
 		pgtest.Eventually(t, time.Minute, "the acquisition waiting on the lease row", func() bool {
 			var waiting bool
@@ -233,7 +235,7 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 		if _, err := db.Pool.Exec(ctx, "UPDATE "+leases+" SET observers_until = now() WHERE name = $1", movedName); err != nil {
 			t.Fatal(err)
 		}
-		_, early := lock.IdleHolderLooks(movedName)
+		early := taker.Stats().IdleHolderLooks - before
 		if r := <-got; r.err != nil {
 			t.Fatal(r.err)
 		}
@@ -288,5 +290,113 @@ func TestTakeoverEndsOnlyIdleHolders(t *testing.T) {
 	}
 	if err := <-blocked; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A client whose acquisitions keep waiting briefly on a lease row (another
+// statement holds it for a moment, as contention does) opens the
+// connection it looks for idle holders on once, and keeps it: a look cut
+// short when the acquisition goes through must not cut short the connect
+// it started. Otherwise every short wait dials the server again (here, 8
+// connections for 8 waits) and a contended lease turns into a storm of
+// connection attempts, which on a busy server overflow its listen queue
+// and hold up every client's connects, renewers' included. The connects
+// are slowed to a second here, as a loaded server slows them, and each
+// wait ends once a look has begun, while its connect is in flight.
+func TestIdleHolderLooksKeepTheirConnection(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, 2*time.Minute)
+	var connects atomic.Int64
+	pool := pgtest.NewPool(t, pgtest.UniqueName("looker"), func(c *pgxpool.Config) {
+		c.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
+			connects.Add(1)
+			select {
+			case <-time.After(time.Second):
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+	})
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: time.Minute, IdleHolderAfter: 20 * time.Millisecond, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	l, err := c.TryAcquire(ctx, "contended") // the row exists, the pool is warm
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The blocker holds the lease row in one statement that waits for an
+	// advisory lock the gate holds (a running statement, which no look
+	// ends); the gate lets it go once the acquisition has waited long
+	// enough for a look to begin, so each wait ends while that look's
+	// connect is in flight.
+	blocker := pgtest.NewPool(t, pgtest.UniqueName("blocker"))
+	gate, err := pgtest.NewPool(t, pgtest.UniqueName("gate"), func(c *pgxpool.Config) { c.MaxConns = 1 }).Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gate.Release()
+	leases := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
+	const key = 4_510_001
+	const waits = 8
+	own0, looks0 := connects.Load()-int64(pool.Stat().NewConnsCount()), c.Stats().IdleHolderLooks
+	for range waits {
+		if _, err := gate.Exec(ctx, "SELECT pg_advisory_lock($1)", key); err != nil {
+			t.Fatal(err)
+		}
+		held := make(chan error, 1)
+		go func() {
+			_, err := blocker.Exec(ctx, "WITH held AS (SELECT name FROM "+leases+" WHERE name = 'contended' FOR UPDATE) "+
+				"SELECT pg_advisory_xact_lock($1) FROM held", key)
+			held <- err
+		}()
+		pgtest.Eventually(t, 30*time.Second, "the blocker to hold the row", func() bool {
+			var n int
+			_ = db.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND query LIKE '%'||$1||'%'", db.Schema).Scan(&n)
+			return n > 0
+		})
+		looked := c.Stats().IdleHolderLooks
+		opened := make(chan error, 1)
+		go func() {
+			for deadline := time.Now().Add(30 * time.Second); c.Stats().IdleHolderLooks == looked; time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					opened <- errors.New("no look began while the acquisition waited on the row for 30 s")
+					return
+				}
+			}
+			_, err := gate.Exec(ctx, "SELECT pg_advisory_unlock($1)", key)
+			opened <- err
+		}()
+		l, err := c.TryAcquire(ctx, "contended")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := <-opened; err != nil {
+			t.Fatal(err)
+		}
+		if err := <-held; err != nil {
+			t.Fatalf("the blocking statement: %v", err)
+		}
+		if err := l.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	own := connects.Load() - int64(pool.Stat().NewConnsCount()) - own0
+	looks := c.Stats().IdleHolderLooks - looks0
+	t.Logf("%d waits: %d looks for idle holders, %d connects outside the pool", waits, looks, own)
+	if looks < waits {
+		t.Fatalf("%d looks for %d waits on the row: the waits did not start the watcher, so the count of connects says nothing", looks, waits)
+	}
+	// One for the looker, one for the renewer, which may connect meanwhile,
+	// and one spare (a pool's connect in flight is counted before the
+	// pool counts it).
+	if own > 3 {
+		t.Fatalf("%d connects outside the pool for %d short waits on the row: the looker's connection was not kept", own, waits)
 	}
 }

@@ -5,12 +5,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
@@ -149,39 +151,58 @@ func scanInfo(r pgx.CollectableRow) (Info, error) {
 	return i, err
 }
 
+// Freed is what ForceRelease did.
+type Freed struct {
+	// Holder is the holder the lease had ("" if it was free).
+	Holder string
+	// Token is the lease's current token.
+	Token fence.Token
+	// Ended lists the sessions ForceRelease ended because they sat idle
+	// in a transaction on the row of the expired lease and blocked it
+	// (a holder frozen inside a guarded transaction); usually none.
+	Ended []Backend
+}
+
 // ForceRelease frees the lease name in schema ("" means "pgfence"),
 // whoever holds it, for operators: the
 // holder's next renewal fails (its context is cancelled), and the next
 // acquisition gets a greater token, so the old holder's guarded writes are
-// refused from then on. It returns the previous holder ("" if it was free)
-// and the lease's current token, or ErrNoLease.
+// refused from then on. It returns the previous holder, the lease's
+// current token and the sessions it ended, or ErrNoLease.
 //
 // Like a takeover, it waits for open guarded transactions that checked the
 // current token, and once the lease has expired it ends the sessions of
-// those that sit idle, as a client's acquisition does by default (see
-// Config.WaitForIdleHolders; pool's role needs the same rights). Bound the
+// those that sit idle for 250 ms, as a client's acquisition does by
+// default (see Config.IdleHolderAfter; pool's role needs the same rights),
+// and reports them in Freed.Ended. Bound the
 // wait with ctx: if ctx ends first, ForceRelease
 // gives up and returns a *BlockedError naming the sessions it waited for
 // (none behind PgBouncer, where it cannot tell which backend waited).
 // It takes a pool, not any executor: the statement runs on a connection of
 // its own, whose waiting it can cancel at the server.
-func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) (holder string, token fence.Token, err error) {
+func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) (Freed, error) {
+	return forceRelease(ctx, pool, schema, name, nil)
+}
+
+// forceRelease is ForceRelease; looked, if not nil, hears each look for
+// idle holders that ends, with its error.
+func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, looked func(error)) (Freed, error) {
 	if err := ctxcheck.NotNil(ctx, "lock: ForceRelease"); err != nil {
-		return "", 0, err
+		return Freed{}, err
 	}
 	if pool == nil {
-		return "", 0, ErrNilPool
+		return Freed{}, ErrNilPool
 	}
 	q, err := operatorFor(schema)
 	if err != nil {
-		return "", 0, err
+		return Freed{}, err
 	}
 	if err := fence.ValidateName(name); err != nil {
-		return "", 0, err
+		return Freed{}, err
 	}
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
-		return "", 0, fmt.Errorf("lock: force release %q: %w", name, explainFor(pool, schema, err))
+		return Freed{}, fmt.Errorf("lock: force release %q: %w", name, explainFor(pool, schema, err))
 	}
 	defer conn.Release()
 	waiter := backendPID(ctx, conn.Conn()) // the statement's backend; nil behind PgBouncer
@@ -194,27 +215,37 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 	// itself: first it looks up who blocks it, while it still waits.
 	qctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
-	done := make(chan result, 1)
-	go func() {
-		var (
-			r    result
-			woke bool
-		)
+	var r result
+	stmt := bg.Run(qctx, func(qctx context.Context) {
+		var woke bool
 		r.err = conn.QueryRow(qctx, q.forceRelease, name).Scan(&r.token, &r.holder, &woke)
-		done <- r
-	}()
+	})
+	defer stmt.Stop()
 	// As a takeover does, end the sessions idle in a transaction on the
 	// row once the lease has expired (idleholders.go), on a connection of
 	// its own.
 	own := ownconn.New(pool)
 	defer own.Close()
-	stopWatch := watchIdleHolders(qctx, name, func(ctx context.Context) ([]Backend, error) {
-		return endIdleHolders(ctx, own, q, name, waiter)
-	}, func([]Backend, error) {})
+	var (
+		endedMu sync.Mutex
+		ended   []Backend
+	)
+	stopWatch := watchIdleHolders(qctx, forceReleaseIdleAfter, func(stopping, _ context.Context) ([]Backend, error) {
+		// On stopping: ForceRelease stops the watcher at its caller's
+		// deadline, and returns within a bound of it.
+		ended, err := endIdleHolders(stopping, own, q, name, forceReleaseIdleAfter, waiter)
+		if looked != nil {
+			looked(err)
+		}
+		return ended, err
+	}, func(e []Backend, _ error) {
+		endedMu.Lock()
+		ended = append(ended, e...)
+		endedMu.Unlock()
+	})
 	defer stopWatch()
-	var r result
 	select {
-	case r = <-done:
+	case <-stmt.Done():
 	case <-ctx.Done():
 		// Within wait.PastDeadline of the caller's deadline, whatever the
 		// network does: name the blockers, and cancel the statement at
@@ -233,28 +264,30 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 		}
 		_ = conn.Conn().PgConn().CancelRequest(bctx)
 		select {
-		case r = <-done:
+		case <-stmt.Done():
 		case <-bctx.Done():
-			cancel()
-			r = <-done // the statement's context is cancelled: pgx returns at once
+			stmt.Stop() // the statement's context is cancelled: pgx returns at once
 			berr = errors.Join(berr, errors.New("the server did not confirm the cancel in time: "+
 				"the lease may still be freed when it gets it"))
 		}
 		if r.err != nil {
 			be := &BlockedError{Name: name, Backends: backends, Err: ctx.Err()}
 			if berr != nil {
-				return "", 0, fmt.Errorf("%w (%v)", be, berr)
+				return Freed{}, fmt.Errorf("%w (%v)", be, berr)
 			}
-			return "", 0, be
+			return Freed{}, be
 		}
 	}
+	stopWatch() // the look in progress has reported: ended is complete
+	endedMu.Lock()
+	defer endedMu.Unlock()
 	if errors.Is(r.err, pgx.ErrNoRows) {
-		return "", 0, fmt.Errorf("%w: %q", ErrNoLease, name)
+		return Freed{}, fmt.Errorf("%w: %q", ErrNoLease, name)
 	}
 	if r.err != nil {
-		return "", 0, fmt.Errorf("lock: force release %q: %w", name, explainFor(pool, schema, r.err))
+		return Freed{}, fmt.Errorf("lock: force release %q: %w", name, explainFor(pool, schema, r.err))
 	}
-	return r.holder, fence.Token(r.token), nil
+	return Freed{Holder: r.holder, Token: fence.Token(r.token), Ended: ended}, nil
 }
 
 // RevokeTx ends lease name's current term inside tx, by issuing it a new

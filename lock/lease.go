@@ -29,6 +29,13 @@ type Lease struct {
 
 	mu    sync.Mutex
 	ended bool
+	// out: handed out to the caller. A lease lost before (while its
+	// acquisition came back) ends quietly, and the acquisition tries
+	// again: its holder never had it. announced: its Acquired event has
+	// been emitted; until then its end's event waits in pending, so that
+	// no observer hears of its end first.
+	out, announced bool
+	pending        *Event
 }
 
 func newLease(c *Client, s *session, name string, token fence.Token, secret []byte) *Lease {
@@ -211,11 +218,54 @@ func (l *Lease) end() bool {
 		return false
 	}
 	l.ended = true
+	emit := l.endEvent(Event{Kind: Released, Lease: l.name, Token: l.token})
 	l.mu.Unlock()
 	l.cancel(ErrReleased)
 	l.c.untrack(l)
-	l.c.emit(Event{Kind: Released, Lease: l.name, Token: l.token})
+	if emit {
+		l.c.emit(Event{Kind: Released, Lease: l.name, Token: l.token})
+	}
 	return true
+}
+
+// endEvent says whether the event of the lease's end is to be emitted now:
+// only for a lease handed out, and only once its Acquired event has been
+// (before that, announce emits it). The caller holds l.mu.
+func (l *Lease) endEvent(e Event) bool {
+	if l.out && !l.announced {
+		l.pending = &e
+	}
+	return l.announced
+}
+
+// handOut marks the lease as the caller's, unless it has already ended
+// (reported false).
+func (l *Lease) handOut() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.out = !l.ended
+	return l.out
+}
+
+// isOut reports whether the lease was handed out.
+func (l *Lease) isOut() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.out
+}
+
+// announce emits the Acquired event of a lease handed out, then the event
+// of its end if it ended meanwhile.
+func (l *Lease) announce() {
+	l.c.emit(Event{Kind: Acquired, Lease: l.name, Token: l.token})
+	l.mu.Lock()
+	l.announced = true
+	pending := l.pending
+	l.pending = nil
+	l.mu.Unlock()
+	if pending != nil {
+		l.c.emit(*pending)
+	}
 }
 
 // lose ends the lease with err (which wraps ErrLeaseLost), lost for cause.
@@ -226,11 +276,20 @@ func (l *Lease) lose(cause LossCause, err error) {
 		return
 	}
 	l.ended = true
+	out := l.out
+	ev := Event{Kind: Lost, Lease: l.name, Token: l.token, Cause: cause, Err: err}
+	emit := l.endEvent(ev)
 	l.mu.Unlock()
 	l.cancel(err)
 	l.c.untrack(l)
+	if !out {
+		l.c.log.Debug("pgfence: lease lost before it was handed out; acquiring again", "lease", l.name, "token", l.token, "err", err)
+		return
+	}
 	l.c.m.lost(cause)
 	l.c.log.Warn("pgfence: lease lost", "lease", l.name, "token", l.token,
 		"cause", string(cause), "err", err)
-	l.c.emit(Event{Kind: Lost, Lease: l.name, Token: l.token, Cause: cause, Err: err})
+	if emit {
+		l.c.emit(ev)
+	}
 }

@@ -37,7 +37,7 @@ func TestNilContext(t *testing.T) {
 		{"Acquire", func() error { _, err := c.Acquire(nilCtx, "free"); return err }},
 		{"Leases", func() error { _, err := lock.Leases(nilCtx, c.Pool(), c.Config().Schema); return err }},
 		{"Inspect", func() error { _, err := lock.Inspect(nilCtx, c.Pool(), c.Config().Schema, "held"); return err }},
-		{"ForceRelease", func() error { _, _, err := lock.ForceRelease(nilCtx, c.Pool(), c.Config().Schema, "held"); return err }},
+		{"ForceRelease", func() error { _, err := lock.ForceRelease(nilCtx, c.Pool(), c.Config().Schema, "held"); return err }},
 		{"Observe", func() error { _, err := c.Observe(nilCtx, "held"); return err }},
 		{"Election.Run", func() error { return e.Run(nilCtx) }},
 		{"Lease.Check", func() error { return l.Check(nilCtx) }},

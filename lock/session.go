@@ -12,6 +12,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/ownconn"
+	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
@@ -232,18 +233,20 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 		c.mu.Lock()
 		s = c.sess
 		c.mu.Unlock()
-		// The turn is the renewer's too: what is done under it is bound
-		// as the renewer's own renewal is (renewTurn), whatever ctx allows.
+		// The turn is the renewer's too: a renewal done under it is
+		// bound as the renewer's own is (renewTurn), whatever ctx allows.
 		var err error
 		left := time.Duration(0)
 		if s != nil {
 			left = s.left(c.clock.Now())
 		}
-		// A renewal gets the trust left (past it the session is over), a
-		// start a RenewInterval.
-		bound := c.cfg.RenewInterval
-		if left > 0 {
-			bound = left
+		// A renewal gets the trust left (past it the session is over); a
+		// start, a trust window (a session that starts later than that
+		// is over when it does; and a start sent into a network
+		// partition is given up, and tried again, soon after the heal).
+		bound := left
+		if left <= 0 {
+			bound = c.cfg.TTL - c.cfg.SafetyMargin
 		}
 		tctx, cancel := context.WithTimeout(ctx, bound)
 		switch {
@@ -257,13 +260,24 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 		default:
 			_, err = c.startSession(tctx)
 		}
+		cut := tctx.Err() != nil && ctx.Err() == nil
 		cancel()
 		c.turn <- struct{}{}
+		if cut {
+			// The session's bound, not the caller's deadline: a
+			// failure to try again, not a timeout of the caller's.
+			return nil, fmt.Errorf("%w (after %v: %v)", errSessionSlow, bound, err)
+		}
 		if err != nil {
 			return nil, err
 		}
 	}
 }
+
+// errSessionSlow is returned when an acquisition's renewal of the session
+// took longer than the trust left, or its start longer than a trust
+// window: Acquire tries again with backoff.
+var errSessionSlow = fmt.Errorf("%w: the session's renewal or start outlasted its bound", ErrTryAgain)
 
 // renewSession renews s on q, once it has the turn (the caller holds it).
 // If the loss count moved, it first ends the leases of s that the database
@@ -307,7 +321,9 @@ func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error
 	c.m.timeLeft.Record(context.Background(), max(left, 0).Seconds())
 	if left < c.cfg.RenewInterval {
 		for _, l := range s.held() {
-			c.emit(Event{Kind: RenewedLate, Lease: l.name, Token: l.token, TimeLeft: left})
+			if l.isOut() { // not one an acquisition has yet to hand out
+				c.emit(Event{Kind: RenewedLate, Lease: l.name, Token: l.token, TimeLeft: left})
+			}
 		}
 	}
 	return nil
@@ -374,11 +390,15 @@ const sessionLinger = 5 * time.Minute
 // interval; if none succeeds, the leases end at the trust deadline.
 //
 // The renewer has a connection of its own (opened with the pool's settings,
-// outside it), so that renewals never wait behind the pool's other users: a
-// pool kept busy by jobs, guarded transactions or waiting acquirers must not
-// cost a lease.
+// outside it), so that renewals do not wait behind the pool's other users:
+// a pool kept busy by jobs, guarded transactions or waiting acquirers must
+// not cost a lease. It is opened beside the renewals' path (ownconn.Link):
+// a renewal waits half an interval for it, and if it is not open by then
+// (new connections stall, as when a busy server's listen queue overflows)
+// goes over an idle pooled connection, each try bounded by half an
+// interval, within the trust window.
 func (c *Client) renewLoop(ctx context.Context) {
-	own := ownconn.New(c.pool)
+	own := ownconn.NewLink(ctx, c.pool, c.cfg.TTL)
 	defer own.Close()
 	again := retry.Backoff{Base: c.cfg.RenewInterval / 4, Max: c.cfg.RenewInterval / 4}
 	var failing retry.Failing // logs once per failure period
@@ -444,10 +464,10 @@ func (c *Client) firstRenewal() time.Duration {
 	return max(s.left(c.clock.Now())-(c.cfg.TTL-c.cfg.SafetyMargin-c.cfg.RenewInterval), 0)
 }
 
-// renewTurn renews s on q once it has the turn, within s's trust window
+// renewTurn renews s over own once it has the turn, within s's trust window
 // (at least one RenewInterval: after a failover it has to connect again,
 // and a host that does not answer costs up to connect_timeout).
-func (c *Client) renewTurn(ctx context.Context, q fence.DB, s *session) error {
+func (c *Client) renewTurn(ctx context.Context, own *ownconn.Link, s *session) error {
 	budget := max(c.cfg.RenewInterval, s.left(c.clock.Now()))
 	ctx, cancel := context.WithTimeout(ctx, budget)
 	defer cancel()
@@ -460,7 +480,12 @@ func (c *Client) renewTurn(ctx context.Context, q fence.DB, s *session) error {
 	if s.isEnded() {
 		return nil
 	}
-	return c.renewSession(ctx, q, s)
+	return own.Do(ctx, c.cfg.RenewInterval/2, func(ctx context.Context, q pgexec.DB) error {
+		if s.isEnded() { // ended while Do waited for a connection
+			return nil
+		}
+		return c.renewSession(ctx, q, s)
+	})
 }
 
 // session returns the client's current session, if any.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -11,7 +12,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/pgfence/pgfence/internal/clock"
+	"github.com/pgfence/pgfence/internal/expiry"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 )
@@ -161,12 +165,15 @@ func TestTakeoverWaitsForTheRenewalInFlight(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(func() { _ = renewal.Rollback(context.Background()) })
 		var pid int
 		if err := renewal.QueryRow(ctx, "UPDATE "+db.Schema+".pgfence_sessions SET expires_at = now() + interval '1 hour' WHERE id = "+
 			session+" RETURNING pg_backend_pid()").Scan(&pid); err != nil {
 			t.Fatal(err)
 		}
-		b := newClient(t, db, lock.Config{Holder: "b"})
+		// b waits for the transaction standing in for the renewal, which
+		// sits idle: b must not end it as a frozen holder's.
+		b := newClient(t, db, lock.Config{Holder: "b", IdleHolderAfter: -1})
 		done := make(chan error, 1)
 		var got *lock.Lease
 		go func() {
@@ -268,7 +275,9 @@ func TestForceReleaseEndsOneLeaseOfTheSession(t *testing.T) {
 		mu     sync.Mutex
 		causes = map[string]lock.LossCause{}
 	)
-	a := newClient(t, db, lock.Config{Holder: "a", TTL: 3 * time.Second, OnEvent: func(e lock.Event) {
+	// A TTL long beside the renewals, so that a loaded machine's stall does
+	// not end the session (and y with it) while the test watches.
+	a := newClient(t, db, lock.Config{Holder: "a", TTL: 20 * time.Second, RenewInterval: 500 * time.Millisecond, OnEvent: func(e lock.Event) {
 		if e.Kind == lock.Lost {
 			mu.Lock()
 			causes[e.Lease] = e.Cause
@@ -283,7 +292,7 @@ func TestForceReleaseEndsOneLeaseOfTheSession(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := lock.ForceRelease(ctx, db.Pool, db.Schema, "x"); err != nil {
+	if _, err := lock.ForceRelease(ctx, db.Pool, db.Schema, "x"); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -292,7 +301,7 @@ func TestForceReleaseEndsOneLeaseOfTheSession(t *testing.T) {
 		t.Fatal("the force-released lease still live")
 	}
 	r0 := a.Stats().Renewals
-	pgtest.Eventually(t, 30*time.Second, "two more renewals", func() bool { return a.Stats().Renewals >= r0+2 })
+	pgtest.Eventually(t, 30*time.Second, "two more renewals, or y ending", func() bool { return a.Stats().Renewals >= r0+2 || y.Err() != nil })
 	mu.Lock()
 	defer mu.Unlock()
 	if causes["x"] != lock.CauseReleasedByOperator || y.Err() != nil || len(causes) != 1 {
@@ -356,5 +365,241 @@ func TestRenewalDoesNotWaitForALeaseRow(t *testing.T) {
 	}
 	if got := lost.Load(); got != 1 {
 		t.Fatalf("%d leases lost, want the revoked one", got)
+	}
+}
+
+// An acquisition that has to renew the session and whose renewal outlasts
+// the trust left (a lock on the session row, a slow server) is not a
+// failure the caller sees while its own deadline is far: Acquire tries
+// again and returns the lease once the renewal goes through.
+func TestAcquireOutlivesASlowRenewal(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	// A TTL far above the 3 s the row stays locked: the session must not
+	// expire at the database (by its own clock) inside that window, which
+	// would end the lease and let Acquire start a new session.
+	a := newClient(t, db, lock.Config{Holder: "a", TTL: 30 * time.Second, RenewInterval: 10 * time.Second, SafetyMargin: 3 * time.Second})
+	fake := clock.NewFake(time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC))
+	a.SetClock(fake)
+	if _, err := a.TryAcquire(ctx, "x"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := tx.Exec(ctx, "SELECT 1 FROM "+db.Schema+".pgfence_sessions WHERE holder = 'a' FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	// 0.5 s of trust left by the client's clock: less than a RenewInterval,
+	// so the acquisition renews first, under a bound of 0.5 s.
+	fake.Advance(26500 * time.Millisecond)
+	type result struct {
+		l   *lock.Lease
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		l, err := a.Acquire(ctx, "y")
+		got <- result{l, err}
+	}()
+	// Several of those bounds pass while the row stays locked.
+	select {
+	case r := <-got:
+		t.Fatalf("Acquire returned while the session row was locked, with its deadline far: %v", r.err)
+	case <-time.After(3 * time.Second):
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case r := <-got:
+		if r.err != nil {
+			t.Fatalf("Acquire after the session row was unlocked: %v", r.err)
+		}
+		if err := r.l.Check(ctx); err != nil {
+			t.Fatal(err)
+		}
+	case <-ctx.Done():
+		t.Fatal("Acquire did not return after the session row was unlocked")
+	}
+}
+
+// A lease lost between its acquisition and its handing out (expired at the
+// database while the acquisition came back) is never handed out, and never
+// ends Acquire with an error: Acquire tries again. Four clients acquire and
+// release one lease while it is expired under them every few milliseconds;
+// a fifth uses TryAcquire, whose only errors are then ErrHeld and
+// ErrTryAgain. Events speak only of leases handed out: every Lost or
+// Released token was Acquired first.
+//
+// It runs alone (not parallel): its clients keep both cores busy, which
+// would make the parallel tests' renewals late.
+func TestAcquireTriesAgainWhenTheLeaseIsLostBeforeItIsHandedOut(t *testing.T) {
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	run, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var (
+		wg       sync.WaitGroup
+		acquired atomic.Int64
+		expired  atomic.Int64
+		ended    atomic.Int64 // Lost and Released events
+		out      sync.Map     // tokens of Acquired events
+	)
+	onEvent := func(e lock.Event) {
+		switch e.Kind {
+		case lock.Acquired:
+			out.Store(e.Token, true)
+		case lock.Lost, lock.Released:
+			ended.Add(1)
+			if _, ok := out.Load(e.Token); !ok {
+				t.Errorf("%v event for token %d, which was never acquired", e.Kind, e.Token)
+			}
+		}
+	}
+	for i := range 4 {
+		c := newClient(t, db, lock.Config{Holder: fmt.Sprintf("c%d", i), TTL: 300 * time.Millisecond, RenewInterval: 20 * time.Millisecond, PollInterval: 10 * time.Millisecond, OnEvent: onEvent})
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for run.Err() == nil {
+				l, err := c.Acquire(run, "churn")
+				if err != nil {
+					if run.Err() == nil || !errors.Is(err, run.Err()) {
+						t.Errorf("Acquire: %v", err)
+					}
+					return
+				}
+				acquired.Add(1)
+				_ = l.Release(ctx)
+			}
+		}()
+	}
+	try := newClient(t, db, lock.Config{Holder: "try", TTL: 300 * time.Millisecond, RenewInterval: 20 * time.Millisecond, PollInterval: 10 * time.Millisecond})
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		for run.Err() == nil {
+			l, err := try.TryAcquire(run, "churn")
+			switch {
+			case err == nil:
+				acquired.Add(1)
+				_ = l.Release(ctx)
+			case run.Err() != nil:
+			case !errors.Is(err, lock.ErrHeld) && !errors.Is(err, lock.ErrTryAgain):
+				t.Errorf("TryAcquire: %v", err)
+				return
+			}
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		for run.Err() == nil {
+			tag, err := db.Pool.Exec(ctx, expiry.SQL(db.Schema), "churn")
+			if err != nil {
+				t.Errorf("expire: %v", err)
+				return
+			}
+			expired.Add(tag.RowsAffected())
+		}
+	}()
+	wg.Wait()
+	t.Logf("acquisitions=%d expiries=%d lost or released=%d", acquired.Load(), expired.Load(), ended.Load())
+	if acquired.Load() == 0 || expired.Load() == 0 || ended.Load() == 0 {
+		t.Fatalf("nothing exercised: acquisitions=%d expiries=%d", acquired.Load(), expired.Load())
+	}
+}
+
+// A renewer that cannot open its connection of its own (new connections
+// stall: a server whose listen queue overflows, a path that drops SYNs)
+// renews over the pool's idle connections meanwhile, and the lease lives;
+// once connections open again, the renewer has its own once more, and
+// renews on it while every pooled connection is held.
+func TestRenewalsGoOnWhileTheRenewersConnectionCannotOpen(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	var (
+		stalled   atomic.Bool
+		unstalled = make(chan struct{})
+		dials     atomic.Int64 // while stalled
+	)
+	pool := pgtest.NewPool(t, pgtest.UniqueName("stalled"), func(c *pgxpool.Config) {
+		c.MaxConns = 4
+		c.BeforeConnect = func(ctx context.Context, _ *pgx.ConnConfig) error {
+			if !stalled.Load() {
+				return nil
+			}
+			dials.Add(1)
+			select { // a connect that does not complete while stalled
+			case <-unstalled:
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+	})
+	// The pool's connections open and idle before new ones stall.
+	var warm []*pgxpool.Conn
+	for range pool.Config().MaxConns {
+		conn, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		warm = append(warm, conn)
+	}
+	for _, conn := range warm {
+		conn.Release()
+	}
+	logs := pgtest.NewLogs()
+	logs.LogOnFailure(t)
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: 6 * time.Second, RenewInterval: time.Second, Logger: slog.New(logs)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(context.Background()) })
+	stalled.Store(true)
+	l, err := c.TryAcquire(ctx, "stalled")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Six renewals: a TTL's worth of intervals, past the trust window of
+	// the session's start.
+	before := c.Stats().Renewals
+	pgtest.Eventually(t, 30*time.Second, "six renewals while new connections stall", func() bool {
+		return c.Stats().Renewals-before >= 6 || l.Err() != nil
+	})
+	if err := l.Err(); err != nil {
+		t.Fatalf("the lease ended while only new connections stalled: %v", err)
+	}
+	if dials.Load() == 0 {
+		t.Fatal("no connect was tried while stalled: the renewer's own connection was open already, so the stall was not tested")
+	}
+	// Connections open again; the renewer's connect in flight completes.
+	// Every pooled connection held, the renewals go on over its own.
+	stalled.Store(false)
+	close(unstalled)
+	var held []*pgxpool.Conn
+	defer func() {
+		for _, conn := range held {
+			conn.Release()
+		}
+	}()
+	for range pool.Config().MaxConns {
+		conn, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, conn)
+	}
+	before = c.Stats().Renewals
+	pgtest.Eventually(t, 30*time.Second, "three renewals with every pooled connection held", func() bool {
+		return c.Stats().Renewals-before >= 3 || l.Err() != nil
+	})
+	if err := l.Err(); err != nil {
+		t.Fatalf("the lease ended while the pool was held: %v", err)
 	}
 }

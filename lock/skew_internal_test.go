@@ -80,3 +80,28 @@ func TestSkewWarningOnCrossings(t *testing.T) {
 		t.Fatalf("%d warnings with warnings off, want still 2", n)
 	}
 }
+
+// The idle-holder threshold follows PollInterval, within its floor and
+// its ceiling (TTL / 10, at most 1 s).
+func TestIdleHolderAfterFollowsPollInterval(t *testing.T) {
+	ms := time.Millisecond
+	for _, tc := range []struct {
+		ttl, poll, want time.Duration
+	}{
+		{15 * time.Second, time.Second, 250 * ms},    // the defaults
+		{15 * time.Second, 200 * ms, 50 * ms},        // a quarter of PollInterval
+		{15 * time.Second, 20 * ms, 10 * ms},         // the floor
+		{time.Minute, 10 * time.Second, time.Second}, // the ceiling
+		{time.Second, time.Second, 100 * ms},         // TTL / 10 below a quarter of PollInterval
+	} {
+		if got := idleHolderAfterFor(tc.ttl, tc.poll); got != tc.want {
+			t.Errorf("TTL %v, PollInterval %v: %v, want %v", tc.ttl, tc.poll, got, tc.want)
+		}
+	}
+	if got := (Config{}).withDefaults().IdleHolderAfter; got != 250*ms {
+		t.Errorf("default IdleHolderAfter %v, want 250ms", got)
+	}
+	if got := (Config{IdleHolderAfter: -1}).withDefaults().IdleHolderAfter; got >= 0 {
+		t.Errorf("a negative IdleHolderAfter became %v; it means never", got)
+	}
+}

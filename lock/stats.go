@@ -23,8 +23,14 @@ type Stats struct {
 	// IdleHoldersEnded counts the sessions the client's acquisitions
 	// ended because they sat idle in a transaction on the row of an
 	// expired lease, blocking the acquisition (see
-	// Config.WaitForIdleHolders).
+	// Config.IdleHolderAfter).
 	IdleHoldersEnded uint64
+	// IdleHolderLooks counts the looks for such sessions that the
+	// client's acquisitions began, one every IdleHolderAfter while they
+	// waited on the row of an expired or free lease;
+	// IdleHolderLookErrors, those that failed (an acquisition logs its
+	// first failure, with the rights its role lacks if that was why).
+	IdleHolderLooks, IdleHolderLookErrors uint64
 	// ClockSkew estimates the database's clock minus this machine's, from
 	// the last successful renewal (server time against the midpoint of the
 	// request), to within half of LastRenewLatency either way. pgfence
@@ -43,6 +49,8 @@ type stats struct {
 	slow      atomic.Uint64
 	renewSlow atomic.Bool // the last renewal was slow
 	idleEnded atomic.Uint64
+	// idleLooks, idleLookErrors: looks for idle holders begun, failed.
+	idleLooks, idleLookErrors atomic.Uint64
 }
 
 // Stats returns the client's current lease health.
@@ -52,13 +60,15 @@ func (c *Client) Stats() Stats {
 		held = s.count()
 	}
 	return Stats{
-		Held:             held,
-		Renewals:         c.stats.renewals.Load(),
-		RenewalFailures:  c.stats.failures.Load(),
-		LastRenewLatency: time.Duration(c.stats.latency.Load()),
-		SlowRenewals:     c.stats.slow.Load(),
-		IdleHoldersEnded: c.stats.idleEnded.Load(),
-		ClockSkew:        time.Duration(c.stats.skew.Load()),
+		Held:                 held,
+		Renewals:             c.stats.renewals.Load(),
+		RenewalFailures:      c.stats.failures.Load(),
+		LastRenewLatency:     time.Duration(c.stats.latency.Load()),
+		SlowRenewals:         c.stats.slow.Load(),
+		IdleHoldersEnded:     c.stats.idleEnded.Load(),
+		IdleHolderLooks:      c.stats.idleLooks.Load(),
+		IdleHolderLookErrors: c.stats.idleLookErrors.Load(),
+		ClockSkew:            time.Duration(c.stats.skew.Load()),
 	}
 }
 

@@ -35,7 +35,7 @@ type Input struct {
 
 // Output is what an operation observed.
 type Output struct {
-	Token   int64 // Acquire: the token obtained
+	Token   int64 // Acquire: the token obtained (with Unknown: the token issued, if known; 0 if not)
 	OK      bool  // Write: accepted (false: refused as stale)
 	Unknown bool  // the outcome is not known
 	Value   int64 // Read: the value read
@@ -59,6 +59,12 @@ var Model = porcupine.NondeterministicModel{
 		switch i.Kind {
 		case Acquire:
 			if o.Unknown {
+				// Token, if known (an acquisition that won but whose
+				// lease was never handed out), is newer only while no
+				// greater token has been seen.
+				if o.Token != 0 && o.Token <= s.token {
+					return []any{s}
+				}
 				return []any{s, state{s.token, s.value, true}}
 			}
 			if o.Token > s.token {

@@ -45,6 +45,15 @@ func TestModel(t *testing.T) {
 		{"unknown acquisition may not have happened", []porcupine.Operation{
 			acq(0, 0, 1, 1), {ClientId: 1, Input: Input{Kind: Acquire}, Output: Output{Unknown: true}, Call: 2, Return: 1 << 40},
 			wr(0, 5, 6, 1, 10, true, false), rd(2, 7, 8, 10)}, porcupine.Ok},
+		// A token issued but never handed out (an Acquire that tried
+		// again), at an unknown time: it explains a refusal while it is
+		// the newest, not after a greater one.
+		{"hidden token newer than the holder's explains a refusal", []porcupine.Operation{
+			acq(0, 0, 1, 1), {ClientId: 1, Input: Input{Kind: Acquire}, Output: Output{Unknown: true, Token: 2}, Call: 0, Return: 1 << 40},
+			wr(0, 5, 6, 1, 10, false, false), acq(2, 7, 8, 3)}, porcupine.Ok},
+		{"hidden token older than the holder's explains nothing", []porcupine.Operation{
+			acq(0, 0, 1, 2), {ClientId: 1, Input: Input{Kind: Acquire}, Output: Output{Unknown: true, Token: 1}, Call: 0, Return: 1 << 40},
+			wr(0, 5, 6, 2, 10, false, false)}, porcupine.Illegal},
 		{"token above every one issued refused as stale", []porcupine.Operation{
 			acq(0, 0, 1, 1), wr(0, 2, 3, 5, 10, false, false)}, porcupine.Illegal},
 		{"read of a value never written", []porcupine.Operation{rd(0, 0, 1, 99)}, porcupine.Illegal},
