@@ -10,8 +10,8 @@
 //	go run ./examples/billing            # fenced: duplicates: 0
 //	go run ./examples/billing -unfenced  # the double charge
 //
-// The database: DATABASE_URL, else the libpq defaults (PGHOST, ... then
-// localhost:5432).
+// The database: DATABASE_URL, else a throwaway private PostgreSQL server
+// that it starts and removes at exit.
 package main
 
 import (
@@ -32,6 +32,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgfence/pgfence/examples/internal/exampledb"
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -64,11 +65,12 @@ func main() {
 
 func orchestrate(schema string, ttl time.Duration, unfenced bool) error {
 	ctx := context.Background()
-	pool, where, err := connect(ctx)
+	db, err := exampledb.Open(ctx, os.Stdout)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer db.Close()
+	pool, where := db.Pool, db.Where
 	mode := "fenced"
 	if unfenced {
 		mode = "UNFENCED"
@@ -285,29 +287,6 @@ func runWorker(id int, schema string, ttl time.Duration, unfenced bool) error {
 	_ = l.Release(ctx)
 	say("done")
 	return nil
-}
-
-// connect opens a pool on DATABASE_URL or, when it is not set, on the libpq
-// variables (PGHOST, PGPORT, PGUSER, ..., then a local socket or
-// localhost:5432), and says which.
-func connect(ctx context.Context) (*pgxpool.Pool, string, error) {
-	where := "DATABASE_URL"
-	if os.Getenv("DATABASE_URL") == "" {
-		where = "libpq defaults"
-	}
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	if err == nil {
-		err = pool.Ping(ctx)
-	}
-	if err != nil {
-		if pool != nil {
-			pool.Close()
-		}
-		return nil, "", fmt.Errorf("no PostgreSQL server found (%s): set DATABASE_URL, e.g.\n"+
-			"  DATABASE_URL='postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable'\nor the libpq variables PGHOST, PGPORT, ...: %w", where, err)
-	}
-	cfg := pool.Config().ConnConfig
-	return pool, fmt.Sprintf("%s (%s:%d)", where, cfg.Host, cfg.Port), nil
 }
 
 // freshSchema drops schema (with everything in it) and applies pgfence's

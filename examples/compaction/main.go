@@ -24,6 +24,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgfence/pgfence/examples/internal/exampledb"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
@@ -44,11 +45,12 @@ func main() {
 
 func run(schema string, duration time.Duration, replicas int) error {
 	ctx := context.Background()
-	pool, where, err := connect(ctx)
+	db, err := exampledb.Open(ctx, os.Stdout)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer db.Close()
+	pool, where := db.Pool, db.Where
 	fmt.Printf("pgfence compaction demo: %d replicas, database: %s\n", replicas, where)
 	q := pgx.Identifier{schema}.Sanitize()
 	if err := setup(ctx, pool, schema); err != nil {
@@ -107,7 +109,7 @@ func run(schema string, duration time.Duration, replicas int) error {
 		}
 		if i%7 == 6 {
 			fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-			_, _, _ = lock.ForceRelease(fctx, pool, schema, "pgfence/job/compact-events")
+			_, _ = lock.ForceRelease(fctx, pool, schema, "pgfence/job/compact-events")
 			cancel()
 		}
 		time.Sleep(100 * time.Millisecond)
@@ -200,29 +202,6 @@ func setup(ctx context.Context, pool *pgxpool.Pool, schema string) error {
 		}
 	}
 	return nil
-}
-
-// connect opens a pool on DATABASE_URL or, when it is not set, on the libpq
-// variables (PGHOST, PGPORT, PGUSER, ..., then a local socket or
-// localhost:5432), and says which.
-func connect(ctx context.Context) (*pgxpool.Pool, string, error) {
-	where := "DATABASE_URL"
-	if os.Getenv("DATABASE_URL") == "" {
-		where = "libpq defaults"
-	}
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	if err == nil {
-		err = pool.Ping(ctx)
-	}
-	if err != nil {
-		if pool != nil {
-			pool.Close()
-		}
-		return nil, "", fmt.Errorf("no PostgreSQL server found (%s): set DATABASE_URL, e.g.\n"+
-			"  DATABASE_URL='postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable'\nor the libpq variables PGHOST, PGPORT, ...: %w", where, err)
-	}
-	cfg := pool.Config().ConnConfig
-	return pool, fmt.Sprintf("%s (%s:%d)", where, cfg.Host, cfg.Port), nil
 }
 
 // freshSchema drops schema (with everything in it) and applies pgfence's

@@ -5,7 +5,8 @@
 //
 //	DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable' go run ./examples/metrics
 //
-// Without DATABASE_URL it uses the libpq defaults (PGHOST, PGPORT, ...).
+// Without DATABASE_URL it starts a throwaway private PostgreSQL server and
+// removes it at exit.
 // In a service, use a Prometheus or OTLP exporter instead of stdout; pgfence
 // only needs the MeterProvider (lock.Config.MeterProvider, or the global
 // one set with otel.SetMeterProvider).
@@ -27,6 +28,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/pgfence/pgfence/examples/internal/exampledb"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/runner"
@@ -35,16 +37,19 @@ import (
 func main() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err := open(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "metrics:", err)
+		os.Exit(1)
+	}
+}
+
+func open(ctx context.Context) error {
+	db, err := exampledb.Open(ctx, os.Stderr)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "metrics:", err)
-		os.Exit(1)
+		return err
 	}
-	defer pool.Close()
-	if err := run(ctx, pool, "pgfence", os.Stdout); err != nil {
-		fmt.Fprintln(os.Stderr, "metrics:", err)
-		os.Exit(1)
-	}
+	defer db.Close()
+	return run(ctx, db.Pool, "pgfence", os.Stdout)
 }
 
 func run(ctx context.Context, pool *pgxpool.Pool, schema string, out io.Writer) error {

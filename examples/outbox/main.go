@@ -13,8 +13,8 @@
 //	go run ./examples/outbox            # fenced: duplicates: 0, out of order: 0
 //	go run ./examples/outbox -unfenced  # the same relay without the fence
 //
-// The database: DATABASE_URL, else the libpq defaults (PGHOST, ... then
-// localhost:5432).
+// The database: DATABASE_URL, else a throwaway private PostgreSQL server
+// that it starts and removes at exit.
 package main
 
 import (
@@ -42,6 +42,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgfence/pgfence/examples/internal/exampledb"
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -234,11 +235,12 @@ type relayProc struct {
 
 func orchestrate(schema string, ttl time.Duration, orders, events int, unfenced bool) error {
 	ctx := context.Background()
-	pool, where, err := connect(ctx)
+	db, err := exampledb.Open(ctx, os.Stdout)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer db.Close()
+	pool, where := db.Pool, db.Where
 	mode := "fenced"
 	if unfenced {
 		mode = "UNFENCED"
@@ -659,27 +661,4 @@ func report(ctx context.Context, pool *pgxpool.Pool, schema string, total, refus
 		refused, w.handovers, w.longest.Round(10*time.Millisecond), strings.Join(gaps, " "))
 	fmt.Printf("every partition led again after: %s\n", strings.Join(handover, ", "))
 	return nil
-}
-
-// connect opens a pool on DATABASE_URL or, when it is not set, on the libpq
-// variables (PGHOST, PGPORT, PGUSER, ..., then a local socket or
-// localhost:5432), and says which.
-func connect(ctx context.Context) (*pgxpool.Pool, string, error) {
-	where := "DATABASE_URL"
-	if os.Getenv("DATABASE_URL") == "" {
-		where = "libpq defaults"
-	}
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	if err == nil {
-		err = pool.Ping(ctx)
-	}
-	if err != nil {
-		if pool != nil {
-			pool.Close()
-		}
-		return nil, "", fmt.Errorf("no PostgreSQL server found (%s): set DATABASE_URL, e.g.\n"+
-			"  DATABASE_URL='postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable'\nor the libpq variables PGHOST, PGPORT, ...: %w", where, err)
-	}
-	cfg := pool.Config().ConnConfig
-	return pool, fmt.Sprintf("%s (%s:%d)", where, cfg.Host, cfg.Port), nil
 }

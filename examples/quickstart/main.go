@@ -5,7 +5,10 @@
 // Each charge is decided and recorded in that transaction, so however many
 // copies run, one after the other or at once, each customer is charged once.
 //
-//	DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable' go run ./examples/quickstart
+//	go run ./examples/quickstart
+//
+// It uses the database DATABASE_URL names or, without it, a throwaway
+// private PostgreSQL server that it starts, says so, and removes at exit.
 package main
 
 import (
@@ -20,6 +23,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgfence/pgfence/examples/internal/exampledb"
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -28,25 +32,23 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	// It migrates and writes, so it does not guess which database.
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		fmt.Fprintln(os.Stderr, "quickstart: set DATABASE_URL to the database to use, e.g.\n"+
-			"  DATABASE_URL='postgres://postgres@127.0.0.1:5432/test?sslmode=disable' go run ./examples/quickstart")
-		os.Exit(2)
+	if err := open(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "quickstart:", err)
+		os.Exit(1)
 	}
-	pool, err := pgxpool.New(ctx, url)
+}
+
+// open runs the quick start on DATABASE_URL or, without it, on a
+// throwaway private server, removed when it ends.
+func open(ctx context.Context) error {
+	db, err := exampledb.Open(ctx, os.Stdout)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart:", err)
-		os.Exit(1)
+		return err
 	}
-	defer pool.Close()
-	cc := pool.Config().ConnConfig
+	defer db.Close()
+	cc := db.Pool.Config().ConnConfig
 	fmt.Printf("database %q as user %q at %s:%d\n", cc.Database, cc.User, cc.Host, cc.Port)
-	if err := run(ctx, pool, "pgfence", os.Stdout); err != nil {
-		fmt.Fprintln(os.Stderr, "quickstart:", err)
-		os.Exit(1)
-	}
+	return run(ctx, db.Pool, "pgfence", os.Stdout)
 }
 
 func run(ctx context.Context, pool *pgxpool.Pool, schema string, out io.Writer) error {

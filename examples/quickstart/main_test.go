@@ -5,9 +5,11 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -112,20 +114,52 @@ func TestQuickStartChargesEachCustomerOnce(t *testing.T) {
 	})
 }
 
-// Without DATABASE_URL the quick start, which migrates and writes, refuses
-// to guess a database (libpq's defaults once migrated another user's
-// database and exited 0), exits 2 and says what to set.
-func TestQuickStartNeedsDatabaseURL(t *testing.T) {
+// Without DATABASE_URL the quick start does not guess a database (libpq's
+// defaults once migrated another user's database): it starts a throwaway
+// private server, says so, charges the three customers there, and removes
+// the server when it ends: its port no longer answers and its files are
+// gone.
+func TestQuickStartWithoutDatabaseURLUsesAThrowawayServer(t *testing.T) {
 	bin := pgtest.Build(t, ".")
+	tmp := t.TempDir()
+	for _, d := range []string{filepath.Dir(tmp), tmp} { // as root, the server runs as nobody
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
 	cmd := exec.Command(bin)
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "DATABASE_URL=") {
+		if !strings.HasPrefix(kv, "DATABASE_URL=") && !strings.HasPrefix(kv, "TMPDIR=") {
 			cmd.Env = append(cmd.Env, kv)
 		}
 	}
+	cmd.Env = append(cmd.Env, "TMPDIR="+tmp)
 	out, err := cmd.CombinedOutput()
-	if cmd.ProcessState == nil || cmd.ProcessState.ExitCode() != 2 || !strings.Contains(string(out), "set DATABASE_URL") {
-		t.Fatalf("without DATABASE_URL: %v\n%s\nwant exit 2 and what to set", err, out)
+	if err != nil {
+		t.Fatalf("without DATABASE_URL: %v\n%s", err, out)
+	}
+	if !strings.Contains(string(out), "no DATABASE_URL: using a") || !strings.Contains(string(out), "removed at exit") {
+		t.Fatalf("the quick start did not say it used a throwaway server:\n%s", out)
+	}
+	for _, c := range []string{"alice", "bob", "carol"} {
+		if !strings.Contains(string(out), "charged "+c+" under token 1") {
+			t.Fatalf("%s not charged under token 1:\n%s", c, out)
+		}
+	}
+	m := regexp.MustCompile(`at (127\.0\.0\.1:\d+)`).FindStringSubmatch(string(out))
+	if m == nil {
+		t.Fatalf("no server address in:\n%s", out)
+	}
+	if c, err := net.DialTimeout("tcp", m[1], 5*time.Second); err == nil {
+		_ = c.Close()
+		t.Fatalf("the throwaway server at %s still answers after the quick start ended", m[1])
+	}
+	left, err := os.ReadDir(tmp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left) != 0 {
+		t.Fatalf("the throwaway server left %d entries in TMPDIR (%s), first %s", len(left), tmp, left[0].Name())
 	}
 }
 
@@ -208,9 +242,10 @@ func TestREADMEGoBlocksAreCompiledCode(t *testing.T) {
 	}
 }
 
-// Every command README gives runs as written: a `go run` of an example or of
-// the CLI names its database (DATABASE_URL on the line, or exported earlier
-// in the same block), and no argument is a synopsis placeholder ([--flag],
+// Every command README gives runs as written: a `go run` of the CLI or of
+// the leader example names its database (DATABASE_URL on the line, or
+// exported earlier in the same block; the other examples start a throwaway
+// server without it), and no argument is a synopsis placeholder ([--flag],
 // a|b) that a shell would pass on literally.
 func TestREADMECommandsRunAsWritten(t *testing.T) {
 	readme, err := os.ReadFile(filepath.Join("..", "..", "README.md"))
@@ -238,7 +273,10 @@ func TestREADMECommandsRunAsWritten(t *testing.T) {
 			continue
 		}
 		checked++
-		if !exported && !strings.Contains(cmd, "DATABASE_URL=") {
+		// The examples start a throwaway server without DATABASE_URL
+		// (but leader, which uses libpq's defaults); the CLI does not.
+		needsURL := strings.Contains(cmd, "go run ./cmd/pgfence") || strings.Contains(cmd, "go run ./examples/leader")
+		if needsURL && !exported && !strings.Contains(cmd, "DATABASE_URL=") {
 			t.Errorf("README.md:%d: %q runs on libpq's defaults: set DATABASE_URL on the line or export it above", i+1, cmd)
 		}
 		if strings.ContainsAny(cmd, "[]|") {

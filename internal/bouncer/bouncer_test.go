@@ -12,6 +12,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/bouncer"
+	"github.com/pgfence/pgfence/internal/expiry"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
@@ -114,6 +115,71 @@ func TestLeasesThroughPgBouncer(t *testing.T) {
 				t.Fatal("the waiter did not acquire within 3s of the release (poll interval 200ms)")
 			}
 		})
+	}
+}
+
+// A holder frozen inside a guarded transaction behind PgBouncer: its server
+// backend sits idle in the transaction, holding the lease row, and the
+// taker's backend is not known (the pooler announces its own key, not the
+// backend's). Once the lease has expired the taker, also behind PgBouncer,
+// still ends that backend and takes the lease, the frozen transaction dead.
+// The control: a taker that does not end idle holders (IdleHolderAfter
+// negative) is still waiting after 3 s, so the test can tell.
+func TestFrozenHolderBehindPgBouncerIsTakenOver(t *testing.T) {
+	b, db, up := start(t, 4)
+	ctx := pgtest.Context(t, time.Minute)
+	pool := poolThrough(t, b, up, "exec")
+	newClient := func(holder string, idleAfter time.Duration) *lock.Client {
+		c, err := lock.New(pool, lock.Config{Schema: db.Schema, Holder: holder, TTL: 600 * time.Millisecond,
+			RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond, PollInterval: 200 * time.Millisecond,
+			IdleHolderAfter: idleAfter, Logger: pgtest.Quiet})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close(context.Background()) })
+		return c
+	}
+	holder := newClient("frozen", 0)
+	l, err := holder.TryAcquire(ctx, "frozen")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	if err := l.Guard().Check(ctx, tx); err != nil {
+		t.Fatal(err)
+	}
+	// The holder freezes: the transaction stays open, idle, and the lease
+	// expires at the database.
+	if _, err := db.Pool.Exec(ctx, expiry.SQL(db.Schema), "frozen"); err != nil {
+		t.Fatal(err)
+	}
+
+	patient := newClient("patient", -1)
+	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	_, err = patient.Acquire(wctx, "frozen")
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a taker that waits for idle holders, behind the frozen guarded transaction: %v, want its deadline", err)
+	}
+
+	taker := newClient("taker", 0)
+	next, err := taker.Acquire(ctx, "frozen")
+	if err != nil {
+		t.Fatalf("takeover behind PgBouncer of a holder frozen in a guarded transaction: %v", err)
+	}
+	defer next.Release(ctx)
+	if next.Token() <= l.Token() {
+		t.Fatalf("token %d after %d", next.Token(), l.Token())
+	}
+	if n := taker.Stats().IdleHoldersEnded; n != 1 {
+		t.Fatalf("IdleHoldersEnded = %d, want 1", n)
+	}
+	if _, err := tx.Exec(ctx, "SELECT 1"); err == nil {
+		t.Fatal("the frozen guarded transaction is still alive after the takeover")
 	}
 }
 

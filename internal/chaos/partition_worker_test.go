@@ -255,7 +255,7 @@ func partitionedOps(ctx context.Context, c *ctl, lc *lock.Client, budget time.Du
 	forced := make(chan msg, 1)
 	go func() {
 		m, _ := call(ctx, 2*budget, func(ctx context.Context) error {
-			_, _, err := lock.ForceRelease(ctx, lc.Pool(), "pgfence", "ops-root")
+			_, err := lock.ForceRelease(ctx, lc.Pool(), "pgfence", "ops-root")
 			return err
 		})
 		forced <- m

@@ -33,7 +33,8 @@ const haLeaseTTL = 5 * time.Second
 type haRig struct {
 	t      *testing.T
 	ctx    context.Context
-	pc     *patroni.Cluster
+	url    string        // the cluster's multi-host URL
+	bound  time.Duration // how long the cluster takes to replace a failed primary
 	ledger *pgxpool.Pool
 	res    fence.Resource
 	logs   *pgtest.Logs
@@ -94,7 +95,7 @@ func (r *haRig) progressAfter(t time.Time) (time.Time, bool) {
 
 func (r *haRig) client(name string, logger *slog.Logger) *lock.Client {
 	r.t.Helper()
-	pool := connect(r.t, r.pc.URL())
+	pool := connect(r.t, r.url)
 	c, err := lock.New(pool, lock.Config{Schema: "pgfence", TTL: haLeaseTTL, Holder: name, Logger: logger})
 	if err != nil {
 		r.t.Fatal(err)
@@ -132,7 +133,7 @@ func (r *haRig) write(ctx context.Context, l *lock.Lease) error {
 // returned before.
 func (r *haRig) acquireAfterFailover(c *lock.Client, name string, before fence.Token) *lock.Lease {
 	r.t.Helper()
-	ctx, cancel := context.WithTimeout(r.ctx, patroni.TTL+3*haLeaseTTL+30*time.Second)
+	ctx, cancel := context.WithTimeout(r.ctx, r.bound+3*haLeaseTTL+30*time.Second)
 	defer cancel()
 	l, err := c.Acquire(ctx, name)
 	if err != nil {
@@ -158,6 +159,230 @@ func (r *haRig) churn(c *lock.Client, name string, n int) {
 			r.t.Fatal(err)
 		}
 	}
+}
+
+// newHARig applies the migrations on the cluster at url (whose failed
+// primary is replaced within bound), creates the register there and the
+// resource's ledger on a server of its own, and returns the rig and a pool
+// on the cluster.
+func newHARig(t *testing.T, ctx context.Context, url string, bound time.Duration) (*haRig, *pgxpool.Pool) {
+	t.Helper()
+	admin := connect(t, url)
+	if _, err := migrations.Up(ctx, admin, "pgfence"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `CREATE TABLE ha_register (id bigserial PRIMARY KEY, lease text NOT NULL, token bigint NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	_, ledger := migrated(t, ctx, "ledger")
+	if _, err := ledger.Exec(ctx, `CREATE TABLE ha_ledger (id bigserial PRIMARY KEY, token bigint NOT NULL, holder text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	return &haRig{t: t, ctx: ctx, url: url, bound: bound, ledger: ledger, res: fence.Resource{Name: "ha", Schema: "ledger"}, logs: pgtest.NewLogs()}, admin
+}
+
+// longestGap is the longest time between two committed writes of the
+// election's leader (by send time) from the last one before from to the
+// first one after to: how long there was no leader around a fault.
+func (r *haRig) longestGap(from, to time.Time) time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var (
+		gap  time.Duration
+		prev time.Time
+	)
+	for _, s := range r.progress {
+		if s.Before(from) {
+			prev = s
+			continue
+		}
+		if !prev.IsZero() {
+			gap = max(gap, s.Sub(prev))
+		}
+		prev = s
+		if s.After(to) {
+			break
+		}
+	}
+	return gap
+}
+
+// haElection is an Election campaigning on the rig's cluster; its leader
+// writes every 200 ms and records each committed write's send time.
+type haElection struct {
+	r      *haRig
+	ctx    context.Context // the run's: cancelled by cancel
+	cancel context.CancelFunc
+	runErr chan error // Run's result, taken once (by goesOn or stop)
+
+	mu       sync.Mutex
+	returned bool  // Run's result has been taken
+	err      error // and was this
+}
+
+// result takes Run's result if it is there (wait: wait for it).
+func (el *haElection) result(wait bool) (returned bool, err error) {
+	el.mu.Lock()
+	defer el.mu.Unlock()
+	if !el.returned {
+		if wait {
+			el.err, el.returned = <-el.runErr, true
+		} else {
+			select {
+			case el.err = <-el.runErr:
+				el.returned = true
+			default:
+			}
+		}
+	}
+	return el.returned, el.err
+}
+
+// elect starts the election; stop it with stop.
+func (r *haRig) elect() *haElection {
+	elected := r.client("elector", slog.New(r.logs))
+	e := &lock.Election{Client: elected, Name: "leader", RetryDelay: 100 * time.Millisecond,
+		Lead: func(ctx context.Context, l *lock.Lease) error {
+			r.record(l)
+			for ctx.Err() == nil {
+				sent := time.Now()
+				if r.write(ctx, l) == nil {
+					r.mu.Lock()
+					r.progress = append(r.progress, sent)
+					r.mu.Unlock()
+				}
+				select {
+				case <-ctx.Done():
+				case <-time.After(200 * time.Millisecond):
+				}
+			}
+			return nil
+		}}
+	el := &haElection{r: r, runErr: make(chan error, 1)}
+	el.ctx, el.cancel = context.WithCancel(r.ctx)
+	go func() { el.runErr <- e.Run(el.ctx) }()
+	return el
+}
+
+// goesOn fails the test if Election.Run has returned.
+func (el *haElection) goesOn(step string) {
+	if returned, err := el.result(false); returned {
+		el.r.t.Fatalf("Election.Run returned during the %s: %v", step, err)
+	}
+}
+
+// back waits until the leader writes again after since and returns how
+// long after since that write was sent (0 if since is zero). A leader
+// writes again within the cluster's bound + the lease TTL + 15 s after a
+// failover began (a leader whose lease survived the failover counts:
+// renewals reach the promoted server, where the lease row is as
+// replicated).
+func (el *haElection) back(step string, since time.Time) time.Duration {
+	el.r.t.Helper()
+	within := el.r.bound + haLeaseTTL + 15*time.Second
+	deadline := time.Now().Add(within)
+	for time.Now().Before(deadline) {
+		if s, ok := el.r.progressAfter(since); ok {
+			if since.IsZero() {
+				return 0
+			}
+			el.r.t.Logf("%s: the election's leader wrote again %v after the fault", step, s.Sub(since).Round(10*time.Millisecond))
+			return s.Sub(since)
+		}
+		el.goesOn(step)
+		time.Sleep(50 * time.Millisecond)
+	}
+	el.r.t.Fatalf("%s: the election's leader wrote nothing for %v", step, within)
+	return 0
+}
+
+// stop stops the election and returns Run's error (the same on every
+// call, and after goesOn saw Run return).
+func (el *haElection) stop() error {
+	el.cancel()
+	_, err := el.result(true)
+	return err
+}
+
+// checkHistory checks what the run left: no token issued twice, on any
+// lease (one sequence serves them all); the resource fence never admitted
+// one token for two holders, nor a lower token after a higher; guarded
+// writes on the surviving history committed in token order per lease. It
+// returns the acquisitions and the admitted writes.
+func (r *haRig) checkHistory(admin *pgxpool.Pool) (acquisitions, admitted int) {
+	r.t.Helper()
+	// No token issued twice, on any lease (one sequence serves them all).
+	r.mu.Lock()
+	seen := map[fence.Token]issue{}
+	for _, is := range r.issued {
+		if prev, dup := seen[is.token]; dup {
+			r.t.Errorf("token %d issued twice: %s at %v and %s at %v", is.token, prev.lease, prev.at, is.lease, is.at)
+		}
+		seen[is.token] = is
+	}
+	acquisitions = len(r.issued)
+	r.mu.Unlock()
+	// The resource fence: never one token for two holders, never lower after higher.
+	rows, err := r.ledger.Query(r.ctx, `SELECT token, holder FROM ha_ledger ORDER BY id`)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	var (
+		mark     int64
+		holderOf = map[int64]string{}
+	)
+	for rows.Next() {
+		var tok int64
+		var holder string
+		if err := rows.Scan(&tok, &holder); err != nil {
+			r.t.Fatal(err)
+		}
+		admitted++
+		if tok < mark {
+			r.t.Errorf("the resource fence admitted %d after %d", tok, mark)
+		}
+		mark = max(mark, tok)
+		if h, ok := holderOf[tok]; ok && h != holder {
+			r.t.Errorf("the resource fence admitted token %d for %s and for %s", tok, h, holder)
+		}
+		holderOf[tok] = holder
+	}
+	if err := rows.Err(); err != nil {
+		r.t.Fatal(err)
+	}
+	// Guarded writes on the surviving history commit in token order per lease.
+	var outOfOrder int
+	if err := admin.QueryRow(r.ctx, `SELECT count(*) FROM (
+  SELECT token < max(token) OVER (PARTITION BY lease ORDER BY id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS stale
+    FROM ha_register) s WHERE stale`).Scan(&outOfOrder); err != nil {
+		r.t.Fatal(err)
+	}
+	if outOfOrder != 0 {
+		r.t.Errorf("%d guarded writes committed after a write with a greater token", outOfOrder)
+	}
+	return acquisitions, admitted
+}
+
+// checkWarnings checks that each component warned once per failure period
+// (at most failovers + 1 times), not per retry, and returns the warnings
+// counted, for the log.
+func (r *haRig) checkWarnings(failovers int) []string {
+	r.t.Helper()
+	counts := map[string]int{}
+	for _, rec := range r.logs.Find(slog.LevelWarn, "") {
+		if rec.Message != "pgfence: lease lost" {
+			counts[rec.Message]++
+		}
+	}
+	var msgs []string
+	for m, k := range counts {
+		msgs = append(msgs, fmt.Sprintf("%d x %q", k, m))
+		if k > failovers+1 {
+			r.t.Errorf("%d warnings %q over %d failovers: want at most one per failure period", k, m, failovers)
+		}
+	}
+	sort.Strings(msgs)
+	return msgs
 }
 
 // TestPatroniFailovers runs pgfence on a real Patroni cluster through
@@ -188,73 +413,13 @@ func TestPatroniFailovers(t *testing.T) {
 		}
 		_ = pc.Close()
 	})
-	admin := connect(t, pc.URL())
-	if _, err := migrations.Up(ctx, admin, "pgfence"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.Exec(ctx, `CREATE TABLE ha_register (id bigserial PRIMARY KEY, lease text NOT NULL, token bigint NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	_, ledger := migrated(t, ctx, "ledger")
-	if _, err := ledger.Exec(ctx, `CREATE TABLE ha_ledger (id bigserial PRIMARY KEY, token bigint NOT NULL, holder text NOT NULL)`); err != nil {
-		t.Fatal(err)
-	}
-	r := &haRig{t: t, ctx: ctx, pc: pc, ledger: ledger, res: fence.Resource{Name: "ha", Schema: "ledger"}, logs: pgtest.NewLogs()}
-
+	r, admin := newHARig(t, ctx, pc.URL(), patroni.TTL)
 	// The election runs through every failover below.
-	elected := r.client("elector", slog.New(r.logs))
-	e := &lock.Election{Client: elected, Name: "leader", RetryDelay: 100 * time.Millisecond,
-		Lead: func(ctx context.Context, l *lock.Lease) error {
-			r.record(l)
-			for ctx.Err() == nil {
-				sent := time.Now()
-				if r.write(ctx, l) == nil {
-					r.mu.Lock()
-					r.progress = append(r.progress, sent)
-					r.mu.Unlock()
-				}
-				select {
-				case <-ctx.Done():
-				case <-time.After(200 * time.Millisecond):
-				}
-			}
-			return nil
-		}}
-	runCtx, stopRun := context.WithCancel(ctx)
-	runErr := make(chan error, 1)
-	go func() { runErr <- e.Run(runCtx) }()
-	defer func() {
-		stopRun()
-		<-runErr
-	}()
-	runGoesOn := func(step string) {
-		select {
-		case err := <-runErr:
-			t.Fatalf("Election.Run returned during the %s: %v", step, err)
-		default:
-		}
-	}
-	// A leader writes again within this long after a failover began (a
-	// leader whose lease survived the failover counts: renewals reach the
-	// promoted server, where the lease row is as replicated).
-	within := patroni.TTL + haLeaseTTL + 15*time.Second
-	leaderBack := func(step string, since time.Time) time.Duration {
-		t.Helper()
-		deadline := time.Now().Add(within)
-		for time.Now().Before(deadline) {
-			if s, ok := r.progressAfter(since); ok {
-				if since.IsZero() {
-					return 0
-				}
-				t.Logf("%s: the election's leader wrote again %v after the fault", step, s.Sub(since).Round(10*time.Millisecond))
-				return s.Sub(since)
-			}
-			runGoesOn(step)
-			time.Sleep(50 * time.Millisecond)
-		}
-		t.Fatalf("%s: the election's leader wrote nothing for %v", step, within)
-		return 0
-	}
+	el := r.elect()
+	defer el.stop()
+	runGoesOn := el.goesOn
+	leaderBack := el.back
+	runCtx, stopRun := el.ctx, el.cancel
 	// Two runner replicas charge once a second throughout: the ledger must
 	// keep every slot to one charge across the failovers.
 	if _, err := admin.Exec(ctx, `CREATE TABLE ha_charges (id bigserial PRIMARY KEY, slot timestamptz NOT NULL, token bigint NOT NULL)`); err != nil {
@@ -287,7 +452,7 @@ func TestPatroniFailovers(t *testing.T) {
 			_ = rn.Run(runCtx)
 		}()
 	}
-	defer replicas.Wait()
+	defer func() { stopRun(); replicas.Wait() }()
 	steps := r.client("steps", pgtest.Quiet)
 	r.churn(steps, "step", 5)
 	leaderBack("start", time.Time{})
@@ -516,62 +681,11 @@ func TestPatroniFailovers(t *testing.T) {
 		_ = l.Release(ctx)
 	})
 	runGoesOn("run")
-	stopRun()
-	if err := <-runErr; err != nil {
+	if err := el.stop(); err != nil {
 		t.Fatalf("Election.Run: %v", err)
 	}
-	runErr <- nil
 
-	// No token issued twice, on any lease (one sequence serves them all).
-	r.mu.Lock()
-	seen := map[fence.Token]issue{}
-	for _, is := range r.issued {
-		if prev, dup := seen[is.token]; dup {
-			t.Errorf("token %d issued twice: %s at %v and %s at %v", is.token, prev.lease, prev.at, is.lease, is.at)
-		}
-		seen[is.token] = is
-	}
-	n := len(r.issued)
-	r.mu.Unlock()
-	// The resource fence: never one token for two holders, never lower after higher.
-	rows, err := ledger.Query(ctx, `SELECT token, holder FROM ha_ledger ORDER BY id`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var (
-		admitted int
-		mark     int64
-		holderOf = map[int64]string{}
-	)
-	for rows.Next() {
-		var tok int64
-		var holder string
-		if err := rows.Scan(&tok, &holder); err != nil {
-			t.Fatal(err)
-		}
-		admitted++
-		if tok < mark {
-			t.Errorf("the resource fence admitted %d after %d", tok, mark)
-		}
-		mark = max(mark, tok)
-		if h, ok := holderOf[tok]; ok && h != holder {
-			t.Errorf("the resource fence admitted token %d for %s and for %s", tok, h, holder)
-		}
-		holderOf[tok] = holder
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	// Guarded writes on the surviving history commit in token order per lease.
-	var outOfOrder int
-	if err := admin.QueryRow(ctx, `SELECT count(*) FROM (
-  SELECT token < max(token) OVER (PARTITION BY lease ORDER BY id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS stale
-    FROM ha_register) s WHERE stale`).Scan(&outOfOrder); err != nil {
-		t.Fatal(err)
-	}
-	if outOfOrder != 0 {
-		t.Errorf("%d guarded writes committed after a write with a greater token", outOfOrder)
-	}
+	n, admitted := r.checkHistory(admin)
 	// Every slot charged once, and only by a run the ledger records.
 	stopRun()
 	replicas.Wait()
@@ -586,20 +700,6 @@ func TestPatroniFailovers(t *testing.T) {
 		t.Errorf("runner across the failovers: %d charges, %d slots charged twice, %d charges without their succeeded run", charged, twice, unrecorded)
 	}
 	t.Logf("runner: %d slots charged once each across the failovers", charged)
-	// Each component warns once per failure period, not per retry.
-	counts := map[string]int{}
-	for _, rec := range r.logs.Find(slog.LevelWarn, "") {
-		if rec.Message != "pgfence: lease lost" {
-			counts[rec.Message]++
-		}
-	}
-	var msgs []string
-	for m, k := range counts {
-		msgs = append(msgs, fmt.Sprintf("%d x %q", k, m))
-		if k > failovers+1 {
-			t.Errorf("%d warnings %q over %d failovers: want at most one per failure period", k, m, failovers)
-		}
-	}
-	sort.Strings(msgs)
+	msgs := r.checkWarnings(failovers)
 	t.Logf("%d failovers, %d acquisitions, %d resource-fenced writes; the election's warnings: %v", failovers, n, admitted, msgs)
 }

@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/pgfence/pgfence/internal/pgcluster"
+	"github.com/pgfence/pgfence/internal/srvproc"
 	"github.com/pgfence/pgfence/internal/unpriv"
 )
 
@@ -44,11 +45,12 @@ const Nodes = 3
 
 // Cluster is a running etcd member and three Patroni nodes.
 type Cluster struct {
-	dir   string
-	scope string
-	etcd  *exec.Cmd
-	nodes [Nodes]*Node
-	http  *http.Client
+	dir      string
+	scope    string
+	etcd     *exec.Cmd
+	etcdDone <-chan struct{}
+	nodes    [Nodes]*Node
+	http     *http.Client
 }
 
 // Node is one Patroni node and its PostgreSQL server.
@@ -65,7 +67,7 @@ type Node struct {
 	data       string
 	mu         sync.Mutex
 	patroni    *exec.Cmd
-	waitDone   chan struct{}
+	waitDone   <-chan struct{}
 }
 
 // lookPath finds a tool on PATH, as every test that needs one does, so
@@ -134,7 +136,7 @@ func Start(ctx context.Context) (*Cluster, error) {
 		"--listen-client-urls", etcdURL, "--advertise-client-urls", etcdURL,
 		"--listen-peer-urls", peerURL, "--initial-advertise-peer-urls", peerURL,
 		"--initial-cluster", "e1="+peerURL, "--enable-v2=true")
-	if err := startLogged(c.etcd, filepath.Join(dir, "etcd.log")); err != nil {
+	if c.etcdDone, err = srvproc.StartLogged(c.etcd, filepath.Join(dir, "etcd.log")); err != nil {
 		return nil, err
 	}
 	if err := c.poll(ctx, 30*time.Second, "etcd to answer", func() (bool, error) {
@@ -216,20 +218,6 @@ postgresql:
   - host replication all 127.0.0.1/32 trust
   - local all all trust
 `, n.c.scope, n.Name, n.rest, etcdPort, int(TTL/time.Second), int(LoopWait/time.Second), n.Port, n.data, bin, dir)
-}
-
-// startLogged starts cmd with its output appended to logFile, in a process
-// group of its own.
-func startLogged(cmd *exec.Cmd, logFile string) error {
-	f, err := os.OpenFile(logFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return err
-	}
-	cmd.Stdout, cmd.Stderr = f, f
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	err = cmd.Start()
-	f.Close()
-	return err
 }
 
 // Node returns node i (0, 1 or 2).
@@ -374,34 +362,18 @@ func (n *Node) Timeline(ctx context.Context) (int64, error) {
 }
 
 func (n *Node) psql(ctx context.Context, sql string) (string, error) {
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "psql", "-XAtq", n.URL(), "-c", sql).CombinedOutput()
+	out, err := srvproc.PSQL(ctx, n.URL(), sql)
 	if err != nil {
-		return "", fmt.Errorf("psql on %s: %v: %s", n.Name, err, out)
+		return "", fmt.Errorf("%s: %w", n.Name, err)
 	}
-	return string(out), nil
+	return out, nil
 }
 
 func (c *Cluster) poll(ctx context.Context, within time.Duration, what string, done func() (bool, error)) error {
-	deadline := time.Now().Add(within)
-	for {
-		ok, err := done()
-		if err != nil {
-			return err
-		}
-		if ok {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("patroni: no %s within %v (logs in %s)", what, within, c.dir)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(100 * time.Millisecond):
-		}
+	if err := srvproc.Poll(ctx, within, what, c.dir, done); err != nil {
+		return fmt.Errorf("patroni: %w", err)
 	}
+	return nil
 }
 
 // Start starts the node's Patroni, which starts (or rejoins with
@@ -413,11 +385,10 @@ func (n *Node) Start() error {
 		return fmt.Errorf("patroni: %s is running", n.Name)
 	}
 	cmd := unpriv.Command(n.patroniBin, n.conf)
-	if err := startLogged(cmd, filepath.Join(filepath.Dir(n.data), "patroni.log")); err != nil {
+	done, err := srvproc.StartLogged(cmd, filepath.Join(filepath.Dir(n.data), "patroni.log"))
+	if err != nil {
 		return err
 	}
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(done) }()
 	n.patroni, n.waitDone = cmd, done
 	return nil
 }
@@ -432,31 +403,7 @@ func (n *Node) Crash() error {
 		<-n.waitDone
 		n.patroni = nil
 	}
-	return n.killServer()
-}
-
-// killServer kills the postmaster recorded in the data directory and every
-// process of its session (Patroni starts PostgreSQL in a session of its own).
-func (n *Node) killServer() error {
-	b, err := os.ReadFile(filepath.Join(n.data, "postmaster.pid"))
-	if err != nil {
-		return nil // not running
-	}
-	pid, err := strconv.Atoi(strings.TrimSpace(strings.SplitN(string(b), "\n", 2)[0]))
-	if err != nil || pid <= 1 {
-		return nil
-	}
-	// Children first, then the postmaster, so none lingers holding the port.
-	_ = exec.Command("pkill", "-KILL", "-s", strconv.Itoa(pid)).Run()
-	_ = exec.Command("pkill", "-KILL", "-P", strconv.Itoa(pid)).Run()
-	_ = syscall.Kill(pid, syscall.SIGKILL)
-	for range 100 {
-		if syscall.Kill(pid, 0) != nil {
-			return nil
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return fmt.Errorf("patroni: postmaster %d of %s did not die", pid, n.Name)
+	return srvproc.KillPostmaster(n.data)
 }
 
 // Freeze stops the node's Patroni (SIGSTOP): its PostgreSQL goes on as it
@@ -540,7 +487,7 @@ func (c *Cluster) Close() error {
 	}
 	if c.etcd != nil && c.etcd.Process != nil {
 		_ = syscall.Kill(-c.etcd.Process.Pid, syscall.SIGKILL)
-		_ = c.etcd.Wait()
+		<-c.etcdDone
 	}
 	if os.Getenv("PGFENCE_KEEP_PATRONI") != "" {
 		return nil

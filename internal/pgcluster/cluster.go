@@ -7,22 +7,24 @@ package pgcluster
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 
+	"github.com/pgfence/pgfence/internal/devdb"
 	"github.com/pgfence/pgfence/internal/unpriv"
 )
 
 // ErrNoServer is returned when no PostgreSQL server binaries are installed.
-var ErrNoServer = errors.New("pgcluster: no PostgreSQL server binaries (initdb, pg_ctl) found; " +
-	"install them (Debian: apt-get install postgresql), or put its bin directory in PGFENCE_PG_BINDIR")
+var ErrNoServer = devdb.ErrNoServer
+
+// BinDir finds the server binaries: $PGFENCE_PG_BINDIR, `pg_config
+// --bindir`, or the newest /usr/lib/postgresql/*/bin.
+func BinDir() (string, error) { return devdb.BinDir() }
 
 // Cluster is a private PostgreSQL server.
 type Cluster struct {
@@ -31,27 +33,6 @@ type Cluster struct {
 
 	mu      sync.Mutex
 	running bool
-}
-
-// BinDir finds the server binaries: $PGFENCE_PG_BINDIR, `pg_config
-// --bindir`, or the newest /usr/lib/postgresql/*/bin.
-func BinDir() (string, error) {
-	var dirs []string
-	if d := os.Getenv("PGFENCE_PG_BINDIR"); d != "" {
-		dirs = append(dirs, d)
-	}
-	if out, err := exec.Command("pg_config", "--bindir").Output(); err == nil {
-		dirs = append(dirs, strings.TrimSpace(string(out)))
-	}
-	found, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
-	sort.Sort(sort.Reverse(sort.StringSlice(found)))
-	dirs = append(dirs, found...)
-	for _, d := range dirs {
-		if _, err := os.Stat(filepath.Join(d, "initdb")); err == nil {
-			return d, nil
-		}
-	}
-	return "", ErrNoServer
 }
 
 // New initialises a cluster in a new temporary directory and starts it.

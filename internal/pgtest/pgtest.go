@@ -1,10 +1,11 @@
 // Package pgtest is pgfence's test harness: every test gets its own schema
-// with the migrations applied, on a real PostgreSQL server found through
-// TEST_DATABASE_URL or, where Docker is available, a throwaway container.
+// with the migrations applied, on a real PostgreSQL server: the one
+// TEST_DATABASE_URL names or, without it, a throwaway one internal/devdb
+// starts for the package's tests (a private server from the machine's
+// PostgreSQL binaries, or a container where Docker is available).
 package pgtest
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -28,6 +29,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
 
+	"github.com/pgfence/pgfence/internal/devdb"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/pgfencetest"
 )
@@ -62,21 +64,34 @@ func run(m *testing.M) int {
 	if !set && runtime.GOMAXPROCS(0) < minParallel {
 		_ = flag.Set("test.parallel", strconv.Itoa(minParallel))
 	}
+	stop := func() {}
 	if u := os.Getenv(EnvURL); u != "" {
 		baseURL = u
 	} else {
-		u, stop, err := container()
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+		srv, err := devdb.Start(ctx, devdb.Options{Trust: true}) // the tests log in as roles they create
+		cancel()
 		if err != nil {
 			noDB = fmt.Errorf("pgfence tests need PostgreSQL: set %s (for example\n"+
-				"  %s='postgres://postgres@127.0.0.1:5432/test?sslmode=disable')\n"+
-				"or make a Docker engine available for testcontainers.\n(%v)", EnvURL, EnvURL, err)
+				"  %s='postgres://postgres@127.0.0.1:5432/test?sslmode=disable'),\n"+
+				"install PostgreSQL's server binaries (Debian: apt-get install postgresql; or set %s),\n"+
+				"or make a Docker engine available for testcontainers.\n(%v)", EnvURL, EnvURL, devdb.EnvBinDir, err)
 		} else {
-			defer stop()
-			baseURL = u
-			_ = os.Setenv(EnvURL, u) // for the test binary's child processes
+			stop = func() { _ = srv.Close() }
+			fmt.Fprintf(os.Stderr, "pgtest: no %s: the tests use %s (PostgreSQL %s), removed when they end\n", EnvURL, srv.How, srv.Version)
+			baseURL = srv.URL
+			_ = os.Setenv(EnvURL, srv.URL) // for the test binary's child processes
+		}
+	}
+	if noDB == nil {
+		if err := checkServer(baseURL); err != nil {
+			fmt.Fprintln(os.Stderr, "pgtest:", err)
+			stop()
+			return 1
 		}
 	}
 	code := m.Run()
+	stop() // before looking for goroutines left: the server's reader is one
 	if code == 0 {
 		if err := goleak.Find(IgnoreLeaks()...); err != nil {
 			fmt.Fprintf(os.Stderr, "goleak: %v\n", err)
@@ -86,65 +101,56 @@ func run(m *testing.M) int {
 	return code
 }
 
+// EnvMajor and EnvExecMode name environment variables with which a run
+// states what it tests (CI's runs on each major version, and without
+// prepared statements): the tests then fail at once if the server's major
+// version or the URL's default_query_exec_mode is another, rather than
+// passing on what the run did not mean to test.
+const (
+	EnvMajor    = "PGFENCE_TEST_SERVER_MAJOR"
+	EnvExecMode = "PGFENCE_TEST_EXEC_MODE"
+)
+
+// checkServer checks the server and URL against EnvMajor and EnvExecMode.
+func checkServer(u string) error {
+	want := os.Getenv(EnvMajor)
+	mode := os.Getenv(EnvExecMode)
+	if want == "" && mode == "" {
+		return nil
+	}
+	cfg, err := pgx.ParseConfig(u)
+	if err != nil {
+		return err
+	}
+	if mode != "" && cfg.DefaultQueryExecMode.String() != strings.ReplaceAll(mode, "_", " ") {
+		return fmt.Errorf("%s=%s but the URL's query exec mode is %s (set default_query_exec_mode=%s in %s)",
+			EnvExecMode, mode, cfg.DefaultQueryExecMode, mode, EnvURL)
+	}
+	if want == "" {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	var num int
+	if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&num); err != nil {
+		return err
+	}
+	if got := strconv.Itoa(num / 10000); got != want {
+		return fmt.Errorf("%s=%s but the server is PostgreSQL %s (%d)", EnvMajor, want, got, num)
+	}
+	fmt.Fprintf(os.Stderr, "pgtest: PostgreSQL %d\n", num)
+	return nil
+}
+
 // IgnoreLeaks lists goroutines that belong to the test infrastructure
-// (none: the container, when there is one, lives in another process).
+// (none: a throwaway server lives in another process, and its reader
+// ends before the check).
 func IgnoreLeaks() []goleak.Option { return nil }
-
-// errNoDocker is returned by container when no Docker engine is reachable.
-var errNoDocker = errors.New("no Docker engine found (no DOCKER_HOST and no /var/run/docker.sock)")
-
-// dockerAvailable reports whether a Docker engine looks reachable (the usual
-// endpoints; starting a container can still fail). PGFENCE_NO_DOCKER=1 makes
-// it false.
-func dockerAvailable() bool {
-	if os.Getenv("PGFENCE_NO_DOCKER") == "1" {
-		return false
-	}
-	if os.Getenv("DOCKER_HOST") != "" {
-		return true
-	}
-	for _, p := range []string{"/var/run/docker.sock", os.ExpandEnv("$HOME/.docker/run/docker.sock")} {
-		if fi, err := os.Stat(p); err == nil && fi.Mode()&os.ModeSocket != 0 {
-			return true
-		}
-	}
-	return false
-}
-
-// container starts a throwaway PostgreSQL for the package's tests: it runs
-// internal/containerdb (a module of its own, so that testcontainers is
-// compiled only on this path) with `go run`, and returns the URL it prints
-// and a function that makes it remove the container.
-func container() (string, func(), error) {
-	if !dockerAvailable() {
-		return "", nil, errNoDocker
-	}
-	_, self, _, _ := runtime.Caller(0)
-	cmd := exec.Command("go", "run", ".")
-	cmd.Dir = filepath.Join(filepath.Dir(self), "..", "containerdb")
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		return "", nil, err
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		return "", nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return "", nil, fmt.Errorf("go run %s: %w", cmd.Dir, err)
-	}
-	stop := func() { _ = stdin.Close(); _ = cmd.Wait() }
-	sc := bufio.NewScanner(stdout)
-	for sc.Scan() {
-		if url, ok := strings.CutPrefix(sc.Text(), "URL "); ok {
-			go func() { _, _ = io.Copy(io.Discard, stdout) }()
-			return url, stop, nil
-		}
-	}
-	stop()
-	return "", nil, fmt.Errorf("%s printed no URL (its errors are above)", cmd.Dir)
-}
 
 // URL returns the server URL the package's tests use.
 func URL(tb testing.TB) string {
@@ -226,8 +232,23 @@ func NewPool(tb testing.TB, appName string, opts ...func(*pgxpool.Config)) *pgxp
 		pool.Close()
 		tb.Fatalf("pgtest: ping %s: %v", EnvURL, err)
 	}
-	tb.Cleanup(pool.Close)
+	tb.Cleanup(func() { closePool(tb, pool, appName) })
 	return pool
+}
+
+// closePool closes pool, which waits for every connection checked out of
+// it; if some are still out after 30 s (a transaction a failed test left
+// open, say), it says so and leaves the pool to close on its own, instead
+// of holding the test up until the package's timeout.
+func closePool(tb testing.TB, pool *pgxpool.Pool, appName string) {
+	closed := make(chan struct{})
+	go func() { pool.Close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(30 * time.Second):
+		tb.Errorf("pgtest: pool %s: %d connections still checked out 30 s after the test ended (a transaction left open?)",
+			appName, pool.Stat().AcquiredConns())
+	}
 }
 
 // UniqueName returns a random application or lease name with a prefix.
@@ -271,7 +292,9 @@ func Schema(tb testing.TB, prefix string) string {
 	s := prefix + "_" + randHex(6)
 	pool := NewPool(tb, "pgtest-schema")
 	tb.Cleanup(func() {
-		_, _ = pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{s}.Sanitize()+" CASCADE")
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{s}.Sanitize()+" CASCADE")
 	})
 	return s
 }
@@ -286,15 +309,19 @@ func Context(tb testing.TB, d time.Duration) context.Context {
 	return ctx
 }
 
-// Client returns a lock client on the test's schema (cfg.Schema and a quiet
-// cfg.Logger are filled in), closed when the test ends.
+// Client returns a lock client on the test's schema (cfg.Schema and a
+// cfg.Logger, which keeps the records and writes them to the test's log if
+// it fails, are filled in), closed when the test ends.
 func (db *DB) Client(tb testing.TB, cfg lock.Config) *lock.Client {
 	tb.Helper()
 	if cfg.Schema == "" {
 		cfg.Schema = db.Schema
 	}
 	if cfg.Logger == nil {
-		cfg.Logger = Quiet
+		// Kept, and written to the test's log if it fails.
+		logs := NewLogs()
+		logs.LogOnFailure(tb)
+		cfg.Logger = slog.New(logs)
 	}
 	c, err := lock.New(db.Pool, cfg)
 	if err != nil {

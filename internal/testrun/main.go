@@ -102,8 +102,9 @@ func run(dir string, args []string) ([]skip, int) {
 // package, and build failures. It returns the skipped tests.
 func report(r io.Reader, w io.Writer) []skip {
 	var (
-		skips  []skip
-		output = map[string][]string{} // package + "\x00" + test -> its output lines
+		skips   []skip
+		output  = map[string][]string{} // package + "\x00" + test -> its output lines
+		started []string                // the keys of output, in the order of their first line
 	)
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 1<<20), 1<<26)
@@ -118,6 +119,9 @@ func report(r io.Reader, w io.Writer) []skip {
 		case "build-output":
 			fmt.Fprint(w, ev.Output)
 		case "output":
+			if _, ok := output[key]; !ok {
+				started = append(started, key)
+			}
 			output[key] = append(output[key], ev.Output)
 		case "skip":
 			if ev.Test == "" {
@@ -138,6 +142,19 @@ func report(r io.Reader, w io.Writer) []skip {
 				}
 			}
 			if ev.Test == "" {
+				// Tests with no result of their own: a timeout's or a
+				// panic's, whose message and goroutines go test gives as
+				// the output of the last test that ran.
+				for _, k := range started {
+					pkg, test, _ := strings.Cut(k, "\x00")
+					lines, ok := output[k]
+					if pkg != ev.Package || test == "" || !ok {
+						continue
+					}
+					fmt.Fprintf(w, "--- NO RESULT: %s\n", test)
+					printCapped(w, lines, ev.Package)
+					delete(output, k)
+				}
 				fmt.Fprintf(w, "FAIL\t%s\t%.1fs\n", ev.Package, ev.Elapsed)
 			}
 			delete(output, key)
@@ -147,6 +164,27 @@ func report(r io.Reader, w io.Writer) []skip {
 		fmt.Fprintln(w, "testrun: reading go test's output:", err)
 	}
 	return skips
+}
+
+// maxUnfinishedLines caps the output printed for a test with no result (a
+// timeout's goroutine dump can run to many thousands of lines).
+const maxUnfinishedLines = 3000
+
+// printCapped prints the lines that are not noise, at most
+// maxUnfinishedLines of them.
+func printCapped(w io.Writer, lines []string, pkg string) {
+	n := 0
+	for _, l := range lines {
+		if noise(l, pkg) {
+			continue
+		}
+		if n == maxUnfinishedLines {
+			fmt.Fprintf(w, "... (more lines left out)\n")
+			return
+		}
+		fmt.Fprint(w, l)
+		n++
+	}
 }
 
 // noise reports the lines of a failure's output that the summary already

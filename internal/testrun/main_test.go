@@ -50,3 +50,32 @@ func TestReportListsSkipsAndFailures(t *testing.T) {
 		t.Fatalf("skip list = %q", got)
 	}
 }
+
+// A package that times out: the tests still running have no result of their
+// own, and the panic goes to the last one's output; the summary names each
+// of them with its output, the panic included.
+func TestReportShowsTestsWithNoResult(t *testing.T) {
+	in := strings.Join([]string{
+		`{"Action":"output","Package":"p/t","Test":"TestOK","Output":"=== RUN   TestOK\n"}`,
+		`{"Action":"pass","Package":"p/t","Test":"TestOK"}`,
+		`{"Action":"output","Package":"p/t","Test":"TestHang","Output":"=== RUN   TestHang\n"}`,
+		`{"Action":"output","Package":"p/t","Test":"TestHang","Output":"    x_test.go:3: before\n"}`,
+		`{"Action":"output","Package":"p/t","Test":"TestHang2","Output":"=== RUN   TestHang2\n"}`,
+		`{"Action":"output","Package":"p/t","Test":"TestHang2","Output":"panic: test timed out after 2s\n"}`,
+		`{"Action":"output","Package":"p/t","Test":"TestHang2","Output":"\trunning tests:\n"}`,
+		`{"Action":"output","Package":"p/t","Test":"TestHang2","Output":"\t\tTestHang (2s)\n"}`,
+		`{"Action":"fail","Package":"p/t","Elapsed":2}`,
+	}, "\n")
+	var out bytes.Buffer
+	report(strings.NewReader(in), &out)
+	want := "--- NO RESULT: TestHang\n" +
+		"    x_test.go:3: before\n" +
+		"--- NO RESULT: TestHang2\n" +
+		"panic: test timed out after 2s\n" +
+		"\trunning tests:\n" +
+		"\t\tTestHang (2s)\n" +
+		"FAIL\tp/t\t2.0s\n"
+	if out.String() != want {
+		t.Fatalf("summary:\n%s\nwant:\n%s", out.String(), want)
+	}
+}
