@@ -87,7 +87,7 @@ func TestLeastPrivilege(t *testing.T) {
 	if err := l.Release(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := lock.ForceRelease(ctx, lc.Pool(), lc.Config().Schema, "billing"); err != nil {
+	if _, err := lock.ForceRelease(ctx, lc.Pool(), lc.Config().Schema, "billing"); err != nil {
 		t.Fatalf("ForceRelease: %v", err)
 	}
 	rc, err := lock.New(app, lock.Config{Schema: schema, Logger: pgtest.Quiet})
@@ -210,7 +210,7 @@ func TestLeastPrivilege(t *testing.T) {
 	if infos, err := lock.Leases(ctx, oc.Pool(), oc.Config().Schema); err != nil || len(infos) == 0 {
 		t.Fatalf("Leases as the operator: %d, %v", len(infos), err)
 	}
-	if _, _, err := lock.ForceRelease(ctx, oc.Pool(), oc.Config().Schema, "billing"); err != nil {
+	if _, err := lock.ForceRelease(ctx, oc.Pool(), oc.Config().Schema, "billing"); err != nil {
 		t.Fatalf("ForceRelease as the operator: %v", err)
 	}
 	if _, err := runner.Runs(ctx, op, schema, runner.RunFilter{}); err != nil {

@@ -147,7 +147,7 @@ func TestGrantsForbidRenames(t *testing.T) {
 	if err := <-got; err != nil {
 		t.Fatalf("blocked acquisition: %v", err)
 	}
-	if _, _, err := lock.ForceRelease(ctx, b.Pool(), b.Config().Schema, "billing"); err != nil {
+	if _, err := lock.ForceRelease(ctx, b.Pool(), b.Config().Schema, "billing"); err != nil {
 		t.Fatalf("ForceRelease: %v", err)
 	}
 	op := pgtest.NewPool(t, "rename-op", func(c *pgxpool.Config) { c.ConnConfig.User = opRole })
@@ -156,7 +156,7 @@ func TestGrantsForbidRenames(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer oc.Close(ctx)
-	if _, _, err := lock.ForceRelease(ctx, oc.Pool(), oc.Config().Schema, "billing"); err != nil {
+	if _, err := lock.ForceRelease(ctx, oc.Pool(), oc.Config().Schema, "billing"); err != nil {
 		t.Fatalf("ForceRelease as the operator: %v", err)
 	}
 

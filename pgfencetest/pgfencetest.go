@@ -155,7 +155,7 @@ func (db *DB) TakeOver(tb TB, name string) *lock.Lease {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	thief := db.Client(tb, lock.Config{Holder: "pgfencetest-takeover"})
-	if _, _, err := lock.ForceRelease(ctx, thief.Pool(), thief.Config().Schema, name); err != nil {
+	if _, err := lock.ForceRelease(ctx, thief.Pool(), thief.Config().Schema, name); err != nil {
 		tb.Fatalf("pgfencetest: take over %q: %v", name, err)
 		return nil
 	}

@@ -91,13 +91,13 @@ func TestInstancesAndTermsFollowTheFleet(t *testing.T) {
 		t.Fatalf("instance %s stopped cleanly, but StoppedAt is nil", first)
 	}
 	var terms []runner.Term
-	waitFor(t, 10*time.Second, "a second term of tick, by the other instance", func() bool {
+	waitFor(t, 10*time.Second, "a second term of tick, by the other instance, that ran it", func() bool {
 		var err error
 		terms, err = runner.Terms(ctx, db.Pool, db.Schema, runner.TermFilter{Limit: 100})
 		if err != nil {
 			t.Fatal(err)
 		}
-		return len(ticks(terms)) >= 2 && ticks(terms)[0].Holder == other
+		return len(ticks(terms)) >= 2 && ticks(terms)[0].Holder == other && ticks(terms)[0].Attempts >= 1
 	})
 	tk := ticks(terms)
 	if tk[0].Token <= tk[1].Token || tk[1].Holder != first || tk[0].FirstRun.Before(tk[1].FirstRun) || tk[0].Attempts < 1 {

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
@@ -510,11 +511,11 @@ func (w *worker) groupLoop(ctx context.Context) {
 		}
 		return w.consumeLoop(leadCtx, p)
 	})
-	done := make(chan error, 1)
-	go func() { done <- e.Run(electCtx) }() // waited for below, on every path
+	var electErr error
+	elect := bg.Run(electCtx, func(ctx context.Context) { electErr = e.Run(ctx) }) // waited for below, on every path
 	select {
-	case err := <-done:
-		w.electionEnded(err)
+	case <-elect.Done():
+		w.electionEnded(electErr)
 		return
 	case <-ctx.Done():
 	}
@@ -544,7 +545,8 @@ func (w *worker) groupLoop(ctx context.Context) {
 	default:
 	}
 	endElect()
-	w.electionEnded(<-done)
+	<-elect.Done()
+	w.electionEnded(electErr)
 }
 
 // newPartition starts a term: the partition's offset (its row created

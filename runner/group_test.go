@@ -181,7 +181,7 @@ func TestStalePartitionLeaderIsRefused(t *testing.T) {
 	p := <-captured
 	ctx := context.Background()
 	name := "pgfence/group/relay/0"
-	if _, _, err := lock.ForceRelease(ctx, db.Pool, db.Schema, name); err != nil {
+	if _, err := lock.ForceRelease(ctx, db.Pool, db.Schema, name); err != nil {
 		t.Fatal(err)
 	}
 	thief := lockClient(t, db.Pool, lock.Config{Schema: db.Schema, Holder: "new-leader"})

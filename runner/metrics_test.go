@@ -219,7 +219,7 @@ func TestMetrics(t *testing.T) {
 		{Name: "bad", Schedule: "@every 200ms", Run: func(context.Context, *runner.Run) error { return errors.New("boom") }},
 		{Name: "zombie", Schedule: "@every 200ms", Run: func(ctx context.Context, run *runner.Run) error {
 			name := run.Lease().Name()
-			if _, _, err := lock.ForceRelease(ctx, thief.Pool(), thief.Config().Schema, name); err != nil {
+			if _, err := lock.ForceRelease(ctx, thief.Pool(), thief.Config().Schema, name); err != nil {
 				return err
 			}
 			stolen, err := thief.TryAcquire(ctx, name)

@@ -285,15 +285,18 @@ func (r *Runner) Run(ctx context.Context) error {
 	}
 	work, stopWork := context.WithCancelCause(context.Background())
 	var (
-		fatalOnce sync.Once
-		fatalErr  error
+		fatalMu  sync.Mutex // a job that did not stop within ShutdownTimeout may still call fatal
+		fatalErr error
 	)
 	r.fatal = func(err error) {
-		fatalOnce.Do(func() {
-			fatalErr = err
-			r.log.Error("pgfence runner: stopping on a permanent error", "err", err)
-			stopWork(err)
-		})
+		fatalMu.Lock()
+		defer fatalMu.Unlock()
+		if fatalErr != nil {
+			return
+		}
+		fatalErr = err
+		r.log.Error("pgfence runner: stopping on a permanent error", "err", err)
+		stopWork(err)
 	}
 	// The workers, the balancer and the pruner: one group, stopped by
 	// cancelling work (with the cause errShutdown), then waited for.
@@ -316,15 +319,10 @@ func (r *Runner) Run(ctx context.Context) error {
 	case <-work.Done():
 	}
 	stopWork(errShutdown)
-	done := make(chan struct{})
-	go func() { g.Stop(); close(done) }() // so that ShutdownTimeout can bound the wait
+	// g.Stop on a goroutine of its own, so that ShutdownTimeout can bound
+	// the wait.
+	stopped := bg.Run(context.Background(), func(context.Context) { g.Stop() }).StopWithin(r.cfg.ShutdownTimeout)
 	var err error
-	stopped := true
-	select {
-	case <-done:
-	case <-time.After(r.cfg.ShutdownTimeout):
-		stopped = false
-	}
 	// What follows the wait has wait.CleanupTimeout in all, whatever the
 	// network does: releasing the leases of jobs that did not stop, and
 	// recording the leave.
@@ -339,6 +337,8 @@ func (r *Runner) Run(ctx context.Context) error {
 		// The others see this instance gone when its heartbeat row expires.
 		r.log.Warn("pgfence runner: could not record leaving; the other instances will see it gone when its row expires", "err", lerr)
 	}
+	fatalMu.Lock()
+	defer fatalMu.Unlock()
 	if fatalErr != nil {
 		return fatalErr
 	}

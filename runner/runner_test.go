@@ -571,10 +571,10 @@ func TestLedgerReadAndPrune(t *testing.T) {
 	old := time.Now().Add(-48 * time.Hour)
 	mustExec(t, db, "INSERT INTO "+runs+` (job, shard, kind, slot, attempt, token, status, holder, started_at, finished_at, error) VALUES
 		('a', 0, 'scheduled', $1, 1, 1, 'succeeded', 'h', $1, $1, NULL),
-		('a', 0, 'scheduled', $1 + interval '1 hour', 1, 2, 'failed', 'h', $1 + interval '1 hour', $1 + interval '1 hour', 'boom'),
-		('a', 0, 'manual', $1 + interval '3 hours', 1, 3, 'succeeded', 'h', $1 + interval '3 hours', $1 + interval '3 hours', NULL),
-		('a', 0, 'scheduled', $1 + interval '2 hours', 1, 3, 'failed', 'h', $1 + interval '2 hours', $1 + interval '2 hours', 'again'),
-		('a', 0, 'scheduled', $1 + interval '2 hours', 2, 3, 'succeeded', 'h', $1 + interval '2 hours', $1 + interval '2 hours', NULL),
+		('a', 0, 'scheduled', $1::timestamptz + interval '1 hour', 1, 2, 'failed', 'h', $1::timestamptz + interval '1 hour', $1::timestamptz + interval '1 hour', 'boom'),
+		('a', 0, 'manual', $1::timestamptz + interval '3 hours', 1, 3, 'succeeded', 'h', $1::timestamptz + interval '3 hours', $1::timestamptz + interval '3 hours', NULL),
+		('a', 0, 'scheduled', $1::timestamptz + interval '2 hours', 1, 3, 'failed', 'h', $1::timestamptz + interval '2 hours', $1::timestamptz + interval '2 hours', 'again'),
+		('a', 0, 'scheduled', $1::timestamptz + interval '2 hours', 2, 3, 'succeeded', 'h', $1::timestamptz + interval '2 hours', $1::timestamptz + interval '2 hours', NULL),
 		('b', 1, 'scheduled', $1, 1, 4, 'running', 'h', $1, NULL, NULL),
 		('b', 1, 'scheduled', now(), 1, 5, 'succeeded', 'h', now(), now(), NULL)`, old)
 

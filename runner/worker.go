@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
@@ -156,9 +157,7 @@ func (w *worker) campaign(ctx context.Context) error {
 		stopIfNotMine() // handed over: campaign again only once it is ours
 		return err
 	})
-	watched := make(chan struct{})
-	go func() { // owned here: it ends with cctx, and campaign waits for it
-		defer close(watched)
+	watch := bg.Run(cctx, func(cctx context.Context) {
 		for {
 			_, changed := w.r.pref.get(w.j.Name)
 			stopIfNotMine()
@@ -168,11 +167,11 @@ func (w *worker) campaign(ctx context.Context) error {
 				return
 			}
 		}
-	}()
+	})
 	err := e.Run(cctx)
 	w.electionEnded(err)
 	cancel()
-	<-watched
+	watch.Stop()
 	return err
 }
 

@@ -161,7 +161,9 @@ func (h *Handler) release(w http.ResponseWriter, r *http.Request) {
 	var holder string
 	if err == nil {
 		ctx, cancel := context.WithTimeout(r.Context(), releaseTimeout)
-		holder, _, err = lock.ForceRelease(ctx, h.pool, h.schema, name)
+		var freed lock.Freed
+		freed, err = lock.ForceRelease(ctx, h.pool, h.schema, name)
+		holder = freed.Holder
 		cancel()
 	}
 	_, identity := h.who(r)

@@ -190,7 +190,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	}
 	rctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	holder, tok, err := lock.ForceRelease(rctx, pool, e.schema, name)
+	freed, err := lock.ForceRelease(rctx, pool, e.schema, name)
 	if errors.Is(err, lock.ErrNoLease) {
 		return fail(exitNoLease, "no lease named %q", name)
 	}
@@ -202,10 +202,15 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
+	holder, tok := freed.Holder, freed.Token
 	if holder == "" {
 		holder = "nobody"
 	}
 	fmt.Fprintf(e.stdout, "released %s (was held by %s, token %d); the next holder gets token %d or greater\n", strconv.Quote(name), printable.String(holder), tok, tok+1)
+	for _, b := range freed.Ended {
+		fmt.Fprintf(e.stdout, "ended session %d (%s, user %s), idle in a transaction on the expired lease's row since %s: %s\n",
+			b.PID, printable.String(b.Application), printable.String(b.User), b.XactStart.Format(time.RFC3339), printable.String(b.Query))
+	}
 	return nil
 }
 

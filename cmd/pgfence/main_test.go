@@ -270,6 +270,45 @@ func TestOperatorSafety(t *testing.T) {
 		t.Fatalf("release after the transaction ended: %d\n%s", code, out)
 	}
 
+	// A holder frozen in a guarded transaction while its lease expires:
+	// the release, waiting on the lease row, ends the frozen session once
+	// the lease has expired, and prints which. The holder's client cannot
+	// renew (its session row is locked), so its lease expires 2 s on.
+	hc, err := lock.New(pool, lock.Config{Schema: c.schema, TTL: 2 * time.Second, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hc.Close(context.Background())
+	frozen, err := hc.TryAcquire(ctx, "frozen")
+	if err != nil {
+		t.Fatal(err)
+	}
+	stx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stx.Rollback(context.Background())
+	if _, err := stx.Exec(ctx, "SELECT 1 FROM "+pgx.Identifier{c.schema, "pgfence_sessions"}.Sanitize()+
+		" WHERE holder = $1 FOR UPDATE", hc.Config().Holder); err != nil {
+		t.Fatal(err)
+	}
+	ftx, err := gpool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ftx.Rollback(context.Background())
+	if err := frozen.Guard().Check(ctx, ftx); err != nil {
+		t.Fatal(err)
+	}
+	var pid int
+	if err := ftx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	out, code = c.run("", "release", "--yes", "--timeout", "30s", "frozen")
+	if code != 0 || !strings.Contains(out, fmt.Sprintf("ended session %d (%s", pid, app)) {
+		t.Fatalf("release behind a holder frozen in a guarded transaction: %d\n%s", code, out)
+	}
+
 	typo := c.schema + "_typo"
 	out, code = c.run("", "--schema", typo, "migrate", "status")
 	if code != 0 || !strings.Contains(out, "no such schema") {

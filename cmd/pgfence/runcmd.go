@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/lock"
 )
 
@@ -87,8 +88,8 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 		_ = l.Release(context.Background())
 		return fail(exitError, "start %s: %v", fs.Arg(0), err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	var waitErr error
+	waited := bg.Run(context.Background(), func(context.Context) { waitErr = cmd.Wait() }) // the command's end, waited for on every path
 	signals := make(chan os.Signal, 2)
 	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 	defer signal.Stop(signals)
@@ -96,19 +97,19 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 
 	for {
 		select {
-		case err := <-done:
+		case <-waited.Done():
 			_ = l.Release(context.Background())
-			return exitCode(err)
+			return exitCode(waitErr)
 		case sig := <-signals:
 			group(sig.(syscall.Signal)) // pass it on; the command decides
 		case <-l.Done():
 			fmt.Fprintf(e.stderr, "pgfence: %v; terminating %s\n", l.Err(), fs.Arg(0))
 			group(syscall.SIGTERM)
 			select {
-			case <-done:
+			case <-waited.Done():
 			case <-time.After(grace):
 				group(syscall.SIGKILL)
-				<-done
+				<-waited.Done()
 			}
 			return &cliError{exitLost, errors.New("")}
 		}

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/web"
 )
@@ -76,11 +77,11 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 			ln.Addr(), map[bool]string{true: " and can steer jobs and release leases", false: ""}[allow])
 	}
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(ln) }()
+	var serveErr error
+	serve := bg.Run(ctx, func(context.Context) { serveErr = srv.Serve(ln) }) // ended by Shutdown, waited for below
 	select {
-	case err := <-served:
-		return err
+	case <-serve.Done():
+		return serveErr
 	case <-ctx.Done():
 	}
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
@@ -88,6 +89,6 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 	if err := srv.Shutdown(sctx); err != nil {
 		return err
 	}
-	<-served
+	<-serve.Done()
 	return nil
 }
