@@ -278,8 +278,7 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, s *session,
 			}
 			stop = c.watchIdleHolders(ctx, req.name, waiter)
 		}
-		var notified bool // an observer was told
-		err := conn.QueryRow(ctx, sql, req.args(c, s)...).Scan(token, &notified)
+		err := conn.QueryRow(ctx, sql, req.args(c, s)...).Scan(token, nil) // the last column: whether an observer was told
 		stop()
 		return err
 	}

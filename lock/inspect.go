@@ -68,13 +68,7 @@ func (i Info) MarshalJSON() ([]byte, error) {
 // reads through any executor (a pool, a connection, a transaction) and needs
 // no Client: the CLI and the status page call it with a pool.
 func Leases(ctx context.Context, db fence.DB, schema string) ([]Info, error) {
-	if err := ctxcheck.NotNil(ctx, "lock: Leases"); err != nil {
-		return nil, err
-	}
-	if err := pgexec.NotNil(db, "lock: Leases"); err != nil {
-		return nil, err
-	}
-	q, err := operatorFor(schema)
+	q, err := operatorStart(ctx, "lock: Leases", pgexec.NotNil(db, "lock: Leases"), schema)
 	if err != nil {
 		return nil, err
 	}
@@ -94,17 +88,8 @@ func Leases(ctx context.Context, db fence.DB, schema string) ([]Info, error) {
 // round trip; Info.Held is false when it is free or expired. It returns
 // ErrNoLease for a name never acquired.
 func Inspect(ctx context.Context, db fence.DB, schema, name string) (Info, error) {
-	if err := ctxcheck.NotNil(ctx, "lock: Inspect"); err != nil {
-		return Info{}, err
-	}
-	if err := pgexec.NotNil(db, "lock: Inspect"); err != nil {
-		return Info{}, err
-	}
-	q, err := operatorFor(schema)
+	q, err := operatorStart(ctx, "lock: Inspect", pgexec.NotNil(db, "lock: Inspect"), schema, name)
 	if err != nil {
-		return Info{}, err
-	}
-	if err := fence.ValidateName(name); err != nil {
 		return Info{}, err
 	}
 	rows, err := db.Query(ctx, q.inspectOne, name)
@@ -121,12 +106,34 @@ func Inspect(ctx context.Context, db fence.DB, schema, name string) (Info, error
 	return i, nil
 }
 
-// operatorFor validates schema and returns its statements.
-func operatorFor(schema string) (*queries, error) {
+// operatorStart makes the checks every operator function makes first, in
+// one order: ctx, the executor (dbErr: why it is missing, nil if it is
+// not), schema and names; it returns schema's statements.
+func operatorStart(ctx context.Context, what string, dbErr error, schema string, names ...string) (*queries, error) {
+	if err := ctxcheck.NotNil(ctx, what); err != nil {
+		return nil, err
+	}
+	if dbErr != nil {
+		return nil, dbErr
+	}
 	if err := ident.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("lock: %w", err)
 	}
+	for _, name := range names {
+		if err := fence.ValidateName(name); err != nil {
+			return nil, err
+		}
+	}
 	return sqlFor(ident.Schema(schema)), nil
+}
+
+// nilWhen returns err if missing, nil if not: an operator function's
+// missing executor.
+func nilWhen(missing bool, err error) error {
+	if missing {
+		return err
+	}
+	return nil
 }
 
 // explainFor adds what to do to a database error caused by the
@@ -187,17 +194,8 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 // forceRelease is ForceRelease; looked, if not nil, hears each look for
 // idle holders that ends, with its error.
 func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, looked func(error)) (Freed, error) {
-	if err := ctxcheck.NotNil(ctx, "lock: ForceRelease"); err != nil {
-		return Freed{}, err
-	}
-	if pool == nil {
-		return Freed{}, ErrNilPool
-	}
-	q, err := operatorFor(schema)
+	q, err := operatorStart(ctx, "lock: ForceRelease", nilWhen(pool == nil, ErrNilPool), schema, name)
 	if err != nil {
-		return Freed{}, err
-	}
-	if err := fence.ValidateName(name); err != nil {
 		return Freed{}, err
 	}
 	conn, err := pool.Acquire(ctx)
@@ -217,8 +215,7 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	defer cancel()
 	var r result
 	stmt := bg.Run(qctx, func(qctx context.Context) {
-		var woke bool
-		r.err = conn.QueryRow(qctx, q.forceRelease, name).Scan(&r.token, &r.holder, &woke)
+		r.err = conn.QueryRow(qctx, q.forceRelease, name).Scan(&r.token, &r.holder, nil) // the last column: whether waiters were woken
 	})
 	defer stmt.Stop()
 	// As a takeover does, end the sessions idle in a transaction on the
@@ -303,24 +300,12 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 // name of an expired holder otherwise). A lease never acquired is
 // ErrNoLease.
 func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.Token, holder string, err error) {
-	if err := ctxcheck.NotNil(ctx, "lock: RevokeTx"); err != nil {
-		return 0, "", err
-	}
-	if tx == nil {
-		return 0, "", fmt.Errorf("lock: RevokeTx: %w", fence.ErrNilDB)
-	}
-	q, err := operatorFor(schema)
+	q, err := operatorStart(ctx, "lock: RevokeTx", nilWhen(tx == nil, fmt.Errorf("lock: RevokeTx: %w", fence.ErrNilDB)), schema, name)
 	if err != nil {
 		return 0, "", err
 	}
-	if err := fence.ValidateName(name); err != nil {
-		return 0, "", err
-	}
-	var (
-		tok   int64
-		woken bool
-	)
-	err = tx.QueryRow(ctx, q.revoke, name).Scan(&tok, &holder, &woken)
+	var tok int64
+	err = tx.QueryRow(ctx, q.revoke, name).Scan(&tok, &holder, nil) // the last column: whether waiters were woken
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, "", fmt.Errorf("%w: %q", ErrNoLease, name)
 	}
@@ -334,20 +319,9 @@ func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.
 // one statement (the rows are locked in name order), and returns how many
 // it revoked.
 func RevokeAllTx(ctx context.Context, tx pgx.Tx, schema string, names []string) (int, error) {
-	if err := ctxcheck.NotNil(ctx, "lock: RevokeAllTx"); err != nil {
-		return 0, err
-	}
-	if tx == nil {
-		return 0, fmt.Errorf("lock: RevokeAllTx: %w", fence.ErrNilDB)
-	}
-	q, err := operatorFor(schema)
+	q, err := operatorStart(ctx, "lock: RevokeAllTx", nilWhen(tx == nil, fmt.Errorf("lock: RevokeAllTx: %w", fence.ErrNilDB)), schema, names...)
 	if err != nil {
 		return 0, err
-	}
-	for _, name := range names {
-		if err := fence.ValidateName(name); err != nil {
-			return 0, err
-		}
 	}
 	tag, err := tx.Exec(ctx, q.revokeAll, names)
 	if err != nil {

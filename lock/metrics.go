@@ -55,7 +55,6 @@ func newMetrics(c *Client) (*metrics, error) {
 	ms.slowRenews, e = m.Int64Counter("pgfence.lease.renewal.slow", metric.WithUnit("{renewal}"),
 		metric.WithDescription("Renewals of the client's session (one statement for all its leases) that took more than half of RenewInterval."))
 	keep(e)
-	keep(e)
 	ms.renewTime, e = m.Float64Histogram("pgfence.lease.renewal.duration", metric.WithUnit("s"),
 		metric.WithDescription("Round trip of a renewal of the client's session (one statement for all its leases)."),
 		metric.WithExplicitBucketBoundaries(buckets.Latency...))

@@ -41,10 +41,6 @@ type session struct {
 	ended      bool
 }
 
-// errSessionEnded is why an acquisition whose session ended before the
-// lease could be tracked is tried again.
-var errSessionEnded = errors.New("the client's session ended")
-
 // errSessionExpired: the renewal found the session expired (or gone) at
 // the database.
 var errSessionExpired = errors.New("the session expired at the database")
