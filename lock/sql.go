@@ -23,28 +23,17 @@ import (
 // takeover, and tests' expiry); renewals take the session row alone, and
 // ForceRelease and revocations lease rows alone.
 
-// queries is the package's SQL for one schema, by concern: a holder's
-// session, acquisitions, checks and releases; waiting for and watching a
-// lease; and the operators' reads, force-release and revocations. It is
-// built once per schema (sqlFor).
+// queries is the package's SQL for one schema. It is built once per
+// schema (sqlFor).
 type queries struct {
-	leaseSQL
-	waitSQL
-	operatorSQL
-}
-
-type leaseSQL struct {
+	// A holder's session, acquisitions, checks and releases.
 	startSession, renew, endSession, reconcile                                            string
 	acquire, takeOver, heldBy, acquireNew, syncEpoch, check                               string
 	release, releaseDurable, releaseMany, releaseManyDurable, releaseSecret, backendAlive string
 	idleHolders, endBackend                                                               string
-}
-
-type waitSQL struct {
+	// Waiting for and watching a lease.
 	pollWaited, observe string
-}
-
-type operatorSQL struct {
+	// The operators' reads, force-release and revocations.
 	inspectAll, inspectOne, forceRelease, revoke, revokeAll, blockers string
 }
 
@@ -59,7 +48,7 @@ func sqlFor(schema string) *queries {
 	if q, ok := built.Load(schema); ok {
 		return q.(*queries)
 	}
-	q, _ := built.LoadOrStore(schema, &queries{newLeaseSQL(schema), newWaitSQL(schema), newOperatorSQL(schema)})
+	q, _ := built.LoadOrStore(schema, newQueries(schema))
 	return q.(*queries)
 }
 
@@ -92,13 +81,41 @@ func readyCheck(schema string) string {
 		ident.Table(schema, "pgfence_epoch_timeline"), ident.Table(schema, "pgfence_sync_epoch"))
 }
 
-// newLeaseSQL: a holder's statements.
-func newLeaseSQL(schema string) leaseSQL {
+func newQueries(schema string) *queries {
 	t := ident.Table(schema, "pgfence_leases")
 	st := ident.Table(schema, "pgfence_sessions")
+	v := ident.Table(schema, "pgfence_lease_states")
 	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
+	inspect := inspectSQL(v)
 	ready := readyCheck(schema)
-	return leaseSQL{
+	// Release commits without waiting for its WAL to reach disk
+	// (synchronous_commit = off for this one transaction): see
+	// Config.DurableRelease for why that is safe. set_config(..., true)
+	// lasts until the end of the statement's own implicit transaction, so
+	// it is in force when that transaction commits and gone after. It sits
+	// in RETURNING, evaluated only for the rows released (a release that
+	// matched nothing wrote nothing and has nothing to flush).
+	const async = `, set_config('synchronous_commit', 'off', true)`
+	release := fmt.Sprintf(`UPDATE %[1]s l SET %[3]s
+ WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
+RETURNING %[2]s`, t, wake, freeLease)
+	// Close's release of all the client's leases in one statement ($1
+	// names, $2 tokens, $3 secrets), their rows locked in name order as
+	// revokeAll locks them (FOR NO KEY UPDATE: like any release, it does
+	// not wait for guarded transactions).
+	releaseMany := fmt.Sprintf(`WITH mine AS (
+  SELECT f.name FROM %[1]s f JOIN unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
+    ON f.name = r.name AND f.token = r.token AND f.secret = r.secret
+   ORDER BY f.name FOR NO KEY UPDATE OF f)
+UPDATE %[1]s l SET %[3]s FROM mine WHERE l.name = mine.name
+RETURNING %[2]s`, t, wake, freeLease)
+	// lost records a loss for the sessions that held the rows of old (its
+	// columns session and name), without locking their rows: their
+	// clients learn it at their next renewal after the commit.
+	lost := fmt.Sprintf(`lost AS (
+  INSERT INTO %[1]s (session, name, lost_at) SELECT old.session, old.name, now() FROM old WHERE old.session IS NOT NULL)`,
+		ident.Table(schema, "pgfence_session_losses"))
+	return &queries{
 		// A client's session ($1 holder, $2 TTL in µs).
 		startSession: fmt.Sprintf(`INSERT INTO %[1]s (holder, started_at, renewed_at, expires_at)
 VALUES ($1, now(), now(), now() + $2 * interval '1 microsecond')
@@ -253,39 +270,10 @@ RETURNING token`, t, ready),
 		// Not on a standby (false): acquisitions fail there anyway.
 		syncEpoch: fmt.Sprintf(`SELECT NOT pg_is_in_recovery() AND %s()`, ident.Table(schema, "pgfence_sync_epoch")),
 
-		// Release commits without waiting for its WAL to reach disk
-		// (synchronous_commit = off for this one transaction): see
-		// Config.DurableRelease for why that is safe. set_config(..., true)
-		// lasts until the end of the statement's own implicit transaction,
-		// so it is in force when that transaction commits and gone after.
-		// It sits in RETURNING, evaluated only for the row released (a
-		// release that matched nothing wrote nothing and has nothing to
-		// flush).
-		release: fmt.Sprintf(`UPDATE %[1]s l SET %[3]s
- WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
-RETURNING %[2]s, set_config('synchronous_commit', 'off', true)`, t, wake, freeLease),
-
-		releaseDurable: fmt.Sprintf(`UPDATE %[1]s l SET %[3]s
- WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
-RETURNING %[2]s`, t, wake, freeLease),
-
-		// Close's release of all the client's leases in one statement
-		// ($1 names, $2 tokens, $3 secrets), their rows locked in name
-		// order as revokeAll locks them (FOR NO KEY UPDATE: like any
-		// release, it does not wait for guarded transactions).
-		releaseMany: fmt.Sprintf(`WITH mine AS (
-  SELECT f.name FROM %[1]s f JOIN unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
-    ON f.name = r.name AND f.token = r.token AND f.secret = r.secret
-   ORDER BY f.name FOR NO KEY UPDATE OF f)
-UPDATE %[1]s l SET %[3]s FROM mine WHERE l.name = mine.name
-RETURNING %[2]s, set_config('synchronous_commit', 'off', true)`, t, wake, freeLease),
-
-		releaseManyDurable: fmt.Sprintf(`WITH mine AS (
-  SELECT f.name FROM %[1]s f JOIN unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
-    ON f.name = r.name AND f.token = r.token AND f.secret = r.secret
-   ORDER BY f.name FOR NO KEY UPDATE OF f)
-UPDATE %[1]s l SET %[3]s FROM mine WHERE l.name = mine.name
-RETURNING %[2]s`, t, wake, freeLease),
+		release:            release + async,
+		releaseDurable:     release,
+		releaseMany:        releaseMany + async,
+		releaseManyDurable: releaseMany,
 
 		// Frees an acquisition whose outcome its client does not know
 		// (the request was in flight when the caller gave up): the secret
@@ -303,15 +291,7 @@ RETURNING %[2]s`, t, wake, freeLease),
 		check: fmt.Sprintf(`SELECT l.token, coalesce(l.secret = $2, false), coalesce(l.session = $3 AND s.expires_at > clock_timestamp(), false),
        coalesce(s.expires_at, l.freed_at, clock_timestamp())
   FROM %[1]s l LEFT JOIN %[2]s s ON s.id = l.session WHERE l.name = $1`, t, st),
-	}
-}
 
-// newWaitSQL: a blocked acquirer's and an observer's statements.
-func newWaitSQL(schema string) waitSQL {
-	t := ident.Table(schema, "pgfence_leases")
-	st := ident.Table(schema, "pgfence_sessions")
-	v := ident.Table(schema, "pgfence_lease_states")
-	return waitSQL{
 		// The poller's one statement per interval for every lease the
 		// client's blocked Acquires wait for ($1): it asks the held ones'
 		// releases to send a NOTIFY for the next $2 (rewriting a row only
@@ -346,23 +326,8 @@ SELECT v.name, NOT coalesce(v.holder IS NOT NULL AND v.expires_at > now(), false
            WHERE f.name = $1 AND (f.observers_until IS NULL OR f.observers_until < now() + $3 * interval '1 microsecond')
            FOR NO KEY UPDATE SKIP LOCKED) m
    WHERE l.name = m.name)
-%[2]s WHERE name = $1`, t, inspectSQL(v)),
-	}
-}
+%[2]s WHERE name = $1`, t, inspect),
 
-// newOperatorSQL: the operators' reads, force-release and revocation.
-func newOperatorSQL(schema string) operatorSQL {
-	t := ident.Table(schema, "pgfence_leases")
-	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
-	inspect := inspectSQL(ident.Table(schema, "pgfence_lease_states"))
-	ready := readyCheck(schema)
-	// lost records a loss for the sessions that held the rows of old (its
-	// columns session and name), without locking their rows: their
-	// clients learn it at their next renewal after the commit.
-	lost := fmt.Sprintf(`lost AS (
-  INSERT INTO %[1]s (session, name, lost_at) SELECT old.session, old.name, now() FROM old WHERE old.session IS NOT NULL)`,
-		ident.Table(schema, "pgfence_session_losses"))
-	return operatorSQL{
 		// The sessions that block backend $1, for an operator whose
 		// ForceRelease waits behind them.
 		blockers: `SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
@@ -380,7 +345,7 @@ RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake, lost, freeLease),
 
 		// Issues a new token for lease $1 to nobody (RevokeTx): the row
 		// lock FOR UPDATE waits for the guarded transactions that checked
-		// the current token, as an acquisition does (leaseSQL.acquire),
+		// the current token, as an acquisition does (acquire),
 		// and the epoch check runs before the sequence issues the token.
 		revoke: fmt.Sprintf(`WITH old AS (SELECT name, holder, session FROM %[1]s WHERE name = $1 FOR UPDATE),
 %[4]s
@@ -400,8 +365,6 @@ RETURNING l.name, %[2]s`, t, wake, ready, lost, freeLease),
 	}
 }
 
-// releaseChannel is the NOTIFY channel the leases table's trigger uses.
-const releaseChannel = "pgfence_released"
-
-// listenSQL subscribes the listener's connection to releaseChannel.
-const listenSQL = "LISTEN " + releaseChannel
+// listenSQL subscribes the listener's connection to the NOTIFY channel
+// the leases table's trigger uses.
+const listenSQL = "LISTEN pgfence_released"
