@@ -56,7 +56,9 @@ func TestRenewLatencyHistogramAnswers(t *testing.T) {
 	sdk := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { _ = sdk.Shutdown(context.Background()) })
 	mp := &recordingProvider{MeterProvider: sdk, name: "pgfence.lease.renewal.duration"}
-	c := newClient(t, db, lock.Config{TTL: time.Second, RenewInterval: 20 * time.Millisecond, MeterProvider: mp})
+	// A TTL far above the RenewInterval: one renewal late on a loaded
+	// machine must not end the session, which would end the renewals.
+	c := newClient(t, db, lock.Config{TTL: 10 * time.Second, RenewInterval: 20 * time.Millisecond, MeterProvider: mp})
 	l, err := c.TryAcquire(ctx, "histogram")
 	if err != nil {
 		t.Fatal(err)

@@ -28,7 +28,9 @@ func TestRenewalWritesOneRowWhateverTheLeases(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := ctxT(t, 2*time.Minute)
 	const n = 5000
-	c := newClient(t, db, lock.Config{TTL: 3 * time.Second})
+	// A TTL far above the RenewInterval: the test counts renewals and
+	// failures, not expiry, and its 5,000 acquisitions load the machine.
+	c := newClient(t, db, lock.Config{TTL: 30 * time.Second, RenewInterval: time.Second})
 	var (
 		wg    sync.WaitGroup
 		next  atomic.Int64
@@ -321,7 +323,9 @@ func TestRenewalDoesNotWaitForALeaseRow(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
 	var lost atomic.Int64
-	c := newClient(t, db, lock.Config{TTL: 3 * time.Second, OnEvent: func(e lock.Event) {
+	// A TTL far above the RenewInterval: a renewal that waited for the
+	// lease row would still show, as renewals that stop counting.
+	c := newClient(t, db, lock.Config{TTL: 30 * time.Second, RenewInterval: time.Second, OnEvent: func(e lock.Event) {
 		if e.Kind == lock.Lost {
 			lost.Add(1)
 		}

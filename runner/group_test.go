@@ -452,11 +452,17 @@ func TestPartitionCountMismatchRefused(t *testing.T) {
 		logs.LogOnFailure(t)
 		t.Errorf("no ERROR line about the partition count in the refused replica's log")
 	}
-	// For a TTL and more after the refusal, every partition still has a
-	// leader.
-	for end := time.Now().Add(ttl + 10*poll); time.Now().Before(end); time.Sleep(poll) {
-		if !allLed() {
-			t.Fatal("a partition lost its leader after a replica with another count was refused")
+	// After the refusal every partition keeps a leader. A moment without
+	// one is allowed: a hand-over between a and b, or a lease a late
+	// renewal lost on a loaded machine, taken again within a TTL. A
+	// replica that took 4 of 8 left partitions 4-7 without one for good.
+	const gap = ttl + 2*time.Second
+	lastLed := time.Now()
+	for end := time.Now().Add(2*gap + time.Second); time.Now().Before(end); time.Sleep(poll) {
+		if allLed() {
+			lastLed = time.Now()
+		} else if time.Since(lastLed) > gap {
+			t.Fatalf("a partition has had no leader for %v after a replica with another count was refused", time.Since(lastLed).Round(time.Millisecond))
 		}
 	}
 }
