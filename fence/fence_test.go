@@ -413,9 +413,23 @@ func TestGuardWaitsForTakeoverInFlight(t *testing.T) {
 	db := pgtest.New(t)
 	ctx := ctxT(t, time.Minute)
 	leases := table(db, "pgfence_leases")
-	// Every token change sleeps inside its statement, before the commit.
-	mustExec(t, db, "CREATE FUNCTION "+table(db, "slow")+"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$")
-	mustExec(t, db, "CREATE TRIGGER slow AFTER UPDATE ON "+leases+" FOR EACH ROW WHEN (NEW.token <> OLD.token) EXECUTE FUNCTION "+table(db, "slow")+"()")
+	// Every token change waits inside its statement, before the commit,
+	// at a gate the test holds (an advisory lock of this schema's).
+	gate, err := db.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_, _ = gate.Exec(context.Background(), "SELECT pg_advisory_unlock_all()")
+		gate.Release()
+	}()
+	var key int64
+	if err := gate.QueryRow(ctx, "SELECT hashtext($1)", db.Schema).Scan(&key); err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, db, "CREATE FUNCTION "+table(db, "gated")+"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_advisory_xact_lock("+
+		strconv.FormatInt(key, 10)+"); RETURN NULL; END $$")
+	mustExec(t, db, "CREATE TRIGGER gated AFTER UPDATE ON "+leases+" FOR EACH ROW WHEN (NEW.token <> OLD.token) EXECUTE FUNCTION "+table(db, "gated")+"()")
 	holder := newClient(t, db, lock.Config{})
 	taker, takerPool, app := newTaker(t, db)
 
@@ -442,29 +456,52 @@ func TestGuardWaitsForTakeoverInFlight(t *testing.T) {
 			t.Fatal(err)
 		}
 		expire(t, db, name)
-		done := make(chan error, 1)
-		go func() { done <- tc.takeover(name) }()
-		// Wait until the takeover has updated the row and sleeps before
-		// its commit.
-		var sleeping bool
-		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline) && !sleeping; time.Sleep(10 * time.Millisecond) {
-			if err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
-				WHERE application_name = $1 AND wait_event = 'PgSleep')`, app).Scan(&sleeping); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if !sleeping {
-			t.Fatalf("%s: the takeover never reached its sleep", tc.name)
-		}
-		tx, err := db.Pool.Begin(ctx)
-		if err != nil {
+		if _, err := gate.Exec(ctx, "SELECT pg_advisory_lock($1)", key); err != nil {
 			t.Fatal(err)
 		}
-		// The takeover had not committed when the check started, so a
-		// refusal proves the check waited for its commit, and a pass
-		// proves it did not.
-		checkErr := l.Guard().Check(ctx, tx)
-		_ = tx.Rollback(ctx)
+		done := make(chan error, 1)
+		go func() { done <- tc.takeover(name) }()
+		// Wait until the takeover has updated the row and waits at the
+		// gate, before its commit.
+		var takeover int64
+		pgtest.Eventually(t, 20*time.Second, tc.name+": the takeover to wait at the gate", func() bool {
+			err := db.Pool.QueryRow(ctx, `SELECT pid FROM pg_stat_activity
+				WHERE application_name = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'`, app).Scan(&takeover)
+			return err == nil
+		})
+		checked := make(chan error, 1)
+		go func() {
+			tx, err := db.Pool.Begin(ctx)
+			if err != nil {
+				checked <- err
+				return
+			}
+			defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+			checked <- l.Guard().Check(ctx, tx)
+		}()
+		// The takeover cannot commit while the gate is shut, so a check
+		// that waits for it is seen waiting, and one that does not
+		// returns first.
+		var checkErr error
+		if tc.waits {
+			pgtest.Eventually(t, 20*time.Second, tc.name+": the check to wait for the takeover", func() bool {
+				var n int
+				err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, takeover).Scan(&n)
+				return err == nil && n > 0
+			})
+		} else {
+			select {
+			case checkErr = <-checked:
+			case <-time.After(20 * time.Second):
+				t.Fatalf("%s: the check still waits for a takeover that has not committed", tc.name)
+			}
+		}
+		if _, err := gate.Exec(ctx, "SELECT pg_advisory_unlock($1)", key); err != nil {
+			t.Fatal(err)
+		}
+		if tc.waits {
+			checkErr = <-checked
+		}
 		if tc.waits && !errors.Is(checkErr, fence.ErrStaleToken) {
 			t.Fatalf("%s: check = %v; want it to wait for the takeover and be refused", tc.name, checkErr)
 		}

@@ -56,6 +56,11 @@ func staleWriteAccepted(t *testing.T, db *pgtest.DB, check checkFn) bool {
 	// checked here is the order the fence imposes, not B ending A.
 	b := newClient(t, db, lock.Config{Holder: "B", IdleHolderAfter: -1})
 	name := pgtest.UniqueName("nc")
+	// B starts its session first: its takeover below is then a statement
+	// or two, not a client's start.
+	if _, err := b.TryAcquire(ctx, name+"-b"); err != nil {
+		t.Fatal(err)
+	}
 	la, err := a.TryAcquire(ctx, name)
 	if err != nil {
 		t.Fatal(err)
@@ -65,6 +70,10 @@ func staleWriteAccepted(t *testing.T, db *pgtest.DB, check checkFn) bool {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
+	var txPID int64
+	if err := tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&txPID); err != nil {
+		t.Fatal(err)
+	}
 	if err := check(ctx, tx, la.Guard()); err != nil {
 		t.Fatalf("A's check while it holds the lease: %v", err)
 	}
@@ -76,11 +85,19 @@ func staleWriteAccepted(t *testing.T, db *pgtest.DB, check checkFn) bool {
 		}
 		bAt <- time.Now()
 	}()
-	select { // give B every chance to get in first
-	case at := <-bAt:
-		bAt <- at
-	case <-time.After(500 * time.Millisecond):
-	}
+	// Give B every chance to get in first: wait until it has, or until
+	// it waits for A's transaction.
+	pgtest.Eventually(t, 20*time.Second, "B to acquire, or to wait for A's transaction", func() bool {
+		select {
+		case at := <-bAt:
+			bAt <- at
+			return true
+		default:
+		}
+		var n int
+		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, txPID).Scan(&n)
+		return err == nil && n > 0
+	})
 	if _, err := tx.Exec(ctx, "INSERT INTO "+tbl+" VALUES ($1)", int64(la.Token())); err != nil {
 		t.Fatal(err)
 	}
