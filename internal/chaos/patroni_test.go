@@ -128,6 +128,35 @@ func (r *haRig) write(ctx context.Context, l *lock.Lease) error {
 	})
 }
 
+// writeStep is write for a lease of a step. The election's leader writes
+// to the same resource, and its lease draws from the same sequence: if it
+// acquired after l and wrote first, the resource refuses l's smaller
+// token, and that is the fence at work, not a failure. Any other error is
+// returned, also a refusal by a token issued before l's (what the steps
+// check: a token issued after a promotion below one issued before it).
+func (r *haRig) writeStep(ctx context.Context, l *lock.Lease) error {
+	err := r.write(ctx, l)
+	var stale *fence.StaleTokenError
+	if !errors.As(err, &stale) || stale.Resource == "" || stale.Presented != l.Token() {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var own time.Time
+	for _, is := range r.issued {
+		if is.token == l.Token() {
+			own = is.at
+		}
+	}
+	for _, is := range r.issued {
+		if is.token == stale.Current && is.lease != l.Name() && !own.IsZero() && is.at.After(own) {
+			r.t.Logf("%s's write (token %d) was overtaken at the resource by %s's, acquired after it (token %d)", l.Name(), l.Token(), is.lease, is.token)
+			return nil
+		}
+	}
+	return err
+}
+
 // acquireAfterFailover acquires name through c, retrying until the cluster
 // has a primary again, and checks that its token is above every token
 // returned before.
@@ -178,7 +207,9 @@ func newHARig(t *testing.T, ctx context.Context, url string, bound time.Duration
 	if _, err := ledger.Exec(ctx, `CREATE TABLE ha_ledger (id bigserial PRIMARY KEY, token bigint NOT NULL, holder text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
-	return &haRig{t: t, ctx: ctx, url: url, bound: bound, ledger: ledger, res: fence.Resource{Name: "ha", Schema: "ledger"}, logs: pgtest.NewLogs()}, admin
+	logs := pgtest.NewLogs()
+	logs.LogOnFailure(t) // the election's log, with its times, if the run fails
+	return &haRig{t: t, ctx: ctx, url: url, bound: bound, ledger: ledger, res: fence.Resource{Name: "ha", Schema: "ledger"}, logs: logs}, admin
 }
 
 // longestGap is the longest time between two committed writes of the
@@ -531,13 +562,24 @@ func TestPatroniFailovers(t *testing.T) {
 		if err := pc.Switchover(old, pc.Others(old)[0]); err != nil {
 			t.Fatal(err)
 		}
+		took := time.Since(began) // Patroni answers once the switchover is done
+		t.Logf("switchover: Patroni answered after %v", took.Round(10*time.Millisecond))
 		l := r.acquireAfterFailover(steps, "step", before)
 		failovers++
 		leaderBack("switchover", began)
 		// The old primary shuts down cleanly, so the new one has the
-		// election's lease row: its renewals reach it and the term goes on.
+		// election's lease row: its renewals reach it and the term goes on,
+		// if the cluster was without a primary for less than the trust
+		// window's slack (TTL - SafetyMargin - RenewInterval, by default).
+		// A switchover that took longer may end the lease at its trust
+		// deadline, as it should.
+		slack := haLeaseTTL - haLeaseTTL/10 - haLeaseTTL/3
 		if got := r.count("leader"); got != terms {
-			t.Errorf("the election's leader lost its lease in a switchover: %d terms, then %d", terms, got)
+			if took < slack {
+				t.Errorf("the election's leader lost its lease in a switchover of %v: %d terms, then %d", took.Round(10*time.Millisecond), terms, got)
+			} else {
+				t.Logf("the switchover took %v, more than the trust window's slack (%v): the election's lease ended, a new term began", took.Round(10*time.Millisecond), slack.Round(10*time.Millisecond))
+			}
 		}
 		_ = l.Release(ctx)
 		if err := pc.WaitReplicas(ctx, 90*time.Second, 2); err != nil {
@@ -559,7 +601,7 @@ func TestPatroniFailovers(t *testing.T) {
 			t.Fatal(err)
 		}
 		r.record(zombie)
-		if err := r.write(ctx, zombie); err != nil {
+		if err := r.writeStep(ctx, zombie); err != nil {
 			t.Fatal(err)
 		}
 		before := r.maxIssued()
@@ -579,7 +621,7 @@ func TestPatroniFailovers(t *testing.T) {
 		defer func() { _ = nc.Close(context.Background()) }()
 		fresh := r.acquireAfterFailover(nc, "split", before)
 		failovers++
-		if err := r.write(ctx, fresh); err != nil {
+		if err := r.writeStep(ctx, fresh); err != nil {
 			t.Fatalf("the new leader's write: %v", err)
 		}
 		// The zombie still holds its lease on the old primary, which still
@@ -618,7 +660,7 @@ func TestPatroniFailovers(t *testing.T) {
 			t.Fatal(err)
 		}
 		onB := r.acquireAfterFailover(steps, "step", before)
-		if err := r.write(ctx, onB); err != nil {
+		if err := r.writeStep(ctx, onB); err != nil {
 			t.Fatalf("write on b: %v", err)
 		}
 		_ = onB.Release(ctx)
@@ -651,7 +693,7 @@ func TestPatroniFailovers(t *testing.T) {
 		if tlC != tlB {
 			t.Logf("c did not reuse b's timeline (%d vs %d): the scenario was not staged this time", tlC, tlB)
 		}
-		if err := r.write(ctx, onC); err != nil {
+		if err := r.writeStep(ctx, onC); err != nil {
 			t.Fatalf("write on c: %v", err)
 		}
 		_ = onC.Release(ctx)
