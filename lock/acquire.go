@@ -14,20 +14,13 @@ import (
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
-// Acquisitions: one attempt (TryAcquire), and the waiting loop (Acquire).
-
-// TryAcquire acquires the lease name if it is free or was released (one
-// round trip), or if its holder's session has expired at the database (a
-// takeover: two more, the second locking the session's row); otherwise it
-// returns a *HeldError. The lease belongs to the client's session, which
-// the client starts on its first acquisition (and again after one ended).
-// The new lease's token is greater than every token issued for name before.
-//
-// The client's first acquisition checks that the schema is migrated and
-// returns a *migrations.NotMigratedError if not. If ctx ends while the
-// acquisition is in flight, the database may still have granted it: the
-// client then frees that lease in the background (by its secret, which
-// only this attempt knows), so nothing is left held by nobody.
+// TryAcquire acquires the lease name if it is free or released (one round
+// trip), or if its holder's session has expired (a takeover: two more);
+// otherwise it returns a *HeldError. The new lease's token is greater than
+// every token issued before. The client's first acquisition checks that
+// the schema is migrated (*migrations.NotMigratedError). If ctx ends while
+// the acquisition is in flight, a lease the database still grants is
+// freed in the background.
 func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 	if err := ctxcheck.NotNil(ctx, "lock: TryAcquire"); err != nil {
 		return nil, err
@@ -43,10 +36,10 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 	return l, err
 }
 
-// attemptBound bounds one attempt of a blocking Acquire: two TTLs plus
-// PollInterval, past the longest an attempt waits for a frozen holder's
-// guarded transaction before the takeover ends it (TTL + PollInterval + a
-// small bound, the package documentation).
+// attemptBound bounds one attempt of a blocking Acquire, past the longest
+// it waits for a frozen holder (Config.IdleHolderAfter): one sent into a
+// partition would otherwise wait, after the heal, for TCP's next
+// retransmission.
 func (c *Client) attemptBound() time.Duration { return 2*c.cfg.TTL + c.cfg.PollInterval }
 
 // newSecret returns a fresh per-acquisition secret.
@@ -56,9 +49,8 @@ func newSecret() []byte {
 	return secret
 }
 
-// backoffOrWake waits d, or less if a release of the lease is announced
-// (sub) or the poller finds it free or expired (w), either of which may
-// be nil; it returns false if ctx ends first.
+// backoffOrWake waits d, or until sub or w (either may be nil) wakes; it
+// returns false if ctx ends first.
 func backoffOrWake(ctx context.Context, d time.Duration, sub *subscription, w *waiter) bool {
 	var released, polled <-chan struct{}
 	if sub != nil {
@@ -79,20 +71,14 @@ func backoffOrWake(ctx context.Context, d time.Duration, sub *subscription, w *w
 	return true
 }
 
-// errRowChanging is returned when three attempts in a row found the row
-// changed between the acquisition and the look-up that followed it, or
-// lost the lease they had won before it could be handed out.
+// errRowChanging: three attempts in a row found the row changed under
+// them, or lost what they won before handing it out.
 var errRowChanging = fmt.Errorf("%w: the row kept changing under three attempts", ErrTryAgain)
 
-// tryAcquire is TryAcquire with a given secret. Blocking Acquire keeps one
-// secret across its attempts, so that when an attempt's reply is lost (its
-// connection dropped after the commit) a later attempt finds the row holding
-// its own secret and adopts the lease instead of waiting for it to expire.
-//
-// A lease is returned only with at least one RenewInterval of its session's
-// trust window left: the session is renewed first if it has less, and again
-// after an acquisition that took long to come back (it waited behind a
-// guarded transaction, or the process was paused).
+// tryAcquire is TryAcquire with a given secret: Acquire keeps one across
+// its attempts, so that one whose reply was lost is adopted by the next. A
+// lease is handed out only with a RenewInterval of trust left: the session
+// is renewed first, and again after an acquisition that came back late.
 func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l *Lease, err error) {
 	defer func() {
 		c.m.attempted(ctx, err)
@@ -135,8 +121,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 		}
 		l = newLease(c, s, name, fence.Token(token), secret)
 		if !c.track(l) {
-			// The client closed, or the session ended, while acquiring:
-			// give the lease straight back, by its secret.
+			// Closed, or the session ended: give it straight back.
 			c.freeBySecret(ctx, name, secret, token)
 			if c.isClosed() {
 				return nil, ErrClosed
@@ -144,15 +129,12 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			continue
 		}
 		if s.generation() != seen {
-			// A renewal read which of the session's leases were lost
-			// while this acquisition was in flight, before this one was
-			// tracked: it may be one of them (freed or revoked at once).
+			// A renewal read the session's losses without this lease:
+			// it may be one of them.
 			if err := l.Check(ctx); err != nil {
 				_ = l.Release(ctx)
 				if errors.Is(err, ErrLeaseLost) {
-					// Lost before it was handed out (expired, freed,
-					// or its session ended meanwhile): try again.
-					continue
+					continue // never handed out: try again
 				}
 				return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
 			}
@@ -163,29 +145,20 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			}
 			return l, nil
 		}
-		// The acquisition came back late: renew the session before the
-		// lease is handed out (the renewal ends it if it was taken).
+		// Back late: renew the session (which ends the lease if taken).
 		if _, err := c.liveSession(ctx); err != nil {
 			_ = l.Release(ctx)
 			return nil, fmt.Errorf("lock: acquire %q: renew the session after a late acquisition: %w", name, c.explain(err))
 		}
-		if l.Err() != nil {
-			// Lost while this acquisition came back (the session ran out
-			// of trust and the renewal just now started another, or the
-			// renewal found the lease expired or freed): it was never
-			// handed out; try again.
-			continue
-		}
-		if !l.handOut() {
-			continue
+		if l.Err() != nil || !l.handOut() {
+			continue // lost while it came back: never handed out
 		}
 		return l, nil
 	}
 }
 
-// freeBySecret frees the lease name that this acquisition (its secret)
-// won but does not hand out, in the background once ctx has ended. What is
-// not freed expires with the session, by the database clock.
+// freeBySecret frees the lease name this acquisition won but does not hand
+// out (in the background once ctx has ended).
 func (c *Client) freeBySecret(ctx context.Context, name string, secret []byte, token int64) {
 	what := fmt.Sprintf("free acquisition %q", name)
 	free := func(ctx context.Context) error {
@@ -211,10 +184,9 @@ func (a acquisition) args(c *Client, s *session) []any {
 	return []any{a.name, c.cfg.Holder, a.secret, s.id}
 }
 
-// attempt is one compare-and-set (and, for a name never acquired, the
-// insert) for session s. r.won says whether the lease was won (token is
-// then set); otherwise r.held is the row as it stands (nil when an insert
-// lost a race, or an earlier attempt's win was freed: try again).
+// attempt is one compare-and-set (or a name's first insert) for session
+// s: the lease won (r.won, token), or the row as it stands (r.held; nil:
+// try again).
 func (c *Client) attempt(ctx context.Context, req acquisition, s *session) (token int64, r casResult, err error) {
 	name := req.name
 	r, err = c.compareAndSet(ctx, req, s, &token)
@@ -226,15 +198,14 @@ func (c *Client) attempt(ctx context.Context, req acquisition, s *session) (toke
 		c.log.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
 		return int64(r.held.Token), casResult{won: true}, nil
 	case r.held != nil && r.mine && r.live:
-		// Won by an earlier attempt under a session that has ended here
-		// since: free it (the secret is this Acquire's), and try again.
+		// Won by an earlier attempt under a session that has ended: free
+		// it, and try again.
 		_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, req.secret)
 		return 0, casResult{}, err
 	case r.held != nil:
 		return token, r, nil
 	}
-	// No row yet: this is the name's first acquisition, unless someone
-	// else inserts it first (no row returned); then try again.
+	// No row yet: the name's first acquisition.
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
 		return token, casResult{}, err
@@ -256,18 +227,16 @@ type casResult struct {
 	session int64      // the session the row names (0: none)
 }
 
-// compareAndSet sends the acquire statement and, if it did not win, heldBy;
-// and if that finds the row named by an expired session, the takeover. It
-// reports whether the lease was won (filling token), or else the row as it
-// stands, if there is one.
+// compareAndSet sends acquire, then heldBy if it did not win, then
+// takeOver if the row names an expired session.
 func (c *Client) compareAndSet(ctx context.Context, req acquisition, s *session, token *int64) (casResult, error) {
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
 		return casResult{}, err
 	}
 	defer conn.Release()
-	// cas runs one compare-and-set statement; the statement may wait on
-	// the row for a holder frozen in a guarded transaction (idleholders.go).
+	// cas runs acquire or takeOver, which may wait on the row for a holder
+	// frozen in a guarded transaction (idleholders.go).
 	cas := func(sql string) error {
 		stop := func() {}
 		if c.cfg.IdleHolderAfter > 0 {
@@ -316,20 +285,12 @@ func (c *Client) compareAndSet(ctx context.Context, req acquisition, s *session,
 	return r, nil // renewed meanwhile, or taken by someone else: the caller looks again
 }
 
-// Acquire blocks until it acquires the lease name or ctx ends. It wakes
-// within milliseconds of a release (LISTEN/NOTIFY) and otherwise retries
-// every PollInterval (jittered), or sooner when the holder's lease is due to
-// expire. It returns ctx's error when ctx ends first.
-//
-// Errors are classified (see the package documentation): a permanent one (a
-// schema that is missing or too old, missing privileges) ends Acquire with
-// that error at once; a transient one (a lost connection, a failover) is
-// retried with capped exponential backoff and jitter, logged once when
-// acquisitions start failing and once when they recover. If an attempt won
-// the lease but its reply was lost, a later attempt recognises the lease as
-// its own (Acquire keeps one secret across attempts) and returns it, trusted
-// from the first attempt's send time, instead of waiting for it to expire;
-// if Acquire gives up instead, it frees that lease in the background.
+// Acquire blocks until it acquires the lease name or ctx ends (then it
+// returns ctx's error). It wakes within milliseconds of a release
+// (LISTEN/NOTIFY), and otherwise polls (Config.PollInterval). A permanent
+// error ends it; a transient one is retried with backoff (the package
+// documentation). An attempt whose reply was lost is adopted by the next;
+// if Acquire gives up instead, that lease is freed in the background.
 func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error) {
 	if err := ctxcheck.NotNil(ctx, "lock: Acquire"); err != nil {
 		return nil, err
@@ -361,10 +322,8 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		failing retry.Failing
 		last    error // the last failure of the current failure period
 	)
-	// gaveUp is ctx's error, with the failure that kept Acquire from the
-	// lease when attempts were failing (a refused connection, a failover)
-	// rather than waiting for a holder: a bare "context deadline exceeded"
-	// would hide it.
+	// gaveUp is ctx's error, with the last failure if attempts were
+	// failing rather than waiting for a holder.
 	gaveUp := func() error {
 		if last == nil {
 			return ctx.Err()
@@ -372,12 +331,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		return fmt.Errorf("lock: acquire %q: %w; the attempts were failing (%d), the last with: %w", name, ctx.Err(), failing.Count(), last)
 	}
 	for {
-		// Each attempt has a bound of its own, attemptBound: one sent into a
-		// network partition would otherwise wait, once the network heals,
-		// for TCP's next retransmission (seconds, growing with the
-		// partition's length) while the release it waits for has long been
-		// announced. An attempt cut short may have been granted: the next
-		// one, with the same secret, adopts it.
+		// An attempt cut short may have been granted: the next adopts it.
 		actx, cancelAttempt := context.WithTimeout(ctx, c.attemptBound())
 		l, err := c.tryAcquire(actx, name, secret)
 		cut := actx.Err() != nil && ctx.Err() == nil
@@ -403,10 +357,8 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 			}
 			last = err
 			failing.Fail(c.log, "pgfence: acquire failing; retrying with backoff", err, "lease", name)
-			// A release (or the poller) that comes during the backoff
-			// wakes it: the database answers again, and the lease may be
-			// free (a waiter cut off by a partition otherwise slept up to
-			// a PollInterval past the release that followed the heal).
+			// A release or a poll during the backoff ends it: the
+			// database answers again.
 			if !backoffOrWake(ctx, c.backoff.Wait(failing.Count()-1), sub, w) {
 				return nil, gaveUp()
 			}
@@ -414,12 +366,10 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		}
 		failing.Recover(c.log, "pgfence: acquire recovered", "lease", name)
 		last = nil // held by another: waiting, not failing
-		// Waiting: subscribe to releases (once), then register with the
-		// poller, which asks the holder's release to send a NOTIFY and
-		// wakes w once that is done: the next attempt catches a release
-		// that came before the request, the NOTIFY one after it. From then
-		// on w wakes when the poller finds the lease free or expired, and
-		// sub when it is released.
+		// Waiting: subscribe to releases, then register with the poller,
+		// which asks the holder's release to NOTIFY and then wakes w: the
+		// next attempt catches a release before the request, the NOTIFY
+		// one after it.
 		if sub == nil {
 			sub = c.lis.subscribe(name)
 			select {

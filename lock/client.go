@@ -23,23 +23,11 @@ import (
 // Client acquires leases and keeps them alive through one session row at
 // the database, which it renews in one statement whatever the number of
 // leases. It is safe for concurrent use. Its background goroutines belong
-// to one group; the first three run while there is work for them (each a
-// bg.Demand):
-//   - the renewer, while it holds leases and for sessionLinger (5 minutes)
-//     after the last one ends, so that a client that acquires now and then
-//     keeps one session; on a connection of its own;
-//   - the release listener, while an Acquire waits or a Watch or Observe is
-//     open (it lingers briefly after the last one ends), on a connection
-//     taken out of the pool;
-//   - the poller, while an Acquire waits;
-//   - one per Observe, until its context ends;
-//   - one per acquisition given up with its outcome unknown, which frees the
-//     lease once the server has let go of it (at most 5s);
-//   - one per acquisition that has waited on a lease row for 250 ms, which
-//     looks for idle holders until the acquisition is done
-//     (Config.IdleHolderAfter).
-//
-// Close stops them all and waits for them while its context allows.
+// to one group, which Close stops: the renewer (while leases are held, and
+// sessionLinger after), the release listener (while an Acquire waits or a
+// Watch or Observe is open), the poller (while an Acquire waits), one per
+// Observe, one per cleanup that outlives its caller (at most 5 s), and the
+// idle-holder looks of acquisitions waiting on a lease row.
 type Client struct {
 	pool *pgxpool.Pool
 	cfg  Config
@@ -140,15 +128,12 @@ func (c *Client) verify(ctx context.Context) error {
 }
 
 // Close releases every lease the client holds (their contexts are cancelled
-// with ErrReleased) and stops its goroutines, then waits for them, until ctx
-// ends: it returns by ctx's deadline whatever the network does. What is
-// still under way then (the release statement, a goroutine ending its own
-// network call) finishes in the background within wait.CleanupTimeout
-// (5s), and Close returns an error that wraps ctx's; close the pool only
-// once Close has returned nil (a later Close waits again). Later
-// acquisitions fail with ErrClosed. It returns the first release error.
-// It runs once: later and concurrent calls wait for the first to finish,
-// each as long as its own ctx allows, and return its result.
+// with ErrReleased), ends its session, stops its goroutines and waits for
+// them until ctx ends. What is still under way then finishes in the
+// background within wait.CleanupTimeout (5s), and Close returns an error
+// that wraps ctx's; close the pool only once Close has returned nil (a
+// later Close waits again). Later acquisitions fail with ErrClosed. It
+// runs once: later calls wait for the first and return its result.
 func (c *Client) Close(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Close"); err != nil {
 		return err
@@ -213,14 +198,11 @@ func (c *Client) releaseAll(ctx context.Context, s *session) error {
 	})
 }
 
-// cleanup runs f, work that must be done even once the caller's context has
-// ended (freeing leases), without holding the caller past ctx's deadline:
-// under ctx while it is live (and at most wait.CleanupTimeout); if ctx has
-// ended, or ends while f runs, it hands f to the client's background group
-// (handOff) and waits for it only wait.PastDeadline. If the caller stops
-// waiting first, the error says so and wraps ctx's; the work goes on in the
-// background (and a lease not freed by it expires by its TTL). f must be
-// safe to run again (a release by secret is).
+// cleanup runs f, work that must be done even once the caller's context
+// has ended (freeing leases), under ctx (at most wait.CleanupTimeout); if
+// ctx has ended, or ends while f runs, it hands f to the background
+// (handOff) and waits only wait.PastDeadline more. f must be safe to run
+// again.
 func (c *Client) cleanup(ctx context.Context, what string, f func(ctx context.Context) error) error {
 	if ctx.Err() == nil {
 		fctx, cancel := context.WithTimeout(ctx, wait.CleanupTimeout)
@@ -248,11 +230,10 @@ func (c *Client) cleanup(ctx context.Context, what string, f func(ctx context.Co
 	}
 }
 
-// handOff runs f in the client's background group under
-// wait.CleanupTimeout, even once Close has begun (Close waits for it), and
-// returns where its error arrives; a failure is also logged. Once the group
-// has stopped it runs f on the caller's goroutine, for wait.PastDeadline
-// at most.
+// handOff runs f in the client's group under wait.CleanupTimeout, even
+// once Close has begun, and returns where its error arrives (a failure is
+// also logged); once the group has stopped, on the caller's goroutine for
+// wait.PastDeadline at most.
 func (c *Client) handOff(ctx context.Context, what string, f func(ctx context.Context) error) <-chan error {
 	done := make(chan error, 1)
 	run := func(ctx context.Context) {
@@ -280,8 +261,8 @@ func (c *Client) isClosed() bool {
 	return c.closed
 }
 
-// track adds l to its session and starts the renewer if needed. It
-// reports false when the client is closed or the session has ended.
+// track adds l to its session and wants the renewer, unless the client
+// is closed or the session has ended.
 func (c *Client) track(l *Lease) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -292,8 +273,7 @@ func (c *Client) track(l *Lease) bool {
 	return true
 }
 
-// untrack removes l from its session; the renewer idles once the
-// client's session holds no lease.
+// untrack removes l from its session; the renewer idles once it holds none.
 func (c *Client) untrack(l *Lease) {
 	left := l.s.remove(l)
 	c.mu.Lock()
@@ -303,8 +283,8 @@ func (c *Client) untrack(l *Lease) {
 	c.mu.Unlock()
 }
 
-// explain adds what to do to a database error caused by the deployment: a
-// role without pgfence's grants, or a schema without pgfence's tables.
+// explain adds what to do to an error the deployment caused (missing
+// grants or tables).
 func (c *Client) explain(err error) error {
 	return hint.Wrap(err, c.cfg.Schema, c.pool.Config().ConnConfig.User)
 }

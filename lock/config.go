@@ -41,48 +41,33 @@ type Config struct {
 	SafetyMargin time.Duration
 
 	// PollInterval is how often the client looks at the leases its blocked
-	// Acquires wait for, in case no release notification arrives (a lease
-	// that expires without being released sends none): one statement per
-	// interval for all of them, jittered by ±25%, and sooner when one of
-	// them is about to expire. It is also the first
-	// step of the capped exponential backoff after transient errors (up
+	// Acquires wait for, in case no release notification arrives (an
+	// expiry sends none): one statement for all of them, jittered by ±25%.
+	// It is also the first step of the backoff after transient errors (up
 	// to 10 x PollInterval). Default 1s; at least MinPollInterval.
 	PollInterval time.Duration
 
 	// GuardIdleTimeout, if positive, bounds at the server how long a
-	// transaction guarded by one of the client's leases (Lease.RunTx,
-	// Lease.Guard) may sit idle between its statements: past it the server
-	// ends the transaction's session (fence.Guard.IdleTimeout). It is not
-	// needed for takeovers, which end a holder's session idle on the lease
-	// row past its expiry themselves (see IdleHolderAfter); set it when
-	// the takers cannot (IdleHolderAfter negative, or a role without the
-	// right to end the holder's sessions), at the price of changing a setting in
-	// every guarded transaction (4-6% of a one-row transaction on
-	// PostgreSQL 15 and 17: BENCHMARKS.md). fence.Guard.IdleTimeout's rule: 0,
-	// the default, is none; negative is none too; positive is the bound.
+	// transaction guarded by one of the client's leases may sit idle
+	// between statements (fence.Guard.IdleTimeout; 0, the default, and
+	// negative are none). Takeovers do not need it (IdleHolderAfter);
+	// set it when the takers cannot end the holder's sessions, at 4-6% of
+	// a one-row transaction (BENCHMARKS.md).
 	GuardIdleTimeout time.Duration
 
-	// IdleHolderAfter is how long an acquisition waits on the lease row
-	// of an expired or released lease, held by a transaction that sits
-	// idle there, before it ends that transaction's session: a holder
-	// frozen (a GC pause, SIGSTOP, a stalled VM) or cut off inside a
-	// guarded transaction. It ends the session of each such transaction
-	// idle for IdleHolderAfter or more (pg_terminate_backend, on a
-	// connection of the client's own outside the pool), logs it, counts
-	// it in Stats.IdleHoldersEnded, and looks again every IdleHolderAfter
-	// while it waits. The session's transaction aborts, so none of its
-	// writes commits, and the acquisition goes on: a frozen holder is
-	// replaced about TTL + PollInterval + IdleHolderAfter after it froze.
-	// A transaction running a statement is not idle and is waited for:
-	// bound those with statement_timeout. The client's role needs the
-	// right to end the session: the holder's own role has it; another
-	// needs pg_signal_backend, and pg_read_all_stats to see the session's
-	// state (only a superuser may end a superuser's session). Without it
-	// the acquisition waits, and the client logs why, once per
-	// acquisition. Default 0: PollInterval / 4, within 10 ms and the
-	// smaller of 1 s and TTL / 10 (250 ms with the default TTL and
-	// PollInterval); negative: never, the client's acquisitions wait
-	// however long such a transaction sits there.
+	// IdleHolderAfter is how long an acquisition waits on the row of an
+	// expired or released lease, held by a transaction that sits idle
+	// there (a holder frozen or cut off inside a guarded transaction),
+	// before it ends that transaction's session (pg_terminate_backend:
+	// none of its writes commits), and how often it looks again. It is
+	// logged, emitted (IdleHolderEnded) and counted in Stats. A frozen
+	// holder is so replaced about TTL + PollInterval + IdleHolderAfter
+	// after it froze; a transaction running a statement is waited for
+	// (bound it with statement_timeout). Ending another role's session
+	// needs pg_signal_backend and pg_read_all_stats; without them the
+	// acquisition waits and says why once. Default 0: PollInterval / 4,
+	// within 10 ms and min(1 s, TTL / 10) (250 ms with the defaults);
+	// negative: never.
 	IdleHolderAfter time.Duration
 
 	// Holder identifies this client in the leases table (for operators and
@@ -99,19 +84,13 @@ type Config struct {
 	Logger *slog.Logger
 
 	// DurableRelease makes Lease.Release wait until its commit is flushed
-	// to disk (and to synchronous standbys), like any other commit.
-	// Default false: Release commits asynchronously, which makes an
-	// acquire+release pair about as cheap as two plain durable updates
-	// (BENCHMARKS.md). The release is visible to every other session at
-	// once either way; only a database crash (or failover) in the fraction
-	// of a second before the WAL writer flushes it can undo it, and then
-	// the lease is back as it was before Release: held by its old holder,
-	// with its old token and old expiry. It then expires by the database
-	// clock no later than it would have had the holder died, and its next
-	// acquisition gets a greater token as always: no invariant depends on
-	// a release being durable, only how soon the next holder can take
-	// over after a crash. Acquisitions and renewals are always durable,
-	// since tokens and expiry times must survive a crash.
+	// to disk (and to synchronous standbys). Default false: Release
+	// commits asynchronously, making an acquire+release pair about as
+	// cheap as two durable updates (BENCHMARKS.md). A crash in the moment
+	// before the flush can only put the lease back as it was, held by its
+	// old holder until its expiry, with its old token: no invariant
+	// depends on a durable release. Acquisitions and renewals are always
+	// durable.
 	DurableRelease bool
 
 	// MeterProvider receives the client's metrics (README's "Metrics"
@@ -120,31 +99,23 @@ type Config struct {
 	// OpenTelemetry SDK.
 	MeterProvider metric.MeterProvider
 
-	// OnEvent, if set, is called when a lease is acquired, renewed late,
-	// lost (with its cause) or released, so applications can log or page
-	// without polling. It must not block: it runs on the client's
-	// goroutines (the renewer, a lease's timer, the caller's).
+	// OnEvent, if set, is called with each Event of the client's leases.
+	// It must not block: it runs on the client's goroutines.
 	OnEvent func(Event)
 
 	// SkewWarning is how far the database's clock must surely be from
-	// this machine's before the client logs a warning (once per crossing,
-	// and once when it is back under). A renewal's round trip bounds what
-	// it can tell: a difference within the round trip is not counted as
-	// skew, so a slow round trip never warns. pgfence never uses the skew for
-	// decisions, but a skew near SafetyMargin eats the safety the trust
-	// window gives. Default SafetyMargin/2; negative: never warn.
+	// this machine's (beyond a renewal's round trip) before the client
+	// logs a warning, once per crossing. The skew decides nothing, but one
+	// near SafetyMargin eats the trust window's safety. Default
+	// SafetyMargin/2; negative: never warn.
 	SkewWarning time.Duration
 }
 
-// MinTTL is the shortest TTL accepted. A lease must outlive the renewal
-// round trip that keeps it, with room for a late one: below this, a busy
-// server's commit latency or a garbage-collection pause ends the lease at
-// once, and acquisitions race their own expiry.
+// MinTTL is the shortest TTL accepted: below it, a busy server's commit
+// latency or a garbage-collection pause ends a lease at once.
 const MinTTL = 200 * time.Millisecond
 
-// MinPollInterval is the smallest PollInterval accepted: below it, blocked
-// acquirers would spend the database's time polling instead of waiting for
-// the release notification.
+// MinPollInterval is the smallest PollInterval accepted.
 const MinPollInterval = 10 * time.Millisecond
 
 // ErrInvalidConfig is matched by every *ConfigError.
@@ -222,14 +193,10 @@ func (c Config) validate() error {
 	return nil
 }
 
-// validatePool checks the pool's connection settings against the lease
-// timings. A multi-host connection string (a Patroni, CloudNativePG or
-// repmgr cluster) needs target_session_attrs, or clients connect to a
-// standby and acquire nothing there, and connect_timeout, or a host that
-// does not answer holds each new connection until the caller gives up. And
-// its connect_timeout must fit in the time a renewal has to reconnect after
-// the primary failed: TTL - SafetyMargin - RenewInterval, the trust window
-// left after a renewal that started on time.
+// validatePool checks a multi-host connection string (a Patroni,
+// CloudNativePG or repmgr cluster) against the lease timings: its
+// connect_timeout must fit in what a renewal has left to reconnect after
+// a failover, TTL - SafetyMargin - RenewInterval.
 func (c Config) validatePool(pc *pgxpool.Config) error {
 	bad := func(reason string, args ...any) error {
 		return &ConfigError{Field: "pool (connection string)", Reason: fmt.Sprintf(reason, args...)}

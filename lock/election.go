@@ -47,11 +47,10 @@ type Election struct {
 // ErrInvalidElection is returned by Run when a required field is missing.
 var ErrInvalidElection = errors.New("lock: invalid election")
 
-// Run campaigns and leads until ctx ends; the lease is released at the end of
-// every term. It returns nil when ctx ends. It returns an error for a bad
-// Election or lease name, and for a permanent database error (a schema
-// that is missing or too old, missing privileges: see the package
-// documentation); transient errors are retried with backoff.
+// Run campaigns and leads until ctx ends, then returns nil; the lease is
+// released at the end of every term. It returns an error for a bad
+// Election or lease name, and for a permanent database error (the package
+// documentation).
 func (e *Election) Run(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Election.Run"); err != nil {
 		return err

@@ -18,11 +18,8 @@ var (
 	ErrHeld = errors.New("lock: lease is held")
 
 	// ErrLeaseLost is the cause of a lease's context when the lease was
-	// taken over, freed by an operator, expired at the database, or could
-	// not be renewed within its local trust window. Everything running
-	// under the lease must stop; its guarded writes will be refused. It
-	// also matches fence.ErrFenced, the one target for "no longer the
-	// holder".
+	// taken over, freed, expired, or not renewed within its trust window:
+	// everything under it must stop. It matches fence.ErrFenced.
 	ErrLeaseLost error = leaseLost{}
 
 	// ErrReleased is the cause of a lease's context after Release.
@@ -32,11 +29,8 @@ var (
 	ErrClosed = errors.New("lock: client closed")
 
 	// ErrTryAgain is returned by TryAcquire when an attempt could not
-	// finish through no holder's doing: the row kept changing under it,
-	// the session's renewal or start took longer than its bound, or the
-	// lease was lost (expired, freed or taken over) before it could be
-	// handed out. Nothing is held; a later attempt may succeed. Acquire
-	// tries again itself.
+	// finish through no holder's doing (the row kept changing, the
+	// session's renewal was slow). Nothing is held; Acquire tries again.
 	ErrTryAgain = errors.New("lock: acquisition interrupted; try again")
 )
 
@@ -75,10 +69,8 @@ func (leaseLost) Error() string { return "lock: lease lost" }
 
 func (leaseLost) Is(target error) bool { return target == fence.ErrFenced }
 
-// BlockedError is returned by ForceRelease when its context ends while it
-// waits for the lease row's lock: guarded transactions that checked the
-// current token are still open (a takeover must wait for them, and so must
-// a forced release). Backends says which sessions hold it up.
+// BlockedError is returned by ForceRelease when its context ends while
+// guarded transactions of the current token hold it up (Backends).
 type BlockedError struct {
 	// Name is the lease name.
 	Name string

@@ -15,14 +15,10 @@ import (
 var ErrUnhealthy = errors.New("lock: unhealthy")
 
 // Health says whether the client can do its work, for a readiness probe:
-// nil, or an error matching ErrUnhealthy that says why. It is unhealthy
-// when it is closed, when the database does not answer a ping within ctx
-// (through the client's pool: a pool the application keeps busy can make
-// the probe time out), and, while it holds leases, when its renewals are
-// failing or late: its session has less of its trust window left than a
-// renewal on time leaves, by more than half (lateSlack:
-// min(RenewInterval, (TTL - SafetyMargin - RenewInterval)/2)); a few more
-// missed and its leases are lost. It sends one statement.
+// nil, or an error matching ErrUnhealthy that says why: it is closed, the
+// database does not answer a ping (through the client's pool) within ctx,
+// or, while it holds leases, its renewals are failing or late (less trust
+// left than min(RenewInterval, (TTL - SafetyMargin - RenewInterval)/2)).
 func (c *Client) Health(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Health"); err != nil {
 		return err
@@ -34,8 +30,6 @@ func (c *Client) Health(ctx context.Context) error {
 	if err := c.pool.Ping(ctx); err != nil {
 		why = append(why, fmt.Errorf("the database does not answer: %w", err))
 	}
-	// Renewals matter only while leases are held (the failing flag is
-	// left as the last pass set it once the client holds none).
 	if s := c.session(); s != nil && s.count() > 0 {
 		if c.failing.Load() {
 			why = append(why, errors.New("renewals are failing"))
@@ -52,10 +46,8 @@ func (c *Client) Health(ctx context.Context) error {
 }
 
 // HealthHandler serves check as a readiness endpoint: 200 "ok", or 503
-// with the error, as plain text; each request's check gets the request's
-// context with timeout (5s if 0 or less). Mount it where the platform
-// probes, for example http.Handle("/readyz", lock.HealthHandler(client.Health, 2*time.Second)),
-// or with runner.Runner.Health.
+// with the error, as plain text, each check bounded by timeout (5s if 0 or
+// less): http.Handle("/readyz", lock.HealthHandler(client.Health, 2*time.Second)).
 func HealthHandler(check func(ctx context.Context) error, timeout time.Duration) http.Handler {
 	if timeout <= 0 {
 		timeout = 5 * time.Second

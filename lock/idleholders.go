@@ -15,56 +15,40 @@ import (
 )
 
 // A holder frozen inside a guarded transaction (a GC pause, SIGSTOP, a
-// stalled VM) or cut off from the server without a FIN keeps the lease row's
-// KEY SHARE lock for as long as its session lives, and the takeover's FOR
-// UPDATE waits for it. Once the lease has expired nothing the holder could
-// still do there may commit after a greater token is issued, and ending the
-// session aborts its transaction: that is all the takeover needs. So a
-// statement that waits on the row of an expired or free lease (an
-// acquisition, ForceRelease) looks for such sessions and ends them.
-//
-// Doing it here, on the rare takeover that waits, costs nothing per guarded
-// transaction. The other way, a server-side idle bound set in every guarded
-// transaction (fence.Guard.IdleTimeout), costs a changed setting per
-// transaction, 4-6% of a one-row transaction on PostgreSQL 15 and 17
-// (BENCHMARKS.md); it remains for takers that wait (a negative
-// Config.IdleHolderAfter).
+// stalled VM) or cut off without a FIN keeps the lease row's KEY SHARE
+// lock as long as its session lives, and the takeover's FOR UPDATE waits
+// for it. Once the lease has expired, ending that session (which aborts
+// its transaction) is all the takeover needs: so a statement waiting on the
+// row of an expired or free lease (an acquisition, ForceRelease) ends such
+// sessions. Only the rare takeover that waits pays, where a server-side
+// idle bound (fence.Guard.IdleTimeout) costs every guarded transaction
+// 4-6% (BENCHMARKS.md).
 
-// idleHolderAfterFor is Config.IdleHolderAfter's default: how long a
-// statement waits on a lease row before it first looks for idle holders,
-// how often it looks again while it waits, and how long a transaction must
-// have sat idle to be ended. A quarter of PollInterval keeps the takeover
-// of a frozen holder within TTL + 1.25 PollInterval; the floor spares the
-// server a look every few milliseconds, the ceiling (TTL / 10, at most
-// 1 s) keeps the wait small beside the lease's own.
+// idleHolderAfterFor is Config.IdleHolderAfter's default: a quarter of
+// PollInterval keeps a frozen holder's takeover within TTL + 1.25
+// PollInterval; the floor spares the server, the ceiling keeps the wait
+// small beside the lease's own.
 func idleHolderAfterFor(ttl, poll time.Duration) time.Duration {
 	return max(10*time.Millisecond, min(poll/4, ttl/10, time.Second))
 }
 
-// forceReleaseIdleAfter is the same for ForceRelease, which has no client
-// configuration: the default's value with the default TTL and PollInterval.
+// forceReleaseIdleAfter is ForceRelease's: the default with the defaults.
 const forceReleaseIdleAfter = 250 * time.Millisecond
 
 // idleHolderTimeout bounds one look (and the sessions it ends).
 const idleHolderTimeout = 5 * time.Second
 
 // idleLook is one look: it ends the idle holders it finds and returns them.
-// Both contexts are bounded by idleHolderTimeout; stopping also ends when
-// the watcher is stopped (the statement is done), ctx only when the
-// watcher's own context does (the statement's caller gives up). A look may
-// run its query on ctx, so that a look in flight when the statement ends
-// finishes (in milliseconds) rather than having its connection closed
-// mid-query, which would make the next look connect again.
+// stopping ends when the statement is done, ctx when its caller gives up
+// (both within idleHolderTimeout): a query on ctx finishes rather than
+// having its connection closed mid-query.
 type idleLook func(stopping, ctx context.Context) ([]Backend, error)
 
-// watchIdleHolders runs look from after on and every after after that,
-// until stop is called; report hears each look that ended a session or
-// failed. stop ends the looking and waits for the look in progress
-// (calling it again does nothing): the watcher's one owner is the waiting
-// statement's caller.
+// watchIdleHolders runs look after after, and every after, until stop;
+// report hears each look that ended a session or failed. stop waits for
+// the look in progress; its one owner is the waiting statement's caller.
 func watchIdleHolders(ctx context.Context, after time.Duration, look idleLook, report func(ended []Backend, err error)) (stop func()) {
-	// Started only once after has passed: most statements are done by
-	// then, and cost no goroutine.
+	// Most statements are done before after, and cost no goroutine.
 	return bg.RunAfter(ctx, after, func(stopping context.Context) {
 		next := time.NewTimer(0)
 		defer next.Stop()
@@ -80,10 +64,7 @@ func watchIdleHolders(ctx context.Context, after time.Duration, look idleLook, r
 			lcancel()
 			scancel()
 			if stopping.Err() != nil {
-				// The statement is done (often because of what this
-				// look ended): a failure no longer matters, what was
-				// ended does.
-				err = nil
+				err = nil // the statement is done: only what was ended matters
 			}
 			if len(ended) > 0 || err != nil {
 				report(ended, err)
@@ -93,14 +74,10 @@ func watchIdleHolders(ctx context.Context, after time.Duration, look idleLook, r
 	}).Stop
 }
 
-// endIdleHolders ends the sessions idle in a transaction for at least
-// after that block the statement of backend waiter (nil: not
-// known, as behind PgBouncer) or any statement waiting on the row of lease
-// name, if that lease has expired
-// or is free, and returns them. A session it may not end (another role's,
-// without pg_signal_backend) or whose state it may not see is an error that
-// names it; the others are ended all the same, also once ctx has ended
-// (each was still idle in the transaction that held the row).
+// endIdleHolders ends and returns the sessions idle in a transaction for
+// at least after that block backend waiter (nil behind PgBouncer) on the
+// row of lease name, if it has expired or is free. A session it may not
+// end or see is an error that names it; the others are ended all the same.
 func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, after time.Duration, waiter *int64) ([]Backend, error) {
 	type found struct {
 		b     Backend
@@ -125,9 +102,8 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, a
 	if err != nil {
 		return nil, err
 	}
-	// A session ended frees the row, and the waiting statement then ends
-	// the look's context, maybe before the answer is read: the ending is
-	// seen through on a context of its own, so that it is counted.
+	// Ending one frees the row, and the waiter may then end ctx: each
+	// ending is seen through on a context of its own, to be counted.
 	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), idleHolderTimeout)
 	defer cancel()
 	var (
@@ -152,19 +128,12 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, a
 	return ended, errors.Join(errs...)
 }
 
-// looker runs a client's looks for idle holders, one at a time, on a
-// connection of its own: the statements waiting on lease rows may hold
-// every pooled connection. It is opened on the first look and closed with
-// the client.
-//
-// The connect outlives the look that needs it: a look is often cut short
-// (the acquisition it watched went through), and a connect cut short with
-// it would be redone by the next look, so that every short wait on a
-// contended lease would dial the server again; on a busy server that storm
-// overflows its listen queue and holds up every client's connects, the
-// renewers' too. So the connect runs on a goroutine the client owns (run),
-// bounded by idleHolderTimeout, and a look waits for it only as long as
-// its own context.
+// looker runs a client's looks, one at a time, on a connection of its own
+// (waiting statements may hold every pooled one), opened on the first look
+// and closed with the client. The connect runs on a goroutine the client
+// owns (run), so a look cut short does not cut it short: otherwise every
+// short wait on a contended lease dials the server again, and the storm
+// overflows a busy server's listen queue, holding up renewers' connects.
 type looker struct {
 	turn   chan struct{} // holds one token: the right to use conn
 	conn   *ownconn.Conn
@@ -172,16 +141,14 @@ type looker struct {
 	run    func(fn func(ctx context.Context)) bool // starts a goroutine of the client's (bg.Group.Go)
 }
 
-// newLooker returns a looker whose connection is opened from pool, on
-// goroutines started with run.
+// newLooker returns a looker on pool's server.
 func newLooker(pool *pgxpool.Pool, run func(fn func(ctx context.Context)) bool) *looker {
 	l := &looker{turn: make(chan struct{}, 1), conn: ownconn.New(pool), run: run}
 	l.turn <- struct{}{}
 	return l
 }
 
-// look is one look for idle holders of lease name that block backend
-// waiter (see endIdleHolders), on ctx. It waits its turn, and the connect,
+// look is one endIdleHolders on ctx; it waits its turn, and the connect,
 // only as long as stopping.
 func (l *looker) look(stopping, ctx context.Context, q *queries, name string, after time.Duration, waiter *int64) ([]Backend, error) {
 	if err := l.take(stopping); err != nil {
@@ -191,8 +158,8 @@ func (l *looker) look(stopping, ctx context.Context, q *queries, name string, af
 	return endIdleHolders(ctx, l.conn, q, name, after, waiter)
 }
 
-// take waits for the turn and an open connection. A connect it starts
-// holds the turn until it is done, whenever ctx ends.
+// take waits for the turn and an open connection; a connect holds the turn
+// until done.
 func (l *looker) take(ctx context.Context) error {
 	for {
 		select {
@@ -229,8 +196,8 @@ func (l *looker) take(ctx context.Context) error {
 	}
 }
 
-// close closes the connection, once the look in progress is done; looks
-// after it fail with ErrClosed.
+// close closes the connection after the look in progress; later looks
+// fail with ErrClosed.
 func (l *looker) close() {
 	<-l.turn
 	defer func() { l.turn <- struct{}{} }()
@@ -238,8 +205,8 @@ func (l *looker) close() {
 	l.conn.Close()
 }
 
-// watchIdleHolders watches, for the client, the acquisition of lease name
-// on backend waiter: see Config.IdleHolderAfter.
+// watchIdleHolders watches the acquisition of lease name on backend
+// waiter (Config.IdleHolderAfter).
 func (c *Client) watchIdleHolders(ctx context.Context, name string, waiter *int64) (stop func()) {
 	after := c.cfg.IdleHolderAfter
 	look := func(stopping, ctx context.Context) ([]Backend, error) {
@@ -269,10 +236,8 @@ func (c *Client) watchIdleHolders(ctx context.Context, name string, waiter *int6
 	})
 }
 
-// backendPID returns the PID of conn's backend if it is the one the server
-// announced when conn connected, or nil: behind PgBouncer the announced
-// one is the pooler's key, and the backend may change with each
-// transaction.
+// backendPID returns the PID of conn's backend if it is the one announced
+// at connect, or nil (behind PgBouncer: a pooler's key).
 func backendPID(ctx context.Context, conn *pgx.Conn) *int64 {
 	var pid int64
 	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil || pid != int64(conn.PgConn().PID()) {

@@ -10,12 +10,8 @@ import (
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
-// Acquisitions whose outcome is unknown: the statement may have reached the
-// server and got no answer.
-
-// inFlightError is the error of an acquisition statement that may have
-// reached the server and got no answer (the context ended, or the connection
-// broke): the database may still grant it. pid is the backend that ran it.
+// inFlightError is the error of an acquisition that may have reached
+// backend pid and got no answer: the database may still grant it.
 type inFlightError struct {
 	pid uint32
 	err error
@@ -24,9 +20,8 @@ type inFlightError struct {
 func (e *inFlightError) Error() string { return e.err.Error() }
 func (e *inFlightError) Unwrap() error { return e.err }
 
-// inFlight wraps err in an *inFlightError when the statement sent on
-// backend pid may nevertheless have been executed: no server answer says it
-// failed, and it was not refused before being sent.
+// inFlight wraps err when no server answer says it failed, and it was not
+// refused before being sent.
 func inFlight(err error, pid uint32) error {
 	var pg *pgconn.PgError
 	if err == nil || errors.As(err, &pg) || pgconn.SafeToRetry(err) {
@@ -45,16 +40,11 @@ func inDoubt(err error) (pid uint32, ok bool) {
 	return 0, false
 }
 
-// abandon frees the lease name if it is held with secret: an acquisition
-// whose outcome is unknown, by a caller that has given up on it. Closing the
-// client side of a connection does not stop the server: it still runs (and
-// commits) what it had received, and may not even have started when the
-// client gave up. So abandon first waits until backend pid has exited (pgx
-// closed the connection; the backend ends once it has processed its input),
-// then frees the lease by its secret (known only to that acquisition). If the
-// backend lingers (a partition: its socket is not closed yet), it frees the
-// lease at the end of wait.CleanupTimeout anyway, and the lease's TTL covers
-// the rest. It runs in the background, owned by the client (Close waits).
+// abandon frees, in the client's background, the lease name if it is held
+// with secret: an acquisition whose outcome is unknown. The server still
+// runs what it had received, so abandon first waits (within
+// wait.CleanupTimeout) until backend pid has exited, then frees the lease;
+// the lease's TTL covers a backend that lingers longer.
 func (c *Client) abandon(name string, secret []byte, pid uint32) {
 	run := func(ctx context.Context) {
 		wctx, wcancel := context.WithTimeout(ctx, wait.CleanupTimeout*4/5)
@@ -66,10 +56,7 @@ func (c *Client) abandon(name string, secret []byte, pid uint32) {
 				"lease", name, "err", err)
 		}
 	}
-	// It must run even if Close has begun (it frees a lease): it ignores
-	// the group's cancellation, and Close waits for it. Once the group has
-	// stopped, the lease's TTL frees it: the caller (an acquisition whose
-	// context has ended) is not held.
+	// It runs even once Close has begun, and Close waits for it.
 	if !c.bg.Go(func(context.Context) {
 		ctx, cancel := wait.Detached(context.Background())
 		defer cancel()

@@ -64,9 +64,8 @@ func (i Info) MarshalJSON() ([]byte, error) {
 	}{i.Name, i.Holder, i.Token, i.Held, i.AcquiredAt, i.RenewedAt, i.ExpiresAt, i.ExpiresIn.Seconds(), i.HeldFor.Seconds()})
 }
 
-// Leases lists every lease row in schema ("" means "pgfence"), by name. It
-// reads through any executor (a pool, a connection, a transaction) and needs
-// no Client: the CLI and the status page call it with a pool.
+// Leases lists every lease row in schema ("" means "pgfence"), by name,
+// through any executor (a pool, a connection, a transaction).
 func Leases(ctx context.Context, db fence.DB, schema string) ([]Info, error) {
 	q, err := operatorStart(ctx, "lock: Leases", pgexec.NotNil(db, "lock: Leases"), schema)
 	if err != nil {
@@ -83,10 +82,9 @@ func Leases(ctx context.Context, db fence.DB, schema string) ([]Info, error) {
 	return infos, nil
 }
 
-// Inspect answers who holds the lease name in schema ("" means "pgfence")
-// now, with which token, since when and until when (database clock), in one
-// round trip; Info.Held is false when it is free or expired. It returns
-// ErrNoLease for a name never acquired.
+// Inspect reads who holds the lease name in schema ("" means "pgfence")
+// now, with which token, since and until when (database clock); Info.Held
+// is false when it is free or expired. A name never acquired is ErrNoLease.
 func Inspect(ctx context.Context, db fence.DB, schema, name string) (Info, error) {
 	q, err := operatorStart(ctx, "lock: Inspect", pgexec.NotNil(db, "lock: Inspect"), schema, name)
 	if err != nil {
@@ -106,9 +104,8 @@ func Inspect(ctx context.Context, db fence.DB, schema, name string) (Info, error
 	return i, nil
 }
 
-// operatorStart makes the checks every operator function makes first, in
-// one order: ctx, the executor (dbErr: why it is missing, nil if it is
-// not), schema and names; it returns schema's statements.
+// operatorStart checks an operator function's ctx, executor (dbErr: why it
+// is missing), schema and names, and returns schema's statements.
 func operatorStart(ctx context.Context, what string, dbErr error, schema string, names ...string) (*queries, error) {
 	if err := ctxcheck.NotNil(ctx, what); err != nil {
 		return nil, err
@@ -127,8 +124,7 @@ func operatorStart(ctx context.Context, what string, dbErr error, schema string,
 	return sqlFor(ident.Schema(schema)), nil
 }
 
-// nilWhen returns err if missing, nil if not: an operator function's
-// missing executor.
+// nilWhen returns err if missing.
 func nilWhen(missing bool, err error) error {
 	if missing {
 		return err
@@ -136,8 +132,7 @@ func nilWhen(missing bool, err error) error {
 	return nil
 }
 
-// explainFor adds what to do to a database error caused by the
-// deployment (see Client.explain), for the operators' functions.
+// explainFor is Client.explain for the operators' functions.
 func explainFor(db any, schema string, err error) error {
 	return hint.Wrap(err, ident.Schema(schema), hint.Role(db))
 }
@@ -171,28 +166,21 @@ type Freed struct {
 }
 
 // ForceRelease frees the lease name in schema ("" means "pgfence"),
-// whoever holds it, for operators: the
-// holder's next renewal fails (its context is cancelled), and the next
-// acquisition gets a greater token, so the old holder's guarded writes are
-// refused from then on. It returns the previous holder, the lease's
+// whoever holds it: the holder learns it at its next renewal, and the next
+// acquisition gets a greater token. It returns the previous holder, the
 // current token and the sessions it ended, or ErrNoLease.
 //
-// Like a takeover, it waits for open guarded transactions that checked the
-// current token, and once the lease has expired it ends the sessions of
-// those that sit idle for 250 ms, as a client's acquisition does by
-// default (see Config.IdleHolderAfter; pool's role needs the same rights),
-// and reports them in Freed.Ended. Bound the
-// wait with ctx: if ctx ends first, ForceRelease
-// gives up and returns a *BlockedError naming the sessions it waited for
-// (none behind PgBouncer, where it cannot tell which backend waited).
-// It takes a pool, not any executor: the statement runs on a connection of
-// its own, whose waiting it can cancel at the server.
+// Like a takeover, it waits for the guarded transactions of the current
+// token, ending those that sit idle for 250 ms once the lease has expired
+// (Config.IdleHolderAfter). If ctx ends first, it cancels its statement at
+// the server and returns a *BlockedError naming the sessions it waited for
+// (none behind PgBouncer). It takes a pool: it needs a connection whose
+// statement it can cancel.
 func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) (Freed, error) {
 	return forceRelease(ctx, pool, schema, name, nil)
 }
 
-// forceRelease is ForceRelease; looked, if not nil, hears each look for
-// idle holders that ends, with its error.
+// forceRelease is ForceRelease; looked, if not nil, hears each look's error.
 func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, looked func(error)) (Freed, error) {
 	q, err := operatorStart(ctx, "lock: ForceRelease", nilWhen(pool == nil, ErrNilPool), schema, name)
 	if err != nil {
@@ -209,8 +197,8 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 		token  int64
 		err    error
 	}
-	// The statement runs on its own context, which this function cancels
-	// itself: first it looks up who blocks it, while it still waits.
+	// The statement's context is cancelled here, after the blockers are
+	// looked up.
 	qctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
 	var r result
@@ -218,9 +206,6 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 		r.err = conn.QueryRow(qctx, q.forceRelease, name).Scan(&r.token, &r.holder, nil) // the last column: whether waiters were woken
 	})
 	defer stmt.Stop()
-	// As a takeover does, end the sessions idle in a transaction on the
-	// row once the lease has expired (idleholders.go), on a connection of
-	// its own.
 	own := ownconn.New(pool)
 	defer own.Close()
 	var (
@@ -228,8 +213,6 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 		ended   []Backend
 	)
 	stopWatch := watchIdleHolders(qctx, forceReleaseIdleAfter, func(stopping, _ context.Context) ([]Backend, error) {
-		// On stopping: ForceRelease stops the watcher at its caller's
-		// deadline, and returns within a bound of it.
 		ended, err := endIdleHolders(stopping, own, q, name, forceReleaseIdleAfter, waiter)
 		if looked != nil {
 			looked(err)
@@ -244,11 +227,9 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	select {
 	case <-stmt.Done():
 	case <-ctx.Done():
-		// Within wait.PastDeadline of the caller's deadline, whatever the
-		// network does: name the blockers, and cancel the statement at
-		// the server (closing the connection, what cancelling its context
-		// does, would leave the backend waiting, and freeing the lease
-		// later, unasked); then wait for its end only as long.
+		// Within wait.PastDeadline: name the blockers and cancel the
+		// statement at the server (closing the connection would leave the
+		// backend waiting, to free the lease later, unasked).
 		stopWatch()
 		bctx, bcancel := wait.Tidy(ctx)
 		defer bcancel()
@@ -287,25 +268,20 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	return Freed{Holder: r.holder, Token: fence.Token(r.token), Ended: ended}, nil
 }
 
-// RevokeTx ends lease name's current term inside tx, by issuing it a new
-// token that nobody holds: once tx commits, the lease is free (waiters are
-// woken), its holder's renewals and guarded writes are refused (the token
-// they carry is no longer the newest), and its next holder gets a greater
-// token still. Until then, tx holds the lease row, and token, the revoking
-// token, guards what tx writes: a resource fenced by the lease's tokens
-// (a consumer group's offset, a fence.Resource) accepts it and refuses the
-// holder's older one. It waits, as an acquisition does, for the guarded
-// transactions of the current token to end, for as long as ctx allows.
-// holder is the holder the lease row named ("" if it was released; the
-// name of an expired holder otherwise). A lease never acquired is
-// ErrNoLease.
+// RevokeTx ends lease name's current term inside tx by issuing it a new
+// token that nobody holds: once tx commits, the lease is free and its
+// holder's guarded writes are refused. Until then token guards what tx
+// writes (a resource fenced by the lease's tokens accepts it). It waits,
+// as an acquisition does, for the guarded transactions of the current
+// token. holder is the holder the row named ("" if released). A lease
+// never acquired is ErrNoLease.
 func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.Token, holder string, err error) {
 	q, err := operatorStart(ctx, "lock: RevokeTx", nilWhen(tx == nil, fmt.Errorf("lock: RevokeTx: %w", fence.ErrNilDB)), schema, name)
 	if err != nil {
 		return 0, "", err
 	}
 	var tok int64
-	err = tx.QueryRow(ctx, q.revoke, name).Scan(&tok, &holder, nil) // the last column: whether waiters were woken
+	err = tx.QueryRow(ctx, q.revoke, []string{name}).Scan(&tok, &holder, nil) // the last column: whether waiters were woken
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, "", fmt.Errorf("%w: %q", ErrNoLease, name)
 	}
@@ -315,15 +291,14 @@ func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.
 	return fence.Token(tok), holder, nil
 }
 
-// RevokeAllTx is RevokeTx for each of names that has been acquired, in
-// one statement (the rows are locked in name order), and returns how many
-// it revoked.
+// RevokeAllTx is RevokeTx for each of names that has been acquired, in one
+// statement, and returns how many it revoked.
 func RevokeAllTx(ctx context.Context, tx pgx.Tx, schema string, names []string) (int, error) {
 	q, err := operatorStart(ctx, "lock: RevokeAllTx", nilWhen(tx == nil, fmt.Errorf("lock: RevokeAllTx: %w", fence.ErrNilDB)), schema, names...)
 	if err != nil {
 		return 0, err
 	}
-	tag, err := tx.Exec(ctx, q.revokeAll, names)
+	tag, err := tx.Exec(ctx, q.revoke, names)
 	if err != nil {
 		return 0, fmt.Errorf("lock: revoke %d leases: %w", len(names), explainFor(tx, schema, err))
 	}
@@ -339,8 +314,7 @@ func blockers(ctx context.Context, db fence.DB, q *queries, pid int64) ([]Backen
 	return pgx.CollectRows(rows, scanBackend)
 }
 
-// scanBackend reads a session: pid, application, user, state, transaction
-// start (NULL: none) and query.
+// scanBackend reads a session of blockers.
 func scanBackend(r pgx.CollectableRow) (Backend, error) {
 	var (
 		b  Backend

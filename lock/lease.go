@@ -29,11 +29,8 @@ type Lease struct {
 
 	mu    sync.Mutex
 	ended bool
-	// out: handed out to the caller. A lease lost before (while its
-	// acquisition came back) ends quietly, and the acquisition tries
-	// again: its holder never had it. announced: its Acquired event has
-	// been emitted; until then its end's event waits in pending, so that
-	// no observer hears of its end first.
+	// out: handed out (a lease lost before ends quietly). announced: its
+	// Acquired event was emitted; until then its end's waits in pending.
 	out, announced bool
 	pending        *Event
 }
@@ -53,9 +50,8 @@ func (l *Lease) Token() fence.Token { return l.token }
 // Holder returns the holder identity recorded for the lease.
 func (l *Lease) Holder() string { return l.c.cfg.Holder }
 
-// ExpiresAt returns the expiry the database recorded for the client's
-// session at its last successful renewal (or start), on the database's
-// clock: the lease lives as long as the session.
+// ExpiresAt returns the database's expiry of the client's session (and so
+// of the lease) at its last successful renewal.
 func (l *Lease) ExpiresAt() time.Time {
 	l.s.mu.Lock()
 	defer l.s.mu.Unlock()
@@ -63,8 +59,7 @@ func (l *Lease) ExpiresAt() time.Time {
 }
 
 // TrustedUntil returns the local deadline (monotonic clock) until which the
-// lease may be trusted without another successful renewal of the client's
-// session.
+// lease may be trusted without another successful renewal.
 func (l *Lease) TrustedUntil() time.Time {
 	l.s.mu.Lock()
 	defer l.s.mu.Unlock()
@@ -72,16 +67,14 @@ func (l *Lease) TrustedUntil() time.Time {
 }
 
 // Context returns a context that is cancelled when the lease ends; its cause
-// (context.Cause) wraps ErrLeaseLost or is ErrReleased. It carries the lease:
-// FromContext finds it in every context derived from it (an Election's Lead
-// context, a runner job's).
+// wraps ErrLeaseLost or is ErrReleased. FromContext finds the lease in
+// every context derived from it.
 func (l *Lease) Context() context.Context { return l.ctx }
 
 type leaseKey struct{}
 
-// FromContext returns the lease whose Context ctx derives from, if any, so
-// that code can check that it runs under a lease (and which one); the lease
-// may have ended since (see Lease.Err).
+// FromContext returns the lease whose Context ctx derives from, if any
+// (it may have ended since).
 func FromContext(ctx context.Context) (*Lease, bool) {
 	if ctx == nil {
 		return nil, false
@@ -94,9 +87,7 @@ func FromContext(ctx context.Context) (*Lease, bool) {
 func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
 
 // Err returns nil while the lease is live, then why it ended (wrapping
-// ErrLeaseLost, or ErrReleased). It is exact at the trust deadline: once the
-// deadline has passed it reports the loss even if the timer that cancels the
-// context has not run yet.
+// ErrLeaseLost, or ErrReleased), exactly from the trust deadline on.
 func (l *Lease) Err() error {
 	if l.ctx.Err() == nil {
 		l.mu.Lock()
@@ -116,10 +107,9 @@ func (l *Lease) Guard() fence.Guard {
 		IdleTimeout: l.c.cfg.GuardIdleTimeout}
 }
 
-// RunTx runs fn in a transaction fenced by this lease (see fence.Guard.RunTx)
-// on the client's pool. It refuses at once with the lease's error when the
-// lease has already ended, and the transaction is cancelled if the lease ends
-// while it runs.
+// RunTx runs fn in a transaction fenced by this lease (fence.Guard.RunTx)
+// on the client's pool, cancelled if the lease ends; an ended lease
+// refuses at once.
 func (l *Lease) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Lease.RunTx"); err != nil {
 		return err
@@ -127,9 +117,6 @@ func (l *Lease) RunTx(ctx context.Context, fn func(tx pgx.Tx) error) error {
 	if err := l.Err(); err != nil {
 		return err
 	}
-	// The lease's end cancels the transaction's statements (and COMMIT is
-	// not sent after it); a lost COMMIT answer is still asked about within
-	// ctx.
 	err := l.Guard().RunTx(txbound.With(ctx, l.ctx), l.c.pool, fn)
 	if err != nil && l.ctx.Err() != nil {
 		return fmt.Errorf("%w (%w)", l.Err(), err)
@@ -164,9 +151,7 @@ func (l *Lease) Check(ctx context.Context) error {
 	return l.Err()
 }
 
-// judge says whether the lease row as read (its token, whether it holds
-// this lease's secret, whether it is unexpired) means the lease is lost,
-// and why.
+// judge says whether the lease row as read means the lease is lost, and why.
 func (l *Lease) judge(token int64, ours, live bool, expiresAt time.Time) (LossCause, error) {
 	switch {
 	case fence.Token(token) != l.token:
@@ -179,18 +164,14 @@ func (l *Lease) judge(token int64, ours, live bool, expiresAt time.Time) (LossCa
 	return "", nil
 }
 
-// Release frees the lease at once for the next holder (a blocked Acquire
-// wakes) and ends it with ErrReleased. It is idempotent: releasing an ended
-// lease does nothing and returns nil. It never touches a lease that has since
-// been taken by someone else. If the database cannot be reached the lease
-// still ends locally and the error is returned; the row then expires by TTL.
+// Release frees the lease for the next holder (a blocked Acquire wakes) and
+// ends it with ErrReleased; releasing an ended lease does nothing. It never
+// touches a lease since taken by someone else. If the database cannot be
+// reached the lease still ends, and the row expires by TTL.
 //
-// It returns by ctx's deadline whatever the network does. A ctx that has
-// already ended does not stop it: `defer lease.Release(ctx)` at shutdown,
-// when ctx is cancelled, still frees the lease, in the client's background
-// within 5s (wait.CleanupTimeout); Release waits for that at most 500ms
-// (wait.PastDeadline), and if it is not done by then says so in an error
-// that wraps ctx's.
+// A ctx that has already ended does not stop it: `defer lease.Release(ctx)`
+// at shutdown still frees the lease, in the background within 5s
+// (wait.CleanupTimeout), waiting at most 500ms (wait.PastDeadline).
 func (l *Lease) Release(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Lease.Release"); err != nil {
 		return err
@@ -208,9 +189,7 @@ func (l *Lease) Release(ctx context.Context) error {
 	})
 }
 
-// end ends the lease as released, before the row is freed: its context is
-// cancelled with ErrReleased and it is renewed no more. It reports false if
-// the lease had already ended.
+// end ends the lease as released, unless it had ended (false).
 func (l *Lease) end() bool {
 	l.mu.Lock()
 	if l.ended {
@@ -228,9 +207,8 @@ func (l *Lease) end() bool {
 	return true
 }
 
-// endEvent says whether the event of the lease's end is to be emitted now:
-// only for a lease handed out, and only once its Acquired event has been
-// (before that, announce emits it). The caller holds l.mu.
+// endEvent says whether the end's event is to be emitted now (announce
+// emits it otherwise). The caller holds l.mu.
 func (l *Lease) endEvent(e Event) bool {
 	if l.out && !l.announced {
 		l.pending = &e
@@ -238,8 +216,7 @@ func (l *Lease) endEvent(e Event) bool {
 	return l.announced
 }
 
-// handOut marks the lease as the caller's, unless it has already ended
-// (reported false).
+// handOut marks the lease as the caller's, unless it has ended (false).
 func (l *Lease) handOut() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -254,8 +231,7 @@ func (l *Lease) isOut() bool {
 	return l.out
 }
 
-// announce emits the Acquired event of a lease handed out, then the event
-// of its end if it ended meanwhile.
+// announce emits the Acquired event, then the end's if it ended meanwhile.
 func (l *Lease) announce() {
 	l.c.emit(Event{Kind: Acquired, Lease: l.name, Token: l.token})
 	l.mu.Lock()

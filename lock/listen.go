@@ -14,15 +14,12 @@ import (
 )
 
 // listenerLinger is how long the listening connection stays open after
-// the last waiter or watcher has gone: a client that hands leases back and
-// forth does not open a server connection for every wait.
+// the last waiter has gone, so a wait does not cost a connect.
 const listenerLinger = 30 * time.Second
 
-// listener holds one LISTEN connection per client while any Acquire waits
-// (and for listenerLinger after), and wakes the waiters of a lease when it is
-// released. Its goroutine is a Demand of the client's group, wanted while
-// anything subscribes; the linger paces a connection, so it is on the real
-// clock.
+// listener holds a client's LISTEN connection while anything subscribes
+// (and listenerLinger after), and wakes a lease's subscribers when it is
+// released.
 type listener struct {
 	c   *Client
 	run *bg.Demand
@@ -96,10 +93,8 @@ func (li *listener) wake(name string) {
 }
 
 // loop keeps a LISTEN connection open until ctx ends, reconnecting with
-// capped exponential backoff. It warns once when the connection fails and
-// notes once when LISTEN is back, however many reconnects fail in between
-// (a failover takes many). The connection is hijacked from the pool so it
-// never goes back with LISTEN still active.
+// backoff, on a connection hijacked from the pool (it never goes back with
+// LISTEN active).
 func (li *listener) loop(ctx context.Context) {
 	li.mu.Lock()
 	if li.ready == nil {
@@ -135,10 +130,7 @@ func (li *listener) loop(ctx context.Context) {
 }
 
 func (li *listener) listen(ctx context.Context, onReady func()) error {
-	ttl := li.c.cfg.TTL
-	// Connecting and LISTEN get a TTL, as the pings below: a black-holed
-	// server would otherwise hold the listener for the kernel's
-	// retransmission time.
+	ttl := li.c.cfg.TTL // bounds every wait: a black-holed server answers nothing
 	sctx, cancel := context.WithTimeout(ctx, ttl)
 	defer cancel()
 	pc, err := li.c.pool.Acquire(sctx)
@@ -156,10 +148,8 @@ func (li *listener) listen(ctx context.Context, onReady func()) error {
 	// A release may have happened while the connection was down.
 	li.wake("")
 	for {
-		// A connection whose peer is black-holed gets no notification
-		// and no error: after a TTL without a notification, a ping must
-		// come back within a TTL, or the connection is given up and
-		// opened anew (waiters poll meanwhile).
+		// After a TTL without a notification, a ping must come back
+		// within a TTL, or the connection is opened anew.
 		wctx, cancel := context.WithTimeout(ctx, ttl)
 		n, err := conn.WaitForNotification(wctx)
 		cancel()
@@ -187,13 +177,12 @@ func (li *listener) listen(ctx context.Context, onReady func()) error {
 }
 
 // Watch returns a channel that receives a value whenever a release of the
-// lease name is announced (by Release, ForceRelease, or a statement calling
+// lease name is announced (Release, ForceRelease, or a statement calling
 // the schema's pgfence_wake_waiters(name)), and a function that stops
-// watching. It shares the client's one listening connection with blocked
-// acquirers, which stays open while anything watches or waits. Announcements
-// are merged while a value is pending, and may be missed while the
-// connection is being re-established (every watcher is woken once when it
-// is back), so use it to react sooner, not as the only trigger.
+// watching, on the client's one listening connection. Announcements are
+// merged while one is pending, and may be missed while the connection is
+// re-established (every watcher is woken once then): react sooner with
+// it, but do not rely on it alone.
 func (c *Client) Watch(name string) (<-chan struct{}, func()) {
 	s := c.lis.subscribe(name)
 	return s.C, s.cancel

@@ -14,22 +14,13 @@ import (
 )
 
 // Observe reports who holds the lease name, without campaigning for it (as
-// etcd's Observe or client-go's OnNewLeader): the channel receives the
-// lease's state at once, then again whenever its holder, token or
-// liveness changes, until ctx ends or the client is closed, when it is
-// closed. A lease never acquired reads as Info{Name: name}.
-//
-// While someone observes a lease, each acquisition of it sends a
-// notification, so an observer learns of a new holder within milliseconds;
-// a read every PollInterval (and at the holder's expiry) catches what no
-// notification announces: an expiry, a name's first acquisition, a
-// notification missed while the listening connection was down. Each
-// observer costs one statement per PollInterval.
-//
-// The channel holds the newest state: a slow reader misses intermediate
-// states, never the latest. Transient errors are retried (logged once when
-// reads start failing and once when they recover); a permanent one (see the
-// package documentation) is logged and ends the observation.
+// etcd's Observe): the channel receives the lease's state at once, then
+// whenever its holder, token or liveness changes, until ctx ends or the
+// client closes, when it is closed. A lease never acquired reads as
+// Info{Name: name}. Acquisitions of an observed lease notify, so a new
+// holder is seen within milliseconds; a read every PollInterval (and at
+// the expiry) catches the rest. The channel holds the newest state. A
+// permanent error is logged and ends the observation.
 func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) {
 	if err := ctxcheck.NotNil(ctx, "lock: Observe"); err != nil {
 		return nil, err

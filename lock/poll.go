@@ -10,18 +10,10 @@ import (
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
-// poller keeps watch over every lease this client's blocked Acquires wait
-// for, with one statement per PollInterval whatever their number: it asks
-// each held lease's release to send a NOTIFY (waiters_until), and it finds
-// the leases that are free or expired and wakes their waiters, who then try
-// to acquire. A waiter of a lease whose holder keeps renewing sends nothing
-// of its own; before, each sent an UPDATE and an acquisition attempt per
-// interval, so 100 jobs waited on by a replica cost 200 statements per
-// interval.
-//
-// Its goroutine runs while anyone waits (a Demand of the client's group:
-// wanted by the first waiter, idle when the last leaves, ended by Close,
-// which waits for it).
+// poller watches every lease the client's blocked Acquires wait for, with
+// one statement per PollInterval whatever their number: it asks each held
+// lease's release to NOTIFY (waiters_until), and wakes the waiters of the
+// free or expired ones. Its goroutine runs while anyone waits.
 type poller struct {
 	c   *Client
 	run *bg.Demand
@@ -82,8 +74,7 @@ func (p *poller) remove(w *waiter) {
 }
 
 // close refuses new waiters and wakes every waiter, whose next attempt
-// reports ErrClosed; the client's group then stops the loop (it cancels the
-// statement in flight) and waits for it.
+// reports ErrClosed.
 func (p *poller) close() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -105,8 +96,8 @@ func wake(w *waiter) {
 	}
 }
 
-// loop polls once per interval (sooner when kicked) until ctx ends. Its
-// pacing is on the real clock: it paces statements, it decides nothing.
+// loop polls once per interval (sooner when kicked) until ctx ends; the
+// real clock paces it: it decides nothing.
 func (p *poller) loop(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
@@ -133,12 +124,8 @@ func (p *poller) loop(ctx context.Context) {
 			err  error
 		)
 		if len(names) > 0 {
-			// On the group's context: an idle end (ctx) waits for the
-			// statement, which cancelling would cut along with its pooled
-			// connection; Close still cancels it.
-			// Bounded by a TTL, so that a black-holed connection does
-			// not stall the waiters' polling for the kernel's
-			// retransmission time.
+			// On the group's context (an idle end waits for the
+			// statement), bounded by a TTL (a black-holed connection).
 			pctx, cancel := context.WithTimeout(p.c.bg.Context(), p.c.cfg.TTL)
 			next, free, err = p.poll(pctx, names)
 			cancel()
@@ -175,9 +162,8 @@ func (p *poller) loop(ctx context.Context) {
 	}
 }
 
-// poll runs the one statement: it marks the held leases among names as
-// waited for, for the next few intervals, and returns the free ones and
-// when to poll next (the next interval, or just after the soonest expiry).
+// poll runs the statement, and returns the free leases among names and
+// when to poll next (at the latest, just after the soonest expiry).
 func (p *poller) poll(ctx context.Context, names []string) (time.Duration, []string, error) {
 	iv := p.c.cfg.PollInterval
 	next := retry.Spread(iv)

@@ -17,15 +17,9 @@ import (
 )
 
 // session is a client's liveness at the database: one row of
-// pgfence_sessions that the client renews, and that every lease it holds
-// names (00005_sessions.sql). A renewal costs one statement whatever the
-// number of leases; when the session ends, every lease of it ends.
-//
-// The trust window is the session's: until the send time of its last
-// successful renewal (or of its start) + TTL - SafetyMargin. A renewal
-// returns the count of the session's leases taken from it (a takeover
-// after expiry, ForceRelease, a revocation); when the count has moved, the
-// renewal reads which ones before it extends the window for the others.
+// pgfence_sessions that every lease it holds names (00005_sessions.sql).
+// When it ends, every lease of it ends. The trust window is the session's
+// (the package documentation).
 type session struct {
 	c  *Client
 	id int64
@@ -41,8 +35,7 @@ type session struct {
 	ended      bool
 }
 
-// errSessionExpired: the renewal found the session expired (or gone) at
-// the database.
+// errSessionExpired: a renewal found the session expired.
 var errSessionExpired = errors.New("the session expired at the database")
 
 // left is how much of s's trust window remains at now (0 once ended).
@@ -55,8 +48,7 @@ func (s *session) left(now time.Time) time.Duration {
 	return s.trustUntil.Sub(now)
 }
 
-// generation counts the reconciliations begun: one that began while an
-// acquisition was in flight read the session's leases without it.
+// generation counts the reconciliations begun (session.gen).
 func (s *session) generation() uint64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -107,9 +99,7 @@ func (s *session) count() int {
 	return len(s.leases)
 }
 
-// end ends s: it is renewed no more and the client starts another for its
-// next acquisition; every lease of it is lost for cause (why, per lease,
-// when known: a reconciliation read the rows).
+// end ends s and loses its leases for cause, or for why's, where known.
 func (s *session) end(cause LossCause, err error, why map[*Lease]loss) {
 	s.mu.Lock()
 	if s.ended {
@@ -137,8 +127,8 @@ func (s *session) end(cause LossCause, err error, why map[*Lease]loss) {
 	}
 }
 
-// trustElapsed runs when the trust window's timer fires. A renewal may
-// have moved the window while the timer was firing; then it has been reset.
+// trustElapsed ends s when its trust window's timer fires, unless a
+// renewal has just moved the window.
 func (s *session) trustElapsed() {
 	s.mu.Lock()
 	if s.ended || s.c.clock.Now().Before(s.trustUntil) {
@@ -155,8 +145,7 @@ func (s *session) trustElapsed() {
 }
 
 // renewed extends s's trust window after a successful renewal sent at
-// sent, which found the loss count losses (the leases lost since the last
-// one have been ended by then).
+// sent, and returns what was left of it.
 func (s *session) renewed(sent, expiresAt time.Time, losses, timeline int64) (left time.Duration) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -179,8 +168,7 @@ type loss struct {
 	err   error
 }
 
-// startSession inserts a new session row for the client, and makes it the
-// client's session.
+// startSession starts the client's session.
 func (c *Client) startSession(ctx context.Context) (*session, error) {
 	sent := c.clock.Now()
 	s := &session{c: c, leases: make(map[*Lease]struct{})}
@@ -188,9 +176,8 @@ func (c *Client) startSession(ctx context.Context) (*session, error) {
 		return nil, fmt.Errorf("lock: start a session: %w", c.explain(err))
 	}
 	s.trustUntil = c.cfg.window().until(sent)
-	// The window may already be over (the process was paused while the
-	// statement was in flight): then the timer fires at once, and must
-	// find s.timer set. Holding mu makes it wait for the assignment.
+	// A window already over fires at once: mu holds it off until s.timer
+	// is set.
 	s.mu.Lock()
 	s.timer = c.clock.AfterFunc(s.trustUntil.Sub(c.clock.Now()), s.trustElapsed)
 	s.mu.Unlock()
@@ -229,17 +216,13 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 		c.mu.Lock()
 		s = c.sess
 		c.mu.Unlock()
-		// The turn is the renewer's too: a renewal done under it is
-		// bound as the renewer's own is (renewTurn), whatever ctx allows.
 		var err error
 		left := time.Duration(0)
 		if s != nil {
 			left = s.left(c.clock.Now())
 		}
-		// A renewal gets the trust left (past it the session is over); a
-		// start, a trust window (a session that starts later than that
-		// is over when it does; and a start sent into a network
-		// partition is given up, and tried again, soon after the heal).
+		// A renewal gets the trust left, a start a trust window: past
+		// them the session would be over anyway.
 		bound := left
 		if left <= 0 {
 			bound = c.cfg.TTL - c.cfg.SafetyMargin
@@ -259,9 +242,7 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 		cut := tctx.Err() != nil && ctx.Err() == nil
 		cancel()
 		c.turn <- struct{}{}
-		if cut {
-			// The session's bound, not the caller's deadline: a
-			// failure to try again, not a timeout of the caller's.
+		if cut { // the session's bound, not the caller's: try again
 			return nil, fmt.Errorf("%w (after %v: %v)", errSessionSlow, bound, err)
 		}
 		if err != nil {
@@ -270,15 +251,14 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 	}
 }
 
-// errSessionSlow is returned when an acquisition's renewal of the session
-// took longer than the trust left, or its start longer than a trust
-// window: Acquire tries again with backoff.
+// errSessionSlow: an acquisition's renewal or start of the session
+// outlasted its bound.
 var errSessionSlow = fmt.Errorf("%w: the session's renewal or start outlasted its bound", ErrTryAgain)
 
-// renewSession renews s on q, once it has the turn (the caller holds it).
-// If the loss count moved, it first ends the leases of s that the database
-// no longer counts as s's; if it cannot read which, it does not extend the
-// window. A session the database found expired ends, with every lease.
+// renewSession renews s on q; the caller holds the turn. If the loss
+// count or the timeline moved, it first ends the leases the database no
+// longer counts as s's, and if it cannot read which, it does not extend
+// the window.
 func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error {
 	var (
 		exp              time.Time
@@ -297,8 +277,6 @@ func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error
 		return err
 	}
 	s.mu.Lock()
-	// A new timeline: a promotion, after which the newest acquisitions
-	// may be missing (asynchronous replication) with no loss counted.
 	moved := losses != s.losses || timeline != s.timeline
 	s.mu.Unlock()
 	if moved {
@@ -325,8 +303,8 @@ func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error
 	return nil
 }
 
-// reconcile reads, in one statement, which of s's leases the database no
-// longer counts as s's, and why.
+// reconcile reads which of s's leases the database no longer counts as
+// s's, and why.
 func (c *Client) reconcile(ctx context.Context, q fence.DB, s *session) (map[*Lease]loss, error) {
 	s.mu.Lock()
 	s.gen++ // under the lock add takes: a lease tracked later sees it, and checks itself
@@ -370,29 +348,16 @@ func (c *Client) reconcile(ctx context.Context, q fence.DB, s *session) (map[*Le
 	return why, err
 }
 
-// sessionLinger is how long the renewer keeps renewing the client's
-// session after its last lease ended (or RenewInterval, if longer): a
-// client that acquires now and then keeps one session row, where one that
-// starts a session per acquisition would add a row each time (they are
-// never deleted: 00005_sessions.sql). It costs one statement per
-// RenewInterval meanwhile.
+// sessionLinger is how long the renewer keeps the client's session after
+// its last lease ended: a client that acquires now and then keeps one
+// session row (rows are never deleted), for a statement per RenewInterval.
 const sessionLinger = 5 * time.Minute
 
-// renewLoop renews the client's session once per RenewInterval (from one
-// renewal's send to the next's) until ctx ends. It is the client's renewer
-// Demand: wanted while a lease is held, ended once none has been held for
-// sessionLinger (a session not renewed then expires on its own; the next
-// acquisition starts another). A failed renewal is retried after a quarter
-// interval; if none succeeds, the leases end at the trust deadline.
-//
-// The renewer has a connection of its own (opened with the pool's settings,
-// outside it), so that renewals do not wait behind the pool's other users:
-// a pool kept busy by jobs, guarded transactions or waiting acquirers must
-// not cost a lease. It is opened beside the renewals' path (ownconn.Link):
-// a renewal waits half an interval for it, and if it is not open by then
-// (new connections stall, as when a busy server's listen queue overflows)
-// goes over an idle pooled connection, each try bounded by half an
-// interval, within the trust window.
+// renewLoop renews the client's session once per RenewInterval (send to
+// send) until ctx ends; a failed renewal is retried after a quarter
+// interval. Renewals go over a connection of the renewer's own, so that a
+// busy pool cannot cost a lease, or, when it does not open within half an
+// interval (ownconn.Link), over an idle pooled one.
 func (c *Client) renewLoop(ctx context.Context) {
 	own := ownconn.NewLink(ctx, c.pool, c.cfg.TTL)
 	defer own.Close()
@@ -419,8 +384,6 @@ func (c *Client) renewLoop(ctx context.Context) {
 			if ctx.Err() != nil {
 				return
 			}
-			// The renewals keep their rate: the next one is sent a
-			// RenewInterval after this one was, not after it returned.
 			took := c.clock.Now().Sub(sent)
 			wait = max(c.cfg.RenewInterval-took, 0)
 			c.watchRenewLatency(took, s.count())
@@ -432,9 +395,8 @@ func (c *Client) renewLoop(ctx context.Context) {
 				// Lingering with no lease: nothing to lose, nothing to
 				// alert on; the next acquisition renews or starts anew.
 			case errors.Is(err, errSessionExpired):
-				// Not a failure to reach the database: the session had
-				// expired there (a frozen or partitioned client), and its
-				// leases are lost, each with its cause.
+				// Not a failure to reach the database: its leases are
+				// lost, each with its cause.
 				c.failing.Store(false)
 			default:
 				c.stats.failures.Add(1)
@@ -449,9 +411,7 @@ func (c *Client) renewLoop(ctx context.Context) {
 }
 
 // firstRenewal is when a starting renewer first renews: a RenewInterval
-// after the session's last renewal (or start) was sent, which its trust
-// window tells (TTL - SafetyMargin after it), or at once if that is past; a
-// RenewInterval from now when there is no session yet.
+// after the session's last renewal was sent (its trust window tells when).
 func (c *Client) firstRenewal() time.Duration {
 	s := c.session()
 	if s == nil {
@@ -460,9 +420,8 @@ func (c *Client) firstRenewal() time.Duration {
 	return max(s.left(c.clock.Now())-(c.cfg.TTL-c.cfg.SafetyMargin-c.cfg.RenewInterval), 0)
 }
 
-// renewTurn renews s over own once it has the turn, within s's trust window
-// (at least one RenewInterval: after a failover it has to connect again,
-// and a host that does not answer costs up to connect_timeout).
+// renewTurn renews s over own once it has the turn, within s's trust
+// window (at least a RenewInterval, for a reconnect after a failover).
 func (c *Client) renewTurn(ctx context.Context, own *ownconn.Link, s *session) error {
 	budget := max(c.cfg.RenewInterval, s.left(c.clock.Now()))
 	ctx, cancel := context.WithTimeout(ctx, budget)
@@ -491,15 +450,12 @@ func (c *Client) session() *session {
 	return c.sess
 }
 
-// slowRenewal is the fraction of RenewInterval past which a renewal's round
-// trip is slow: beyond it, a renewal that slows a little more leaves less
-// than the SafetyMargin between the renewals and the end of the trust
-// window.
+// slowRenewal is the fraction of RenewInterval past which a renewal is
+// slow: a little slower, and it eats into the SafetyMargin.
 const slowRenewal = 0.5
 
-// watchRenewLatency counts a renewal that took took, and logs once when
-// renewals become slow (past slowRenewal of RenewInterval) and once when
-// they are fast again.
+// watchRenewLatency counts a slow renewal, and logs once when renewals
+// become slow and once when they are fast again.
 func (c *Client) watchRenewLatency(took time.Duration, leases int) {
 	slow := took > time.Duration(slowRenewal*float64(c.cfg.RenewInterval))
 	if slow {

@@ -15,27 +15,15 @@ type Stats struct {
 	Renewals, RenewalFailures uint64
 	// LastRenewLatency is the round trip of the last successful renewal.
 	LastRenewLatency time.Duration
-	// SlowRenewals counts renewals, successful or not, that took more
-	// than half of RenewInterval (the client logs a warning when they
-	// start, and the metric pgfence.lease.renewal.slow counts them): a
-	// server or network too slow for the TTL.
+	// SlowRenewals counts renewals that took more than half of
+	// RenewInterval: a server or network too slow for the TTL.
 	SlowRenewals uint64
 	// IdleHoldersEnded counts the sessions the client's acquisitions
-	// ended because they sat idle in a transaction on the row of an
-	// expired lease, blocking the acquisition (see
-	// Config.IdleHolderAfter).
-	IdleHoldersEnded uint64
-	// IdleHolderLooks counts the looks for such sessions that the
-	// client's acquisitions began, one every IdleHolderAfter while they
-	// waited on the row of an expired or free lease;
-	// IdleHolderLookErrors, those that failed (an acquisition logs its
-	// first failure, with the rights its role lacks if that was why).
-	IdleHolderLooks, IdleHolderLookErrors uint64
-	// ClockSkew estimates the database's clock minus this machine's, from
-	// the last successful renewal (server time against the midpoint of the
-	// request), to within half of LastRenewLatency either way. pgfence
-	// never uses it for decisions (expiry is judged by the database); a
-	// large value points at a misconfigured clock.
+	// ended (Config.IdleHolderAfter); IdleHolderLooks, the looks for them
+	// begun; IdleHolderLookErrors, those that failed.
+	IdleHoldersEnded, IdleHolderLooks, IdleHolderLookErrors uint64
+	// ClockSkew estimates the database's clock minus this machine's at
+	// the last successful renewal, to within half of LastRenewLatency.
 	ClockSkew time.Duration
 }
 
@@ -72,8 +60,7 @@ func (c *Client) Stats() Stats {
 	}
 }
 
-// observe records a successful renewal sent at sent whose reply arrived at
-// got, with the database's statement time dbNow, and returns its round trip.
+// observe records a successful renewal and returns its round trip.
 func (s *stats) observe(sent, got, dbNow time.Time) time.Duration {
 	rtt := got.Sub(sent)
 	estimate, least := skewOf(sent, got, dbNow)
@@ -84,15 +71,11 @@ func (s *stats) observe(sent, got, dbNow time.Time) time.Duration {
 	return rtt
 }
 
-// skewOf judges the database's clock against this machine's from one round
-// trip: a statement sent at sent, answered at got (this machine's clock),
-// that read dbNow on the database's clock while it ran. The true skew
-// (database minus here) lies between dbNow-got and dbNow-sent, whichever
-// part of the round trip the statement ran in; estimate is the middle of
-// that range and least the smallest skew, in absolute value, that it
-// admits: 0 when the range holds 0, i.e. when the clocks may agree and the
-// difference seen is the round trip's (a loaded machine's 100 ms round trip
-// is not 50 ms of skew).
+// skewOf judges the database's clock against this machine's from a
+// statement sent at sent, answered at got, that read dbNow: the skew lies
+// between dbNow-got and dbNow-sent. estimate is the middle, least the
+// smallest in absolute value (0 when the clocks may agree: a slow round
+// trip is not skew).
 func skewOf(sent, got, dbNow time.Time) (estimate, least time.Duration) {
 	rtt := got.Sub(sent)
 	lo, hi := dbNow.Sub(sent.Add(rtt)), dbNow.Sub(sent) // dbNow-got, dbNow-sent on one clock reading
@@ -106,9 +89,8 @@ func skewOf(sent, got, dbNow time.Time) (estimate, least time.Duration) {
 	return estimate, least
 }
 
-// watchSkew logs once when the clock skew is surely past
-// Config.SkewWarning (past it whatever part of the round trip the renewal
-// ran in), and once when it may be back under.
+// watchSkew logs once when the skew is surely past Config.SkewWarning,
+// and once when it may be back under.
 func (c *Client) watchSkew() {
 	if c.cfg.SkewWarning < 0 {
 		return

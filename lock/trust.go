@@ -2,14 +2,9 @@ package lock
 
 import "time"
 
-// window is the trust-window arithmetic of a client's leases: pure
-// functions of the lease timings and the times they are given (send times
-// and "now" on the monotonic clock), so that they are tested without a
-// database or a clock.
-//
-// A holder trusts a lease until the time its last successful acquisition or
-// renewal was sent + TTL - SafetyMargin: the database cannot have let anyone
-// else acquire before then, whatever the reply's delay.
+// window is the trust-window arithmetic, pure functions of the timings
+// (tested without a database or a clock): a holder trusts its leases until
+// its last successful renewal was sent + TTL - SafetyMargin.
 type window struct {
 	ttl, margin, renew time.Duration
 }
@@ -21,16 +16,12 @@ func (c Config) window() window {
 // until is the end of the trust window of a statement sent at sent.
 func (w window) until(sent time.Time) time.Time { return sent.Add(w.ttl - w.margin) }
 
-// lateSlack is how much of the session's trust window a renewal must
-// leave to be on time (Health): a renewal on time leaves TTL -
-// SafetyMargin - RenewInterval (with the defaults, 1.7 RenewIntervals); one
-// that leaves less than half of that, or less than one RenewInterval, is
-// late.
+// lateSlack is the trust a renewal must leave to be on time (Health): half
+// of what one on time leaves, at most a RenewInterval.
 func (w window) lateSlack() time.Duration { return min(w.renew, (w.ttl-w.margin-w.renew)/2) }
 
-// extend returns the trust deadline after a renewal sent at sent: the later
-// of the current deadline and the renewal's (a renewal's reply can arrive
-// after a later one's: the window never moves back).
+// extend returns the trust deadline after a renewal sent at sent: the window
+// never moves back.
 func (w window) extend(current, sent time.Time) time.Time {
 	if until := w.until(sent); until.After(current) {
 		return until
