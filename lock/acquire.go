@@ -49,15 +49,12 @@ func newSecret() []byte {
 	return secret
 }
 
-// backoffOrWake waits d, or until sub or w (either may be nil) wakes; it
-// returns false if ctx ends first.
-func backoffOrWake(ctx context.Context, d time.Duration, sub *subscription, w *waiter) bool {
-	var released, polled <-chan struct{}
-	if sub != nil {
-		released = sub.C
-	}
+// backoffOrWake waits d, or until w (if not nil) wakes; it returns false if
+// ctx ends first.
+func backoffOrWake(ctx context.Context, d time.Duration, w *waiter) bool {
+	var woken <-chan struct{}
 	if w != nil {
-		polled = w.C
+		woken = w.C
 	}
 	t := time.NewTimer(d)
 	defer t.Stop()
@@ -65,8 +62,7 @@ func backoffOrWake(ctx context.Context, d time.Duration, sub *subscription, w *w
 	case <-ctx.Done():
 		return false
 	case <-t.C:
-	case <-released:
-	case <-polled:
+	case <-woken:
 	}
 	return true
 }
@@ -298,21 +294,15 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}
-	var (
-		sub *subscription
-		w   *waiter
-	)
+	var w *waiter
 	secret, began := newSecret(), time.Now()
 	var (
 		doubt bool   // some attempt's outcome is unknown
 		pid   uint32 // the backend of the last such attempt
 	)
 	defer func() {
-		if sub != nil {
-			sub.cancel()
-		}
 		if w != nil {
-			c.poll.remove(w)
+			w.cancel()
 		}
 		if err != nil && doubt {
 			c.abandon(name, secret, pid)
@@ -359,29 +349,28 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 			failing.Fail(c.log, "pgfence: acquire failing; retrying with backoff", err, "lease", name)
 			// A release or a poll during the backoff ends it: the
 			// database answers again.
-			if !backoffOrWake(ctx, c.backoff.Wait(failing.Count()-1), sub, w) {
+			if !backoffOrWake(ctx, c.backoff.Wait(failing.Count()-1), w) {
 				return nil, gaveUp()
 			}
 			continue
 		}
 		failing.Recover(c.log, "pgfence: acquire recovered", "lease", name)
 		last = nil // held by another: waiting, not failing
-		// Waiting: subscribe to releases, then register with the poller,
-		// which asks the holder's release to NOTIFY and then wakes w: the
-		// next attempt catches a release before the request, the NOTIFY
-		// one after it.
-		if sub == nil {
-			sub = c.lis.subscribe(name)
+		// Waiting: listen for releases, then ask the poller, which asks
+		// the holder's release to NOTIFY and then wakes w: the next
+		// attempt catches a release before the request, the NOTIFY one
+		// after it.
+		if w == nil {
+			w = c.waits.subscribe(name)
 			select {
-			case <-sub.ready:
+			case <-w.ready:
 			case <-time.After(c.cfg.PollInterval):
 			case <-ctx.Done():
 				return nil, ctx.Err()
 			}
-			w = c.poll.add(name)
+			w.pollFor()
 		}
 		select {
-		case <-sub.C:
 		case <-w.C:
 		case <-ctx.Done():
 			return nil, ctx.Err()

@@ -29,12 +29,11 @@ import (
 // Observe, one per cleanup that outlives its caller (at most 5 s), and the
 // idle-holder looks of acquisitions waiting on a lease row.
 type Client struct {
-	pool *pgxpool.Pool
-	cfg  Config
-	log  *slog.Logger // cfg.Logger with the holder on every line
-	q    *queries
-	lis  *listener
-	poll *poller
+	pool  *pgxpool.Pool
+	cfg   Config
+	log   *slog.Logger // cfg.Logger with the holder on every line
+	q     *queries
+	waits *waiters
 
 	mu      sync.Mutex
 	sess    *session // the current session, nil before the first acquisition and after one ends
@@ -86,8 +85,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 	c.turn <- struct{}{}
 	c.idle = newLooker(pool, c.bg.Go)
 	c.renewer = c.bg.Demand(c.renewLoop, max(cfg.RenewInterval, sessionLinger), clock.Real())
-	c.lis = newListener(c)
-	c.poll = newPoller(c)
+	c.waits = newWaiters(c)
 	m, err := newMetrics(c)
 	if err != nil {
 		return nil, err
@@ -156,7 +154,7 @@ func (c *Client) close(ctx context.Context) error {
 	s := c.sess
 	c.mu.Unlock()
 	first := c.releaseAll(ctx, s)
-	c.poll.close()
+	c.waits.close()
 	c.stopping = bg.Run(context.Background(), func(context.Context) {
 		c.bg.Stop() // cancel, then wait for every goroutine (each within its own bound)
 		c.idle.close()

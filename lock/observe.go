@@ -29,7 +29,7 @@ func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) 
 		return nil, err
 	}
 	out := make(chan Info, 1)
-	sub := c.lis.subscribe(name)
+	sub := c.waits.subscribe(name)
 	ok := c.bg.Go(func(gctx context.Context) {
 		defer close(out)
 		defer sub.cancel()
