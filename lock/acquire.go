@@ -89,7 +89,6 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 		return nil, err
 	}
 	var held *HeldError
-	req := acquisition{name: name, secret: secret}
 	for attempt := 0; ; attempt++ {
 		if attempt == 3 {
 			if held != nil {
@@ -105,7 +104,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
 		}
 		seen := s.generation()
-		token, r, err := c.attempt(ctx, req, s)
+		token, r, err := c.attempt(ctx, name, secret, s)
 		if err != nil {
 			return nil, fmt.Errorf("lock: acquire %q: %w", name, c.explain(err))
 		}
@@ -169,116 +168,84 @@ func (c *Client) freeBySecret(ctx context.Context, name string, secret []byte, t
 	}
 }
 
-// acquisition is what one Acquire asks for: the name and its secret.
-type acquisition struct {
-	name   string
-	secret []byte
-}
-
-// args are the acquire and acquireNew statements' arguments.
-func (a acquisition) args(c *Client, s *session) []any {
-	return []any{a.name, c.cfg.Holder, a.secret, s.id}
-}
-
-// attempt is one compare-and-set (or a name's first insert) for session
-// s: the lease won (r.won, token), or the row as it stands (r.held; nil:
-// try again).
-func (c *Client) attempt(ctx context.Context, req acquisition, s *session) (token int64, r casResult, err error) {
-	name := req.name
-	r, err = c.compareAndSet(ctx, req, s, &token)
-	switch {
-	case err != nil || r.won:
-		return token, r, err
-	case r.held != nil && r.mine && r.live && r.session == s.id:
-		// An earlier attempt of this Acquire won; its reply was lost.
-		c.log.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", r.held.Token)
-		return int64(r.held.Token), casResult{won: true}, nil
-	case r.held != nil && r.mine && r.live:
-		// Won by an earlier attempt under a session that has ended: free
-		// it, and try again.
-		_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, req.secret)
-		return 0, casResult{}, err
-	case r.held != nil:
-		return token, r, nil
-	}
-	// No row yet: the name's first acquisition.
-	conn, err := c.pool.Acquire(ctx)
-	if err != nil {
-		return token, casResult{}, err
-	}
-	defer conn.Release()
-	err = conn.QueryRow(ctx, c.q.acquireNew, req.args(c, s)...).Scan(&token)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return token, casResult{}, nil
-	}
-	return token, casResult{won: err == nil}, inFlight(err, conn.Conn().PgConn().PID())
-}
-
-// casResult is what one compare-and-set round trip found.
+// casResult is what one attempt found.
 type casResult struct {
-	won     bool       // the acquire statement took the lease
-	held    *HeldError // otherwise, the row as heldBy saw it (nil: no row)
+	won     bool       // the lease was won
+	held    *HeldError // otherwise, the row as heldBy saw it (nil: try again)
 	live    bool       // the row is held by a live session
 	mine    bool       // the row holds the caller's secret
 	session int64      // the session the row names (0: none)
 }
 
-// compareAndSet sends acquire, then heldBy if it did not win, then
-// takeOver if the row names an expired session.
-func (c *Client) compareAndSet(ctx context.Context, req acquisition, s *session, token *int64) (casResult, error) {
+// attempt is one compare-and-set for session s, on one connection: acquire,
+// then heldBy if it did not win, then takeOver if the row names an expired
+// session, or acquireNew if there is no row. It returns the lease won
+// (r.won, token), or the row as it stands (r.held; nil: try again).
+func (c *Client) attempt(ctx context.Context, name string, secret []byte, s *session) (token int64, r casResult, err error) {
 	conn, err := c.pool.Acquire(ctx)
 	if err != nil {
-		return casResult{}, err
+		return 0, casResult{}, err
 	}
 	defer conn.Release()
+	pid := conn.Conn().PgConn().PID()
+	args := []any{name, c.cfg.Holder, secret, s.id}
 	// cas runs acquire or takeOver, which may wait on the row for a holder
 	// frozen in a guarded transaction (idleholders.go).
-	cas := func(sql string) error {
+	cas := func(sql string) (bool, error) {
 		stop := func() {}
 		if c.cfg.IdleHolderAfter > 0 {
 			var waiter *int64 // the acquisition's backend, if the client knows it (verify)
-			if c.backendPIDs.Load() {
-				pid := int64(conn.Conn().PgConn().PID())
-				waiter = &pid
+			if backend := int64(pid); c.backendPIDs.Load() {
+				waiter = &backend
 			}
-			stop = c.watchIdleHolders(ctx, req.name, waiter)
+			stop = c.watchIdleHolders(ctx, name, waiter)
 		}
-		err := conn.QueryRow(ctx, sql, req.args(c, s)...).Scan(token, nil) // the last column: whether an observer was told
+		err := conn.QueryRow(ctx, sql, args...).Scan(&token, nil) // the last column: whether an observer was told
 		stop()
-		return err
+		if errors.Is(err, pgx.ErrNoRows) {
+			return false, nil
+		}
+		return err == nil, inFlight(err, pid)
 	}
-	err = cas(c.q.acquire)
-	switch {
-	case err == nil:
-		return casResult{won: true}, nil
-	case !errors.Is(err, pgx.ErrNoRows):
-		return casResult{}, inFlight(err, conn.Conn().PgConn().PID())
+	if won, err := cas(c.q.acquire); won || err != nil {
+		return token, casResult{won: won}, err
 	}
 	var (
-		r        casResult
-		h        = &HeldError{Name: req.name}
+		h        = &HeldError{Name: name}
 		inMicros int64
 	)
-	err = conn.QueryRow(ctx, c.q.heldBy, req.name, req.secret).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine, &r.session)
+	err = conn.QueryRow(ctx, c.q.heldBy, name, secret).Scan(&h.Token, &h.Holder, &r.live, &h.ExpiresAt, &inMicros, &r.mine, &r.session)
 	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return casResult{}, nil
+	case errors.Is(err, pgx.ErrNoRows): // the name's first acquisition
+		err := conn.QueryRow(ctx, c.q.acquireNew, args...).Scan(&token)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return 0, casResult{}, nil // another was first
+		}
+		return token, casResult{won: err == nil}, inFlight(err, pid)
 	case err != nil:
-		return casResult{}, err
+		return 0, casResult{}, err
 	}
 	h.ExpiresIn = time.Duration(inMicros) * time.Microsecond
 	r.held = h
-	if r.live || r.session == 0 {
-		return r, nil
+	switch {
+	case r.mine && r.live && r.session == s.id:
+		// An earlier attempt of this Acquire won; its reply was lost.
+		c.log.Info("pgfence: adopted a lease whose acquisition reply was lost", "lease", name, "token", h.Token)
+		return int64(h.Token), casResult{won: true}, nil
+	case r.mine && r.live:
+		// Won by an earlier attempt under a session that has ended: free
+		// it, and try again.
+		_, err := conn.Exec(ctx, c.q.releaseSecret, name, secret)
+		return 0, casResult{}, err
+	case r.live || r.session == 0:
+		return 0, r, nil
 	}
-	// Named by an expired session: take it over.
-	switch err := cas(c.q.takeOver); {
-	case err == nil:
-		return casResult{won: true}, nil
-	case !errors.Is(err, pgx.ErrNoRows):
-		return casResult{}, inFlight(err, conn.Conn().PgConn().PID())
+	// Named by an expired session: take it over (if it was renewed or
+	// taken meanwhile, the caller looks again).
+	if won, err := cas(c.q.takeOver); won || err != nil {
+		return token, casResult{won: won}, err
 	}
-	return r, nil // renewed meanwhile, or taken by someone else: the caller looks again
+	return 0, r, nil
 }
 
 // Acquire blocks until it acquires the lease name or ctx ends (then it
