@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -83,7 +84,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 	}
 	c.turn <- struct{}{}
-	c.idle = newLooker(pool, c.bg.Go)
+	c.idle = newLooker(c.bg.Context(), pool)
 	c.renewer = c.bg.Demand(c.renewLoop, max(cfg.RenewInterval, sessionLinger), clock.Real())
 	c.waits = newWaiters(c)
 	m, err := newMetrics(c)
@@ -169,15 +170,7 @@ func (c *Client) releaseAll(ctx context.Context, s *session) error {
 	if s == nil {
 		return nil
 	}
-	leases := s.held()
-	names := make([]string, 0, len(leases))
-	tokens := make([]int64, 0, len(leases))
-	secrets := make([][]byte, 0, len(leases))
-	for _, l := range leases {
-		if l.end() {
-			names, tokens, secrets = append(names, l.name), append(tokens, int64(l.token)), append(secrets, l.secret)
-		}
-	}
+	names, tokens, secrets := identify(slices.DeleteFunc(s.held(), func(l *Lease) bool { return !l.end() }))
 	s.end(CauseExpired, ErrClosed, nil) // nothing left to lose: stops its timer
 	sql := c.q.releaseMany
 	if c.cfg.DurableRelease {

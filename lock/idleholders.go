@@ -12,6 +12,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/ownconn"
+	"github.com/pgfence/pgfence/internal/pgexec"
 )
 
 // A holder frozen inside a guarded transaction (a GC pause, SIGSTOP, a
@@ -130,20 +131,22 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, a
 
 // looker runs a client's looks, one at a time, on a connection of its own
 // (waiting statements may hold every pooled one), opened on the first look
-// and closed with the client. The connect runs on a goroutine the client
-// owns (run), so a look cut short does not cut it short: otherwise every
-// short wait on a contended lease dials the server again, and the storm
-// overflows a busy server's listen queue, holding up renewers' connects.
+// and closed with the client. The connect runs beside the looks
+// (ownconn.Link), so a look cut short does not cut it short: otherwise
+// every short wait on a contended lease dials the server again, and the
+// storm overflows a busy server's listen queue, holding up renewers'
+// connects.
 type looker struct {
-	turn   chan struct{} // holds one token: the right to use conn
-	conn   *ownconn.Conn
-	closed bool                                    // under turn
-	run    func(fn func(ctx context.Context)) bool // starts a goroutine of the client's (bg.Group.Go)
+	turn   chan struct{} // holds one token: the right to use link
+	pool   *pgxpool.Pool
+	ctx    context.Context // the client's group's: it ends the connect
+	link   *ownconn.Link   // nil before the first look
+	closed bool
 }
 
-// newLooker returns a looker on pool's server.
-func newLooker(pool *pgxpool.Pool, run func(fn func(ctx context.Context)) bool) *looker {
-	l := &looker{turn: make(chan struct{}, 1), conn: ownconn.New(pool), run: run}
+// newLooker returns a looker on pool's server, whose connects end with ctx.
+func newLooker(ctx context.Context, pool *pgxpool.Pool) *looker {
+	l := &looker{turn: make(chan struct{}, 1), pool: pool, ctx: ctx}
 	l.turn <- struct{}{}
 	return l
 }
@@ -151,49 +154,24 @@ func newLooker(pool *pgxpool.Pool, run func(fn func(ctx context.Context)) bool) 
 // look is one endIdleHolders on ctx; it waits its turn, and the connect,
 // only as long as stopping.
 func (l *looker) look(stopping, ctx context.Context, q *queries, name string, after time.Duration, waiter *int64) ([]Backend, error) {
-	if err := l.take(stopping); err != nil {
-		return nil, err
+	select {
+	case <-l.turn:
+	case <-stopping.Done():
+		return nil, stopping.Err()
 	}
 	defer func() { l.turn <- struct{}{} }()
-	return endIdleHolders(ctx, l.conn, q, name, after, waiter)
-}
-
-// take waits for the turn and an open connection; a connect holds the turn
-// until done.
-func (l *looker) take(ctx context.Context) error {
-	for {
-		select {
-		case <-l.turn:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-		switch {
-		case l.closed:
-			l.turn <- struct{}{}
-			return ErrClosed
-		case l.conn.IsOpen():
-			return nil
-		}
-		opened := make(chan error, 1)
-		if !l.run(func(ctx context.Context) {
-			ctx, cancel := context.WithTimeout(ctx, idleHolderTimeout)
-			defer cancel()
-			err := l.conn.Open(ctx)
-			l.turn <- struct{}{}
-			opened <- err
-		}) {
-			l.turn <- struct{}{}
-			return ErrClosed // the client is closing
-		}
-		select {
-		case err := <-opened:
-			if err != nil {
-				return err
-			}
-		case <-ctx.Done():
-			return ctx.Err()
-		}
+	if l.closed {
+		return nil, ErrClosed
 	}
+	if l.link == nil {
+		l.link = ownconn.NewLink(l.ctx, l.pool, idleHolderTimeout)
+	}
+	var ended []Backend
+	err := l.link.Do(stopping, idleHolderTimeout, func(_ context.Context, db pgexec.DB) (err error) {
+		ended, err = endIdleHolders(ctx, db, q, name, after, waiter)
+		return err
+	})
+	return ended, err
 }
 
 // close closes the connection after the look in progress; later looks
@@ -202,7 +180,9 @@ func (l *looker) close() {
 	<-l.turn
 	defer func() { l.turn <- struct{}{} }()
 	l.closed = true
-	l.conn.Close()
+	if l.link != nil {
+		l.link.Close()
+	}
 }
 
 // watchIdleHolders watches the acquisition of lease name on backend

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -85,11 +87,7 @@ func (s *session) remove(l *Lease) int {
 func (s *session) held() []*Lease {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := make([]*Lease, 0, len(s.leases))
-	for l := range s.leases {
-		out = append(out, l)
-	}
-	return out
+	return slices.Collect(maps.Keys(s.leases))
 }
 
 // count is the number of leases s holds.
@@ -108,10 +106,7 @@ func (s *session) end(cause LossCause, err error, why map[*Lease]loss) {
 	}
 	s.ended = true
 	s.timer.Stop()
-	leases := make([]*Lease, 0, len(s.leases))
-	for l := range s.leases {
-		leases = append(leases, l)
-	}
+	leases := slices.Collect(maps.Keys(s.leases))
 	s.mu.Unlock()
 	s.c.mu.Lock()
 	if s.c.sess == s {
@@ -308,19 +303,13 @@ func (c *Client) renewSession(ctx context.Context, q fence.DB, s *session) error
 func (c *Client) reconcile(ctx context.Context, q fence.DB, s *session) (map[*Lease]loss, error) {
 	s.mu.Lock()
 	s.gen++ // under the lock add takes: a lease tracked later sees it, and checks itself
-	leases := make([]*Lease, 0, len(s.leases))
-	for l := range s.leases {
-		leases = append(leases, l)
-	}
+	leases := slices.Collect(maps.Keys(s.leases))
 	s.mu.Unlock()
 	byName := make(map[string]*Lease, len(leases))
-	names := make([]string, len(leases))
-	tokens := make([]int64, len(leases))
-	secrets := make([][]byte, len(leases))
-	for i, l := range leases {
-		names[i], tokens[i], secrets[i] = l.name, int64(l.token), l.secret
+	for _, l := range leases {
 		byName[l.name] = l
 	}
+	names, tokens, secrets := identify(leases)
 	rows, err := q.Query(ctx, c.q.reconcile, names, tokens, secrets, s.id)
 	if err != nil {
 		return nil, err
@@ -346,6 +335,15 @@ func (c *Client) reconcile(ctx context.Context, q fence.DB, s *session) (map[*Le
 		return nil
 	})
 	return why, err
+}
+
+// identify returns the statements' arrays of leases: names, tokens and
+// secrets.
+func identify(leases []*Lease) (names []string, tokens []int64, secrets [][]byte) {
+	for _, l := range leases {
+		names, tokens, secrets = append(names, l.name), append(tokens, int64(l.token)), append(secrets, l.secret)
+	}
+	return names, tokens, secrets
 }
 
 // sessionLinger is how long the renewer keeps the client's session after
