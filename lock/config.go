@@ -42,7 +42,8 @@ type Config struct {
 
 	// PollInterval is how often the client looks at the leases its blocked
 	// Acquires wait for, in case no release notification arrives (an
-	// expiry sends none): one statement for all of them, jittered by ±25%.
+	// expiry sends none): one statement for all of them, jittered by ±25%,
+	// and sooner when one is about to expire.
 	// It is also the first step of the backoff after transient errors (up
 	// to 10 x PollInterval). Default 1s; at least MinPollInterval.
 	PollInterval time.Duration
@@ -58,16 +59,16 @@ type Config struct {
 	// IdleHolderAfter is how long an acquisition waits on the row of an
 	// expired or released lease, held by a transaction that sits idle
 	// there (a holder frozen or cut off inside a guarded transaction),
-	// before it ends that transaction's session (pg_terminate_backend:
-	// none of its writes commits), and how often it looks again. It is
-	// logged, emitted (IdleHolderEnded) and counted in Stats. A frozen
-	// holder is so replaced about TTL + PollInterval + IdleHolderAfter
-	// after it froze; a transaction running a statement is waited for
-	// (bound it with statement_timeout). Ending another role's session
-	// needs pg_signal_backend and pg_read_all_stats; without them the
-	// acquisition waits and says why once. Default 0: PollInterval / 4,
-	// within 10 ms and min(1 s, TTL / 10) (250 ms with the defaults);
-	// negative: never.
+	// before it ends that transaction's session (pg_terminate_backend, on
+	// a connection of the client's own: none of its writes commits), and
+	// how often it looks again. It is logged, emitted (IdleHolderEnded)
+	// and counted in Stats. A frozen holder is so replaced about TTL +
+	// PollInterval + IdleHolderAfter after it froze; a transaction running
+	// a statement is waited for (bound it with statement_timeout). Ending
+	// another role's session needs pg_signal_backend and pg_read_all_stats
+	// (a superuser's, a superuser); without them the acquisition waits and
+	// says why once. Default 0: PollInterval / 4, within 10 ms and
+	// min(1 s, TTL / 10) (250 ms with the defaults); negative: never.
 	IdleHolderAfter time.Duration
 
 	// Holder identifies this client in the leases table (for operators and
@@ -86,8 +87,9 @@ type Config struct {
 	// DurableRelease makes Lease.Release wait until its commit is flushed
 	// to disk (and to synchronous standbys). Default false: Release
 	// commits asynchronously, making an acquire+release pair about as
-	// cheap as two durable updates (BENCHMARKS.md). A crash in the moment
-	// before the flush can only put the lease back as it was, held by its
+	// cheap as two durable updates (BENCHMARKS.md). The release is visible
+	// at once either way; a crash (or failover) in the moment before the
+	// flush can only put the lease back as it was, held by its
 	// old holder until its expiry, with its old token: no invariant
 	// depends on a durable release. Acquisitions and renewals are always
 	// durable.
@@ -223,11 +225,7 @@ func defaultHolder() string {
 	if err != nil {
 		host = "unknown"
 	}
-	return fmt.Sprintf("%s:%d:%s", host, os.Getpid(), randHex(4))
-}
-
-func randHex(n int) string {
-	b := make([]byte, n)
+	b := make([]byte, 4)
 	_, _ = rand.Read(b)
-	return hex.EncodeToString(b)
+	return fmt.Sprintf("%s:%d:%s", host, os.Getpid(), hex.EncodeToString(b))
 }

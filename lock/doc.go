@@ -12,7 +12,8 @@
 //
 //   - at most one client holds a lease at any moment by the database's clock;
 //   - every acquisition returns a token strictly greater than every token
-//     issued before, for any name in the table; renewals keep the token;
+//     issued before, for any name in the table (a lease's tokens rise, but
+//     not by one); renewals keep the token;
 //     rows are never deleted and the schema refuses a token decrease, so
 //     tokens never go back, not after release, crash or restart.
 //
@@ -22,8 +23,9 @@
 // moment the lease is lost or can no longer be trusted: the holder trusts
 // it until its session's last successful renewal (or start) was sent +
 // TTL - SafetyMargin, on Go's monotonic clock, even if the database cannot
-// be reached. Takeovers, ForceRelease and revocations count a loss beside
-// the session's row; a renewal that sees the count move reads which
+// be reached. A takeover counts the loss on the session's row (a renewal
+// in flight serialises with it there), ForceRelease and revocations beside
+// it; a renewal that sees the count move reads which
 // leases were taken (one statement) before it extends the window, so a
 // loss reaches its holder within one RenewInterval. Close frees every
 // lease and ends the session at once. Release commits asynchronously
@@ -103,8 +105,8 @@
 //
 // Client.Observe reports who holds a lease, and each change within
 // milliseconds; Inspect reads it once. The operators' functions (Leases,
-// Inspect, ForceRelease, RevokeTx) take an executor and a schema, and need
-// no Client. Config.MeterProvider receives OpenTelemetry metrics (README's
+// Inspect, ForceRelease, RevokeTx) take what they run on (a pool, a
+// transaction) and a schema, and need no Client. Config.MeterProvider receives OpenTelemetry metrics (README's
 // "Metrics"), Config.OnEvent the leases' events (Event), and the logger
 // every loss and each start and end of a failure period.
 package lock

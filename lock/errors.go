@@ -30,7 +30,8 @@ var (
 
 	// ErrTryAgain is returned by TryAcquire when an attempt could not
 	// finish through no holder's doing (the row kept changing, the
-	// session's renewal was slow). Nothing is held; Acquire tries again.
+	// session's renewal or start was slow, the lease was lost before it
+	// could be handed out). Nothing is held; Acquire tries again.
 	ErrTryAgain = errors.New("lock: acquisition interrupted; try again")
 )
 
@@ -110,8 +111,3 @@ func (e *BlockedError) Error() string {
 
 // Unwrap returns the context's error.
 func (e *BlockedError) Unwrap() error { return e.Err }
-
-func isHeld(err error) bool {
-	var h *HeldError
-	return errors.As(err, &h)
-}

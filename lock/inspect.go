@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -172,7 +171,7 @@ type Freed struct {
 //
 // Like a takeover, it waits for the guarded transactions of the current
 // token, ending those that sit idle for 250 ms once the lease has expired
-// (Config.IdleHolderAfter). If ctx ends first, it cancels its statement at
+// (Config.IdleHolderAfter, whose rights pool's role needs). If ctx ends first, it cancels its statement at
 // the server and returns a *BlockedError naming the sessions it waited for
 // (none behind PgBouncer). It takes a pool: it needs a connection whose
 // statement it can cancel.
@@ -192,37 +191,29 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	}
 	defer conn.Release()
 	waiter := backendPID(ctx, conn.Conn()) // the statement's backend; nil behind PgBouncer
-	type result struct {
-		holder string
-		token  int64
-		err    error
-	}
 	// The statement's context is cancelled here, after the blockers are
 	// looked up.
 	qctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
-	var r result
+	var r struct {
+		holder string
+		token  int64
+		err    error
+	}
 	stmt := bg.Run(qctx, func(qctx context.Context) {
 		r.err = conn.QueryRow(qctx, q.forceRelease, name).Scan(&r.token, &r.holder, nil) // the last column: whether waiters were woken
 	})
 	defer stmt.Stop()
 	own := ownconn.New(pool)
 	defer own.Close()
-	var (
-		endedMu sync.Mutex
-		ended   []Backend
-	)
+	var ended []Backend // appended to on the watcher's goroutine, read once stopWatch returned
 	stopWatch := watchIdleHolders(qctx, forceReleaseIdleAfter, func(stopping, _ context.Context) ([]Backend, error) {
 		ended, err := endIdleHolders(stopping, own, q, name, forceReleaseIdleAfter, waiter)
 		if looked != nil {
 			looked(err)
 		}
 		return ended, err
-	}, func(e []Backend, _ error) {
-		endedMu.Lock()
-		ended = append(ended, e...)
-		endedMu.Unlock()
-	})
+	}, func(e []Backend, _ error) { ended = append(ended, e...) })
 	defer stopWatch()
 	select {
 	case <-stmt.Done():
@@ -257,8 +248,6 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 		}
 	}
 	stopWatch() // the look in progress has reported: ended is complete
-	endedMu.Lock()
-	defer endedMu.Unlock()
 	if errors.Is(r.err, pgx.ErrNoRows) {
 		return Freed{}, fmt.Errorf("%w: %q", ErrNoLease, name)
 	}
@@ -269,12 +258,14 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 }
 
 // RevokeTx ends lease name's current term inside tx by issuing it a new
-// token that nobody holds: once tx commits, the lease is free and its
-// holder's guarded writes are refused. Until then token guards what tx
+// token that nobody holds: once tx commits, the lease is free (waiters are
+// woken), its holder's next renewal ends it, and its guarded writes are
+// refused. Until then tx holds the lease row, and token guards what tx
 // writes (a resource fenced by the lease's tokens accepts it). It waits,
 // as an acquisition does, for the guarded transactions of the current
-// token. holder is the holder the row named ("" if released). A lease
-// never acquired is ErrNoLease.
+// token, as long as ctx allows. holder is the holder the row named (""
+// if released, an expired holder's name if expired). A lease never
+// acquired is ErrNoLease.
 func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.Token, holder string, err error) {
 	q, err := operatorStart(ctx, "lock: RevokeTx", nilWhen(tx == nil, fmt.Errorf("lock: RevokeTx: %w", fence.ErrNilDB)), schema, name)
 	if err != nil {

@@ -191,29 +191,32 @@ func (l *Lease) Release(ctx context.Context) error {
 
 // end ends the lease as released, unless it had ended (false).
 func (l *Lease) end() bool {
+	ev := Event{Kind: Released, Lease: l.name, Token: l.token}
+	ended, _, emit := l.finish(ev, ErrReleased)
+	if emit {
+		l.c.emit(ev)
+	}
+	return ended
+}
+
+// finish ends the lease with cause, unless it had ended, and reports
+// whether it did, whether it had been handed out, and whether ev is to be
+// emitted now (if it was handed out but not yet announced, announce emits
+// ev).
+func (l *Lease) finish(ev Event, cause error) (ended, out, emit bool) {
 	l.mu.Lock()
 	if l.ended {
 		l.mu.Unlock()
-		return false
+		return false, false, false
 	}
-	l.ended = true
-	emit := l.endEvent(Event{Kind: Released, Lease: l.name, Token: l.token})
+	l.ended, out, emit = true, l.out, l.announced
+	if out && !emit {
+		l.pending = &ev
+	}
 	l.mu.Unlock()
-	l.cancel(ErrReleased)
+	l.cancel(cause)
 	l.c.untrack(l)
-	if emit {
-		l.c.emit(Event{Kind: Released, Lease: l.name, Token: l.token})
-	}
-	return true
-}
-
-// endEvent says whether the end's event is to be emitted now (announce
-// emits it otherwise). The caller holds l.mu.
-func (l *Lease) endEvent(e Event) bool {
-	if l.out && !l.announced {
-		l.pending = &e
-	}
-	return l.announced
+	return true, out, emit
 }
 
 // handOut marks the lease as the caller's, unless it has ended (false).
@@ -246,19 +249,12 @@ func (l *Lease) announce() {
 
 // lose ends the lease with err (which wraps ErrLeaseLost), lost for cause.
 func (l *Lease) lose(cause LossCause, err error) {
-	l.mu.Lock()
-	if l.ended {
-		l.mu.Unlock()
-		return
-	}
-	l.ended = true
-	out := l.out
 	ev := Event{Kind: Lost, Lease: l.name, Token: l.token, Cause: cause, Err: err}
-	emit := l.endEvent(ev)
-	l.mu.Unlock()
-	l.cancel(err)
-	l.c.untrack(l)
-	if !out {
+	ended, out, emit := l.finish(ev, err)
+	switch {
+	case !ended:
+		return
+	case !out:
 		l.c.log.Debug("pgfence: lease lost before it was handed out; acquiring again", "lease", l.name, "token", l.token, "err", err)
 		return
 	}

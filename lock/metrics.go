@@ -2,6 +2,7 @@ package lock
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -113,7 +114,7 @@ func (m *metrics) attempted(ctx context.Context, err error) {
 	switch {
 	case err == nil:
 		m.acquisitions.Add(ctx, 1, resultAcquired)
-	case isHeld(err):
+	case errors.Is(err, ErrHeld):
 		m.acquisitions.Add(ctx, 1, resultHeld)
 	default:
 		m.acquisitions.Add(ctx, 1, metric.WithAttributes(attribute.String("pgfence.outcome", "error"), errtype.Attr(err)))

@@ -19,8 +19,9 @@ import (
 // client closes, when it is closed. A lease never acquired reads as
 // Info{Name: name}. Acquisitions of an observed lease notify, so a new
 // holder is seen within milliseconds; a read every PollInterval (and at
-// the expiry) catches the rest. The channel holds the newest state. A
-// permanent error is logged and ends the observation.
+// the expiry) catches the rest: a statement per PollInterval per observer.
+// The channel holds the newest state. Transient errors are retried (logged
+// once per failure period); a permanent one is logged and ends it.
 func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) {
 	if err := ctxcheck.NotNil(ctx, "lock: Observe"); err != nil {
 		return nil, err

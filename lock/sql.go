@@ -81,7 +81,7 @@ func newQueries(schema string) *queries {
  WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
 RETURNING %[2]s`, t, wake, freeLease)
 	// Close's release of all the client's leases ($1 names, $2 tokens, $3
-	// secrets), locked in name order as revokeAll locks them.
+	// secrets), locked in name order as revoke locks them.
 	releaseMany := fmt.Sprintf(`WITH mine AS (
   SELECT f.name FROM %[1]s f JOIN unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
     ON f.name = r.name AND f.token = r.token AND f.secret = r.secret

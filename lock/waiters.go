@@ -34,7 +34,7 @@ type waiters struct {
 	by      map[string]map[*waiter]struct{}
 	polled  int           // waiters the poller covers
 	ready   chan struct{} // closed once LISTEN is in place; nil when no listener is meant to run
-	stopped bool          // the client is closing: no more polling
+	stopped bool          // the client is closing: no new polled waiters
 	kick    chan struct{} // cap 1: a waiter asked to be polled for
 }
 
@@ -118,7 +118,7 @@ func (w *waiter) cancel() {
 	}
 }
 
-// close stops the polling and wakes the waiters it covered, whose next
+// close refuses new polled waiters and wakes those it covers, whose next
 // attempt reports ErrClosed.
 func (ws *waiters) close() {
 	ws.mu.Lock()
