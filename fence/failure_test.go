@@ -34,9 +34,10 @@ func TestLeaseEndCancelsStatements(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			sleep := "SELECT pg_sleep(30) -- " + db.Schema // this test's, in pg_stat_activity
 			fn := func(tx pgx.Tx) error {
 				// The function's own context never ends.
-				_, err := tx.Exec(context.Background(), "SELECT pg_sleep(30)")
+				_, err := tx.Exec(context.Background(), sleep)
 				return err
 			}
 			done := make(chan error, 1)
@@ -47,7 +48,11 @@ func TestLeaseEndCancelsStatements(t *testing.T) {
 					done <- l.Guard().RunTx(l.Context(), db.Pool, fn)
 				}
 			}()
-			time.Sleep(300 * time.Millisecond) // the statement is running
+			pgtest.Eventually(t, 30*time.Second, "the guarded statement to run", func() bool {
+				var n int
+				_ = db.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query = $1", sleep).Scan(&n)
+				return n == 1
+			})
 			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -100,7 +105,6 @@ func TestRunTxRetriesKilledConnection(t *testing.T) {
 		if killed := pgtest.Terminate(t, db.Pool, app); killed != 1 {
 			t.Fatalf("killed %d backends, want 1", killed)
 		}
-		time.Sleep(50 * time.Millisecond) // the FATAL message has arrived
 	}
 	if err := write(3); err != nil {
 		t.Fatalf("guarded transaction on a killed pooled connection: %v", err)

@@ -255,17 +255,26 @@ func closePool(tb testing.TB, pool *pgxpool.Pool, appName string) {
 func UniqueName(prefix string) string { return prefix + "-" + randHex(6) }
 
 // Terminate kills every backend whose application_name is appName, from an
-// admin connection, and returns how many it killed.
+// admin connection, waits until they have exited (their clients have been
+// sent the FATAL message by then), and returns how many it killed.
 func Terminate(tb testing.TB, admin *pgxpool.Pool, appName string) int {
 	tb.Helper()
-	var n int
-	err := admin.QueryRow(context.Background(),
-		`SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-		  WHERE application_name = $1 AND pid <> pg_backend_pid()) k`, appName).Scan(&n)
+	ctx := context.Background()
+	rows, err := admin.Query(ctx, `SELECT pid FROM (SELECT pid, pg_terminate_backend(pid) AS killed FROM pg_stat_activity
+		  WHERE application_name = $1 AND pid <> pg_backend_pid()) k WHERE killed`, appName)
+	var pids []int32
+	if err == nil {
+		pids, err = pgx.CollectRows(rows, pgx.RowTo[int32])
+	}
 	if err != nil {
 		tb.Fatalf("pgtest: terminate %s: %v", appName, err)
 	}
-	return n
+	Eventually(tb, 30*time.Second, "the terminated backends of "+appName+" to exit", func() bool {
+		var left int
+		err := admin.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)", pids).Scan(&left)
+		return err == nil && left == 0
+	})
+	return len(pids)
 }
 
 func randHex(n int) string {
