@@ -208,13 +208,18 @@ func TestGracefulShutdownHandsOver(t *testing.T) {
 		}
 	}
 	ins := map[string]*instance{}
+	pool := pgtest.NewPool(t, "runner-handover")
 	for i := range 3 {
 		who := fmt.Sprintf("i%d", i)
-		ins[who] = start(t, db.Pool, lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second}, runner.Config{OnEvent: ev.hook(who)},
+		ins[who] = start(t, pool, lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second}, runner.Config{OnEvent: ev.hook(who)},
 			func(r *runner.Runner) error { return r.Register(chargeJob(db, "handover", "@every 1h")) })
 	}
 	first := <-gainedAt
-	time.Sleep(300 * time.Millisecond) // the others are waiting on LISTEN
+	// Every instance listens (its balancer watches the membership, which
+	// the leader's shutdown changes): the handover is the notification's.
+	waitFor(t, 30*time.Second, "the three instances listening", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'runner-handover' AND query LIKE 'LISTEN%'") == 3
+	})
 	stopped := time.Now()
 	ins[first].stop(t)
 	select {

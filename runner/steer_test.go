@@ -35,8 +35,19 @@ func steeredReplica() int {
 	defer s.close()
 	ctx, schema, id, pool, r := s.ctx, s.schema, s.id, s.pool, s.r
 	err = r.Register(runner.Job{Name: "steered", Schedule: "@every 200ms", Run: func(ctx context.Context, run *runner.Run) error {
-		if run.Manual {
-			time.Sleep(400 * time.Millisecond) // long enough to be frozen in
+		// A manual run waits until the test opens the gate, which it does
+		// once the first one's leader is frozen (SIGSTOP) in this wait.
+		// The wait is on the process's context, not the run's: thawed, the
+		// run goes on to commit, however late.
+		for run.Manual {
+			var open bool
+			if err := pool.QueryRow(s.ctx, "SELECT EXISTS (SELECT FROM "+s.table("gate")+")").Scan(&open); err != nil {
+				return err
+			}
+			if open {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
 		return run.CommitTx(ctx, func(tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "INSERT INTO "+s.table("effects")+" VALUES ($1, $2, $3, $4)", run.Manual, run.Slot, int64(run.Token), id)
@@ -106,6 +117,7 @@ func TestSteeringWithAFrozenLeader(t *testing.T) {
 	ctx := pgtest.Context(t, 3*time.Minute)
 	runs, effects := tbl(db, "pgfence_runs"), tbl(db, "effects")
 	mustExec(t, db, "CREATE TABLE "+effects+" (manual bool, slot timestamptz, token bigint, instance text, UNIQUE (manual, slot))")
+	mustExec(t, db, "CREATE TABLE "+tbl(db, "gate")+" (open bool)") // manual runs wait for a row
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -196,6 +208,7 @@ func TestSteeringWithAFrozenLeader(t *testing.T) {
 	if err := procs[frozen].cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
+	mustExec(t, db, "INSERT INTO "+tbl(db, "gate")+" VALUES (true)") // the frozen run goes on only once thawed
 	slots := []time.Time{first}
 	for range 4 {
 		slots = append(slots, slotOf(procs[asker].send(t, "run")))
