@@ -1,7 +1,7 @@
 package lock
 
 import (
-	"fmt"
+	"strings"
 	"sync"
 
 	"github.com/pgfence/pgfence/internal/ident"
@@ -43,83 +43,82 @@ func sqlFor(schema string) *queries {
 	return q.(*queries)
 }
 
-// wakeWaiters is a RETURNING expression for statements that free lease l:
-// it notifies when a blocked acquirer asked for it (waiters_until).
-func wakeWaiters(fn string) string {
-	return `CASE WHEN l.waiters_until > now() THEN ` + fn + `(l.name) ELSE false END`
-}
-
-// inspectSQL is the operators' view of lease rows, without its WHERE.
-func inspectSQL(v string) string {
-	return fmt.Sprintf(`SELECT name, token, coalesce(holder, ''), coalesce(holder IS NOT NULL AND expires_at > clock_timestamp(), false),
+// Fragments of the statements below, whose {names} newQueries replaces
+// with the schema's objects.
+const (
+	// wake is a RETURNING expression for statements that free lease l: it
+	// notifies when a blocked acquirer asked for it (waiters_until).
+	wake = `CASE WHEN l.waiters_until > now() THEN {wake_waiters}(l.name) ELSE false END`
+	// free is the SET list of every statement that frees a lease row.
+	free = `holder = NULL, secret = NULL, session = NULL, freed_at = now()`
+	// ready is the epoch check (00001_leases.sql): the timeline functions
+	// are inlined, so it reads no table unless the timeline changed.
+	ready = `({timeline}() = {epoch_timeline}() OR {sync_epoch}())`
+	// inspect is the operators' view of lease rows, without its WHERE.
+	inspect = `SELECT name, token, coalesce(holder, ''), coalesce(holder IS NOT NULL AND expires_at > clock_timestamp(), false),
        acquired_at, renewed_at, coalesce(expires_at, acquired_at), clock_timestamp()
-  FROM %[1]s`, v)
-}
-
-// freeLease is the SET list of every statement that frees a lease row.
-const freeLease = `holder = NULL, secret = NULL, session = NULL, freed_at = now()`
-
-// readyCheck is the epoch check (00001_leases.sql): the timeline functions
-// are inlined, so it reads no table unless the timeline changed.
-func readyCheck(schema string) string {
-	return fmt.Sprintf(`(%s() = %s() OR %s())`, ident.Table(schema, "pgfence_timeline"),
-		ident.Table(schema, "pgfence_epoch_timeline"), ident.Table(schema, "pgfence_sync_epoch"))
-}
-
-func newQueries(schema string) *queries {
-	t := ident.Table(schema, "pgfence_leases")
-	st := ident.Table(schema, "pgfence_sessions")
-	v := ident.Table(schema, "pgfence_lease_states")
-	wake := wakeWaiters(ident.Table(schema, "pgfence_wake_waiters"))
-	inspect := inspectSQL(v)
-	ready := readyCheck(schema)
+  FROM {states}`
+	// lost records a loss for the sessions that held the rows of old,
+	// without locking them: their next renewal counts it.
+	lost = `lost AS (
+  INSERT INTO {losses} (session, name, lost_at) SELECT old.session, old.name, now() FROM old WHERE old.session IS NOT NULL)`
 	// Release commits asynchronously (Config.DurableRelease):
 	// set_config(..., true) lasts until the statement's own transaction
 	// commits, and in RETURNING it runs only if a row was released.
-	const async = `, set_config('synchronous_commit', 'off', true)`
-	release := fmt.Sprintf(`UPDATE %[1]s l SET %[3]s
+	async   = `, set_config('synchronous_commit', 'off', true)`
+	release = `UPDATE {leases} l SET ` + free + `
  WHERE l.name = $1 AND l.token = $2 AND l.secret = $3
-RETURNING %[2]s`, t, wake, freeLease)
+RETURNING ` + wake
 	// Close's release of all the client's leases ($1 names, $2 tokens, $3
 	// secrets), locked in name order as revoke locks them.
-	releaseMany := fmt.Sprintf(`WITH mine AS (
-  SELECT f.name FROM %[1]s f JOIN unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
+	releaseMany = `WITH mine AS (
+  SELECT f.name FROM {leases} f JOIN unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
     ON f.name = r.name AND f.token = r.token AND f.secret = r.secret
    ORDER BY f.name FOR NO KEY UPDATE OF f)
-UPDATE %[1]s l SET %[3]s FROM mine WHERE l.name = mine.name
-RETURNING %[2]s`, t, wake, freeLease)
-	// lost records a loss for the sessions that held the rows of old,
-	// without locking them: their next renewal counts it.
-	lost := fmt.Sprintf(`lost AS (
-  INSERT INTO %[1]s (session, name, lost_at) SELECT old.session, old.name, now() FROM old WHERE old.session IS NOT NULL)`,
-		ident.Table(schema, "pgfence_session_losses"))
+UPDATE {leases} l SET ` + free + ` FROM mine WHERE l.name = mine.name
+RETURNING ` + wake
+	// notifyObservers is acquire's and takeOver's RETURNING list: the
+	// token, and a notification if an observer asked (observers_until).
+	notifyObservers = `l.token, CASE WHEN l.observers_until > now() THEN {wake_waiters}(l.name) ELSE false END`
+)
+
+func newQueries(schema string) *queries {
+	r := strings.NewReplacer(
+		"{leases}", ident.Table(schema, "pgfence_leases"),
+		"{sessions}", ident.Table(schema, "pgfence_sessions"),
+		"{states}", ident.Table(schema, "pgfence_lease_states"),
+		"{losses}", ident.Table(schema, "pgfence_session_losses"),
+		"{timeline}", ident.Table(schema, "pgfence_timeline"),
+		"{epoch_timeline}", ident.Table(schema, "pgfence_epoch_timeline"),
+		"{sync_epoch}", ident.Table(schema, "pgfence_sync_epoch"),
+		"{wake_waiters}", ident.Table(schema, "pgfence_wake_waiters"),
+	).Replace
 	return &queries{
 		// A client's session ($1 holder, $2 TTL in µs).
-		startSession: fmt.Sprintf(`INSERT INTO %[1]s (holder, started_at, renewed_at, expires_at)
+		startSession: r(`INSERT INTO {sessions} (holder, started_at, renewed_at, expires_at)
 VALUES ($1, now(), now(), now() + $2 * interval '1 microsecond')
-RETURNING id, expires_at, %[2]s()`, st, ident.Table(schema, "pgfence_timeline")),
+RETURNING id, expires_at, {timeline}()`),
 
 		// The renewal: one row, whatever the number of leases. A takeover
 		// in flight counts its loss on this row, so the two serialise
 		// there; an expired session stays expired. It returns the loss
 		// count and the timeline (a promoted primary may lack the newest
 		// acquisitions with no loss counted).
-		renew: fmt.Sprintf(`UPDATE %[1]s SET renewed_at = now(), expires_at = now() + $2 * interval '1 microsecond'
+		renew: r(`UPDATE {sessions} SET renewed_at = now(), expires_at = now() + $2 * interval '1 microsecond'
  WHERE id = $1 AND expires_at > now()
-RETURNING expires_at, losses + (SELECT count(*) FROM %[2]s x WHERE x.session = $1), %[3]s()`,
-			st, ident.Table(schema, "pgfence_session_losses"), ident.Table(schema, "pgfence_timeline")),
+RETURNING expires_at, losses + (SELECT count(*) FROM {losses} x WHERE x.session = $1), {timeline}()`),
 
 		// Close: the session's leases are freed by then (releaseMany).
-		endSession: fmt.Sprintf(`UPDATE %[1]s SET expires_at = least(expires_at, now()) WHERE id = $1`, st),
+		endSession: r(`UPDATE {sessions} SET expires_at = least(expires_at, now()) WHERE id = $1`),
 
 		// The leases among $1 names, $2 tokens, $3 secrets that session
 		// $4 no longer holds, each row as check returns it.
-		reconcile: fmt.Sprintf(`SELECT r.name, coalesce(l.token, 0), coalesce(l.secret = r.secret, false),
+		reconcile: r(`SELECT r.name, coalesce(l.token, 0), coalesce(l.secret = r.secret, false),
        coalesce(l.session = $4 AND s.expires_at > now(), false), coalesce(s.expires_at, l.freed_at, now())
   FROM unnest($1::text[], $2::bigint[], $3::bytea[]) AS r(name, token, secret)
-  LEFT JOIN %[1]s l ON l.name = r.name
-  LEFT JOIN %[2]s s ON s.id = l.session
- WHERE (l.token = r.token AND l.secret = r.secret AND l.session = $4) IS NOT TRUE`, t, st),
+  LEFT JOIN {leases} l ON l.name = r.name
+  LEFT JOIN {sessions} s ON s.id = l.session
+ WHERE (l.token = r.token AND l.secret = r.secret AND l.session = $4) IS NOT TRUE`),
 
 		// The compare-and-set ($1 name, $2 holder, $3 secret, $4 the
 		// acquirer's session) of a lease that names no session: the row
@@ -137,29 +136,27 @@ RETURNING expires_at, losses + (SELECT count(*) FROM %[2]s x WHERE x.session = $
 		// An expired session's lease is taken by takeOver, kept out of
 		// this statement so the common case costs nothing more (as one
 		// statement, about 10% slower at 8 clients: BENCHMARKS.md).
-		acquire: fmt.Sprintf(`UPDATE %[1]s l SET token = DEFAULT, holder = $2, secret = $3, session = $4, acquired_at = clock_timestamp(), freed_at = NULL
- WHERE l.name = (SELECT f.name FROM %[1]s f WHERE f.name = $1 AND f.session IS NULL FOR UPDATE)
-   AND l.session IS NULL AND %[3]s
-RETURNING l.token, CASE WHEN l.observers_until > now() THEN %[4]s(l.name) ELSE false END`,
-			t, st, ready, ident.Table(schema, "pgfence_wake_waiters")),
+		acquire: r(`UPDATE {leases} l SET token = DEFAULT, holder = $2, secret = $3, session = $4, acquired_at = clock_timestamp(), freed_at = NULL
+ WHERE l.name = (SELECT f.name FROM {leases} f WHERE f.name = $1 AND f.session IS NULL FOR UPDATE)
+   AND l.session IS NULL AND ` + ready + `
+RETURNING ` + notifyObservers),
 
 		// The takeover of lease $1 whose session expired (the arguments
 		// as acquire's). A session newer than the statement's snapshot is
 		// not seen expired, and not taken. taken counts the loss on the
 		// session's row, which locks it: a renewal in flight is waited
 		// for, and if it renewed the session nothing is taken.
-		takeOver: fmt.Sprintf(`WITH locked AS (
-  SELECT f.name, f.session FROM %[1]s f
-   WHERE f.name = $1 AND EXISTS (SELECT FROM %[2]s s WHERE s.id = f.session AND s.expires_at <= now())
+		takeOver: r(`WITH locked AS (
+  SELECT f.name, f.session FROM {leases} f
+   WHERE f.name = $1 AND EXISTS (SELECT FROM {sessions} s WHERE s.id = f.session AND s.expires_at <= now())
    FOR UPDATE),
 taken AS (
-  UPDATE %[2]s s SET losses = s.losses + 1 FROM locked
+  UPDATE {sessions} s SET losses = s.losses + 1 FROM locked
    WHERE s.id = locked.session AND s.expires_at <= now() RETURNING s.id)
-UPDATE %[1]s l SET token = DEFAULT, holder = $2, secret = $3, session = $4, acquired_at = clock_timestamp(), freed_at = NULL
+UPDATE {leases} l SET token = DEFAULT, holder = $2, secret = $3, session = $4, acquired_at = clock_timestamp(), freed_at = NULL
   FROM locked
- WHERE l.name = locked.name AND EXISTS (SELECT FROM taken) AND %[3]s
-RETURNING l.token, CASE WHEN l.observers_until > now() THEN %[4]s(l.name) ELSE false END`,
-			t, st, ready, ident.Table(schema, "pgfence_wake_waiters")),
+ WHERE l.name = locked.name AND EXISTS (SELECT FROM taken) AND ` + ready + `
+RETURNING ` + notifyObservers),
 
 		// The sessions idle in a transaction for at least $2 µs that block
 		// a statement waiting on the row of lease $1, if it is not held
@@ -170,19 +167,19 @@ RETURNING l.token, CASE WHEN l.observers_until > now() THEN %[4]s(l.name) ELSE f
 		// holder: an open migration). A session whose state this role may
 		// not see has state '': reported, not ended. The transaction id
 		// and the moment it went idle pin what endBackend may end.
-		idleHolders: fmt.Sprintf(`SELECT DISTINCT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
+		idleHolders: r(`SELECT DISTINCT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
        a.xact_start, left(coalesce(a.query, ''), 200), a.backend_xid::text, a.state_change
-  FROM %[1]s l
+  FROM {leases} l
   JOIN pg_locks w ON w.relation = l.tableoid
    AND w.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
    AND (w.locktype = 'relation' AND w.pid::int8 = $3::int8
         OR w.locktype = 'tuple' AND w.page = (l.ctid::text::point)[0]::int AND w.tuple = (l.ctid::text::point)[1]::int)
   JOIN pg_stat_activity a ON a.pid = ANY (pg_blocking_pids(w.pid))
- WHERE l.name = $1 AND (l.session IS NULL OR EXISTS (SELECT FROM %[2]s s WHERE s.id = l.session AND s.expires_at <= now()))
+ WHERE l.name = $1 AND (l.session IS NULL OR EXISTS (SELECT FROM {sessions} s WHERE s.id = l.session AND s.expires_at <= now()))
    AND (a.state IS NULL
         OR a.state = 'idle in transaction' AND a.state_change <= now() - $2 * interval '1 microsecond'
            AND EXISTS (SELECT 1 FROM pg_locks x WHERE x.pid = w.pid AND NOT x.granted
-                          AND x.locktype = 'transactionid' AND x.transactionid = a.backend_xid))`, t, st),
+                          AND x.locktype = 'transactionid' AND x.transactionid = a.backend_xid))`),
 
 		// Ends backend $1 if it is still idle in transaction $2 since $3.
 		endBackend: `SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a
@@ -192,40 +189,40 @@ RETURNING l.token, CASE WHEN l.observers_until > now() THEN %[4]s(l.name) ELSE f
 		// acquisition): whether it holds the caller's secret $2 (an
 		// earlier attempt won and its reply was lost), and the session it
 		// names (0: none).
-		heldBy: fmt.Sprintf(`SELECT l.token, coalesce(l.holder, ''), coalesce(s.expires_at > now(), false),
+		heldBy: r(`SELECT l.token, coalesce(l.holder, ''), coalesce(s.expires_at > now(), false),
        coalesce(s.expires_at, l.freed_at, now()),
        (extract(epoch FROM coalesce(s.expires_at, now()) - now()) * 1e6)::bigint, l.secret IS NOT DISTINCT FROM $2,
        coalesce(l.session, 0)
-  FROM %[1]s l LEFT JOIN %[2]s s ON s.id = l.session WHERE l.name = $1`, t, st),
+  FROM {leases} l LEFT JOIN {sessions} s ON s.id = l.session WHERE l.name = $1`),
 
 		// A name's first acquisition (no row: another was first).
-		acquireNew: fmt.Sprintf(`INSERT INTO %[1]s (name, holder, secret, session, acquired_at)
-SELECT $1, $2, $3, $4, now() WHERE %[2]s
+		acquireNew: r(`INSERT INTO {leases} (name, holder, secret, session, acquired_at)
+SELECT $1, $2, $3, $4, now() WHERE ` + ready + `
 ON CONFLICT DO NOTHING
-RETURNING token`, t, ready),
+RETURNING token`),
 
 		// Once per client: move the token sequence into the current epoch
 		// if the cluster changed under the schema (a logical restore),
-		// which readyCheck cannot see. False on a standby.
-		syncEpoch: fmt.Sprintf(`SELECT NOT pg_is_in_recovery() AND %s()`, ident.Table(schema, "pgfence_sync_epoch")),
+		// which ready cannot see. False on a standby.
+		syncEpoch: r(`SELECT NOT pg_is_in_recovery() AND {sync_epoch}()`),
 
-		release:            release + async,
-		releaseDurable:     release,
-		releaseMany:        releaseMany + async,
-		releaseManyDurable: releaseMany,
+		release:            r(release + async),
+		releaseDurable:     r(release),
+		releaseMany:        r(releaseMany + async),
+		releaseManyDurable: r(releaseMany),
 
 		// Frees an acquisition by the secret only it knew.
-		releaseSecret: fmt.Sprintf(`UPDATE %[1]s l SET %[3]s
+		releaseSecret: r(`UPDATE {leases} l SET ` + free + `
  WHERE l.name = $1 AND l.secret = $2
-RETURNING %[2]s`, t, wake, freeLease),
+RETURNING ` + wake),
 
 		// Whether backend $1 still exists.
 		backendAlive: `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1::int8)`, // int8: a pooler's key may not fit int4
 
 		// Lease $1 as its holder (secret $2, session $3) sees it.
-		check: fmt.Sprintf(`SELECT l.token, coalesce(l.secret = $2, false), coalesce(l.session = $3 AND s.expires_at > clock_timestamp(), false),
+		check: r(`SELECT l.token, coalesce(l.secret = $2, false), coalesce(l.session = $3 AND s.expires_at > clock_timestamp(), false),
        coalesce(s.expires_at, l.freed_at, clock_timestamp())
-  FROM %[1]s l LEFT JOIN %[2]s s ON s.id = l.session WHERE l.name = $1`, t, st),
+  FROM {leases} l LEFT JOIN {sessions} s ON s.id = l.session WHERE l.name = $1`),
 
 		// The poller's statement for the leases $1 the client waits for:
 		// it asks the held ones' releases to NOTIFY for the next $2
@@ -233,51 +230,51 @@ RETURNING %[2]s`, t, wake, freeLease),
 		// each lease's state. waiters_until is not a key column: no guarded
 		// transaction is waited for. SKIP LOCKED: waiting for several rows
 		// in its own order could deadlock with a release of many.
-		pollWaited: fmt.Sprintf(`WITH marked AS (
-  UPDATE %[1]s l SET waiters_until = greatest(l.waiters_until, now() + $2 * interval '1 microsecond')
-    FROM (SELECT f.name FROM %[1]s f
-           WHERE f.name = ANY($1) AND EXISTS (SELECT FROM %[2]s s WHERE s.id = f.session AND s.expires_at > now())
+		pollWaited: r(`WITH marked AS (
+  UPDATE {leases} l SET waiters_until = greatest(l.waiters_until, now() + $2 * interval '1 microsecond')
+    FROM (SELECT f.name FROM {leases} f
+           WHERE f.name = ANY($1) AND EXISTS (SELECT FROM {sessions} s WHERE s.id = f.session AND s.expires_at > now())
              AND (f.waiters_until IS NULL OR f.waiters_until < now() + $3 * interval '1 microsecond')
            FOR NO KEY UPDATE OF f SKIP LOCKED) m
    WHERE l.name = m.name)
 SELECT v.name, NOT coalesce(v.holder IS NOT NULL AND v.expires_at > now(), false),
        (extract(epoch FROM coalesce(v.expires_at, now()) - now()) * 1e6)::bigint
-  FROM %[3]s v WHERE v.name = ANY($1)`, t, st, v),
+  FROM {states} v WHERE v.name = ANY($1)`),
 
 		// An observer's statement for lease $1: pollWaited's marking for
 		// acquisitions too, and inspectOne's row.
-		observe: fmt.Sprintf(`WITH marked AS (
-  UPDATE %[1]s l SET observers_until = now() + $2 * interval '1 microsecond',
+		observe: r(`WITH marked AS (
+  UPDATE {leases} l SET observers_until = now() + $2 * interval '1 microsecond',
                      waiters_until = greatest(l.waiters_until, now() + $2 * interval '1 microsecond')
-    FROM (SELECT f.name FROM %[1]s f
+    FROM (SELECT f.name FROM {leases} f
            WHERE f.name = $1 AND (f.observers_until IS NULL OR f.observers_until < now() + $3 * interval '1 microsecond')
            FOR NO KEY UPDATE SKIP LOCKED) m
    WHERE l.name = m.name)
-%[2]s WHERE name = $1`, t, inspect),
+` + inspect + ` WHERE name = $1`),
 
 		// The sessions that block backend $1 (ForceRelease).
 		blockers: `SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
        a.xact_start, left(coalesce(a.query, ''), 200)
   FROM pg_stat_activity a WHERE a.pid = ANY (pg_blocking_pids($1)) ORDER BY a.pid`,
 
-		inspectAll: inspect + ` ORDER BY name`,
-		inspectOne: inspect + ` WHERE name = $1`,
+		inspectAll: r(inspect + ` ORDER BY name`),
+		inspectOne: r(inspect + ` WHERE name = $1`),
 
-		forceRelease: fmt.Sprintf(`WITH old AS (SELECT name, holder, session FROM %[1]s WHERE name = $1 FOR UPDATE),
-%[3]s
-UPDATE %[1]s l SET %[4]s
+		forceRelease: r(`WITH old AS (SELECT name, holder, session FROM {leases} WHERE name = $1 FOR UPDATE),
+` + lost + `
+UPDATE {leases} l SET ` + free + `
   FROM old WHERE l.name = old.name
-RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake, lost, freeLease),
+RETURNING l.token, coalesce(old.holder, ''), ` + wake),
 
 		// Issues a new token to nobody for each of the leases $1
 		// (RevokeTx), after the guarded transactions of the current one,
 		// as acquire does; locked in name order (no deadlock with another
 		// revocation or a Close).
-		revoke: fmt.Sprintf(`WITH old AS (SELECT name, holder, session FROM %[1]s WHERE name = ANY($1) ORDER BY name FOR UPDATE),
-%[4]s
-UPDATE %[1]s l SET token = DEFAULT, %[5]s
-  FROM old WHERE l.name = old.name AND %[3]s
-RETURNING l.token, coalesce(old.holder, ''), %[2]s`, t, wake, ready, lost, freeLease),
+		revoke: r(`WITH old AS (SELECT name, holder, session FROM {leases} WHERE name = ANY($1) ORDER BY name FOR UPDATE),
+` + lost + `
+UPDATE {leases} l SET token = DEFAULT, ` + free + `
+  FROM old WHERE l.name = old.name AND ` + ready + `
+RETURNING l.token, coalesce(old.holder, ''), ` + wake),
 	}
 }
 
