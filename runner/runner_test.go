@@ -208,7 +208,8 @@ func TestGracefulShutdownHandsOver(t *testing.T) {
 		}
 	}
 	ins := map[string]*instance{}
-	pool := pgtest.NewPool(t, "runner-handover")
+	app := pgtest.UniqueName("handover")
+	pool := pgtest.NewPool(t, app)
 	for i := range 3 {
 		who := fmt.Sprintf("i%d", i)
 		ins[who] = start(t, pool, lock.Config{Schema: db.Schema, Holder: who, TTL: 30 * time.Second, PollInterval: 10 * time.Second}, runner.Config{OnEvent: ev.hook(who)},
@@ -218,7 +219,7 @@ func TestGracefulShutdownHandsOver(t *testing.T) {
 	// Every instance listens (its balancer watches the membership, which
 	// the leader's shutdown changes): the handover is the notification's.
 	waitFor(t, 30*time.Second, "the three instances listening", func() bool {
-		return queryInt(t, db, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'runner-handover' AND query LIKE 'LISTEN%'") == 3
+		return queryInt(t, db, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query = 'LISTEN pgfence_released'", app) == 3
 	})
 	stopped := time.Now()
 	ins[first].stop(t)

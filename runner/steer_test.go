@@ -3,6 +3,7 @@ package runner_test
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/runner"
 )
@@ -38,7 +40,8 @@ func steeredReplica() int {
 		// A manual run waits until the test opens the gate, which it does
 		// once the first one's leader is frozen (SIGSTOP) in this wait.
 		// The wait is on the process's context, not the run's: thawed, the
-		// run goes on to commit, however late.
+		// run goes on to attempt its commit, however late, and records how
+		// that attempt ended.
 		for run.Manual {
 			var open bool
 			if err := pool.QueryRow(s.ctx, "SELECT EXISTS (SELECT FROM "+s.table("gate")+")").Scan(&open); err != nil {
@@ -49,10 +52,15 @@ func steeredReplica() int {
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
-		return run.CommitTx(ctx, func(tx pgx.Tx) error {
+		err := run.CommitTx(ctx, func(tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "INSERT INTO "+s.table("effects")+" VALUES ($1, $2, $3, $4)", run.Manual, run.Slot, int64(run.Token), id)
 			return err
 		})
+		if run.Manual {
+			_, _ = pool.Exec(s.ctx, "INSERT INTO "+s.table("attempts")+" VALUES ($1, $2, $3, $4)",
+				run.Slot, int64(run.Token), id, errors.Is(err, fence.ErrFenced))
+		}
+		return err
 	}})
 	if err != nil {
 		return exit("steer", err)
@@ -118,6 +126,7 @@ func TestSteeringWithAFrozenLeader(t *testing.T) {
 	runs, effects := tbl(db, "pgfence_runs"), tbl(db, "effects")
 	mustExec(t, db, "CREATE TABLE "+effects+" (manual bool, slot timestamptz, token bigint, instance text, UNIQUE (manual, slot))")
 	mustExec(t, db, "CREATE TABLE "+tbl(db, "gate")+" (open bool)") // manual runs wait for a row
+	mustExec(t, db, "CREATE TABLE "+tbl(db, "attempts")+" (slot timestamptz, token bigint, instance text, fenced bool)")
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -220,12 +229,20 @@ func TestSteeringWithAFrozenLeader(t *testing.T) {
 	if err := procs[frozen].cmd.Process.Signal(syscall.SIGCONT); err != nil {
 		t.Fatal(err)
 	}
-	// The thawed leader finishes its run: its commit must be refused.
-	waitFor(t, 10*time.Second, "the frozen leader's attempt to be fenced", func() bool {
+	// The thawed leader finishes its run: it attempts its commit, which is
+	// refused, and the ledger records its attempt as fenced.
+	waitFor(t, 10*time.Second, "the frozen leader's commit attempt", func() bool {
+		return queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "attempts")+" WHERE slot = $1 AND token = $2 AND instance = $3",
+			first, frozenToken, frozen) == 1
+	})
+	if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "attempts")+" WHERE slot = $1 AND token = $2 AND instance = $3 AND fenced",
+		first, frozenToken, frozen); n != 1 {
+		t.Fatal("the frozen leader's late commit was not refused as fenced (fence.ErrFenced)")
+	}
+	waitFor(t, 10*time.Second, "the frozen leader's attempt to be fenced in the ledger", func() bool {
 		return queryInt(t, db, "SELECT count(*) FROM "+runs+" WHERE kind = 'manual' AND slot = $1 AND status = 'fenced' AND token = $2 AND holder = $3",
 			first, frozenToken, frozen) == 1
 	})
-	time.Sleep(time.Second) // let a late commit, if it could happen, land
 	for _, at := range slots {
 		var tok int64
 		var who string
