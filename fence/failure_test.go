@@ -51,8 +51,10 @@ func TestLeaseEndCancelsStatements(t *testing.T) {
 			pgtest.Eventually(t, 30*time.Second, "the guarded statement to run", func() bool {
 				var n int
 				// strpos: the simple protocol sends the guard's check and
-				// the first statement as one query.
-				_ = db.Pool.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND strpos(query, $1) > 0 AND pid <> pg_backend_pid()", sleep).Scan(&n)
+				// the first statement as one query; PgSleep: the sleep
+				// itself runs, not the check before it.
+				_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+ WHERE wait_event = 'PgSleep' AND strpos(query, $1) > 0 AND pid <> pg_backend_pid()`, sleep).Scan(&n)
 				return n == 1
 			})
 			if err := l.Release(ctx); err != nil {

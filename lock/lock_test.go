@@ -241,12 +241,13 @@ func TestLeaseEndsBeforeTakeoverWhenRenewalsBlocked(t *testing.T) {
 		"(SELECT session FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+" WHERE name = 'blocked') FOR UPDATE"); err != nil {
 		t.Fatal(err)
 	}
+	ended := make(chan time.Time, 1) // when the lease ends, even while Terminate waits
+	go func() { <-l.Done(); ended <- time.Now() }()
 	killed := pgtest.Terminate(t, db.Pool, app)
 
 	var doneAt time.Time
 	select {
-	case <-l.Done():
-		doneAt = time.Now()
+	case doneAt = <-ended:
 	case <-time.After(5 * ttl):
 		t.Fatal("lease context never cancelled")
 	}
