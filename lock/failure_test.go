@@ -357,9 +357,15 @@ func TestHandoversDoNotChurnConnections(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer waiter.Close(ctx)
+	leases := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
 	handover := func() {
 		l, err := holder.TryAcquire(ctx, "busy")
 		if err != nil {
+			t.Fatal(err)
+		}
+		// The waiter's poller marks the row (waiters_until) once the
+		// waiter listens: cleared here, the mark says this waiter waits.
+		if _, err := db.Pool.Exec(ctx, "UPDATE "+leases+" SET waiters_until = NULL WHERE name = 'busy'"); err != nil {
 			t.Fatal(err)
 		}
 		got := make(chan error, 1)
@@ -370,7 +376,11 @@ func TestHandoversDoNotChurnConnections(t *testing.T) {
 			}
 			got <- err
 		}()
-		time.Sleep(20 * time.Millisecond) // the waiter is blocked
+		pgtest.Eventually(t, 30*time.Second, "the waiter to wait, listening", func() bool {
+			var marked bool
+			_ = db.Pool.QueryRow(ctx, "SELECT waiters_until IS NOT NULL FROM "+leases+" WHERE name = 'busy'").Scan(&marked)
+			return marked
+		})
 		if err := l.Release(ctx); err != nil {
 			t.Fatal(err)
 		}
