@@ -61,7 +61,7 @@ func TestLeastPrivilege(t *testing.T) {
 	if v, err := migrations.Up(ctx, app, schema); err != nil || v != migrations.Latest {
 		t.Fatalf("Up with nothing to do, as the application role: %d, %v", v, err)
 	}
-	lc, err := lock.New(app, lock.Config{Schema: schema, TTL: 600 * time.Millisecond, Logger: pgtest.Quiet})
+	lc, err := lock.New(app, lock.Config{Schema: schema, TTL: 3 * time.Second, RenewInterval: 200 * time.Millisecond, Logger: pgtest.Quiet})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -70,7 +70,10 @@ func TestLeastPrivilege(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Acquire as the application role: %v", err)
 	}
-	time.Sleep(500 * time.Millisecond) // renewals
+	renewals := lc.Stats().Renewals
+	pgtest.Eventually(t, 30*time.Second, "two renewals as the application role", func() bool {
+		return lc.Stats().Renewals-renewals >= 2 || l.Err() != nil
+	})
 	if err := l.Check(ctx); err != nil {
 		t.Fatalf("renewed lease: %v", err)
 	}

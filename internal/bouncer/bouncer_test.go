@@ -67,8 +67,8 @@ func TestLeasesThroughPgBouncer(t *testing.T) {
 			ctx := pgtest.Context(t, time.Minute)
 			pool := poolThrough(t, b, up, mode)
 			newClient := func(holder string) *lock.Client {
-				c, err := lock.New(pool, lock.Config{Schema: db.Schema, Holder: holder, TTL: 600 * time.Millisecond,
-					RenewInterval: 100 * time.Millisecond, SafetyMargin: 50 * time.Millisecond, PollInterval: 200 * time.Millisecond, Logger: pgtest.Quiet})
+				c, err := lock.New(pool, lock.Config{Schema: db.Schema, Holder: holder, TTL: 3 * time.Second,
+					RenewInterval: 500 * time.Millisecond, SafetyMargin: 300 * time.Millisecond, PollInterval: 200 * time.Millisecond, Logger: pgtest.Quiet})
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -84,11 +84,15 @@ func TestLeasesThroughPgBouncer(t *testing.T) {
 			if _, err := other.TryAcquire(ctx, "pooled"); !errors.As(err, &held) || held.Holder != "a" || held.Token != l.Token() {
 				t.Fatalf("second TryAcquire = %v, want held by a with token %d", err, l.Token())
 			}
-			// Renewals keep the lease through PgBouncer: after 3 TTLs it is
-			// still live, with the same token.
-			time.Sleep(1800 * time.Millisecond)
+			// Renewals keep the lease through PgBouncer: after 2 TTLs of
+			// them (however long a loaded machine takes) it is still live,
+			// with the same token.
+			acquired, renewals := time.Now(), a.Stats().Renewals
+			pgtest.Eventually(t, 30*time.Second, "2 TTLs of renewals", func() bool {
+				return a.Stats().Renewals-renewals >= 12 && time.Since(acquired) > 6*time.Second || l.Err() != nil
+			})
 			if err := l.Check(ctx); err != nil {
-				t.Fatalf("lease after 3 TTLs of renewals: %v", err)
+				t.Fatalf("lease after 2 TTLs of renewals: %v", err)
 			}
 			// A blocked Acquire: LISTEN does not survive transaction pooling,
 			// so the waiter must find the release by polling.
@@ -100,7 +104,13 @@ func TestLeasesThroughPgBouncer(t *testing.T) {
 				}
 				got <- l2
 			}()
-			time.Sleep(300 * time.Millisecond)
+			// The waiter waits once its poller has marked the row.
+			pgtest.Eventually(t, 30*time.Second, "the waiter to wait", func() bool {
+				var marked bool
+				_ = db.Pool.QueryRow(ctx, "SELECT waiters_until IS NOT NULL FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
+					" WHERE name = 'pooled'").Scan(&marked)
+				return marked
+			})
 			if err := l.Release(ctx); err != nil {
 				t.Fatal(err)
 			}
