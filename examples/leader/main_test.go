@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -70,7 +71,15 @@ func TestLeaderHandsOverOnSIGTERM(t *testing.T) {
 	if !waitLine(b, "campaigning", 20*time.Second) {
 		t.Fatal("second copy did not start")
 	}
-	time.Sleep(300 * time.Millisecond)
+	// The second copy waits once its poller has marked the lease row
+	// (waiters_until): its listener listens, and the release notifies it.
+	pool := pgtest.NewPool(t, pgtest.UniqueName("leader-test"))
+	pgtest.Eventually(t, 20*time.Second, "the second copy to wait for the lease", func() bool {
+		var n int
+		_ = pool.QueryRow(context.Background(), "SELECT count(*) FROM "+pgx.Identifier{schema, "pgfence_leases"}.Sanitize()+
+			" WHERE name = 'example-leader' AND waiters_until IS NOT NULL").Scan(&n)
+		return n == 1
+	})
 	_ = a.cmd.Process.Signal(syscall.SIGTERM)
 	if !waitLine(a, "stepped down; lease released", 5*time.Second) {
 		t.Fatal("leader did not step down on SIGTERM")
