@@ -82,20 +82,14 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 			l.announce()
 		}
 	}()
-	if c.isClosed() {
+	if _, closed := c.state(); closed {
 		return nil, ErrClosed
 	}
 	if err := c.verify(ctx); err != nil {
 		return nil, err
 	}
 	var held *HeldError
-	for attempt := 0; ; attempt++ {
-		if attempt == 3 {
-			if held != nil {
-				return nil, held
-			}
-			return nil, fmt.Errorf("lock: acquire %q: %w", name, errRowChanging)
-		}
+	for range 3 {
 		s, err := c.liveSession(ctx)
 		if err != nil {
 			if errors.Is(err, ErrClosed) {
@@ -118,7 +112,7 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 		if !c.track(l) {
 			// Closed, or the session ended: give it straight back.
 			c.freeBySecret(ctx, name, secret, token)
-			if c.isClosed() {
+			if _, closed := c.state(); closed {
 				return nil, ErrClosed
 			}
 			continue
@@ -134,22 +128,25 @@ func (c *Client) tryAcquire(ctx context.Context, name string, secret []byte) (l 
 				return nil, fmt.Errorf("lock: acquire %q: %w", name, err)
 			}
 		}
-		if s.left(c.clock.Now()) >= c.cfg.RenewInterval {
-			if !l.handOut() {
-				continue // lost meanwhile: try again
+		if s.left(c.clock.Now()) < c.cfg.RenewInterval {
+			// Back late: renew the session (which ends the lease if taken).
+			if _, err := c.liveSession(ctx); err != nil {
+				_ = l.Release(ctx)
+				return nil, fmt.Errorf("lock: acquire %q: renew the session after a late acquisition: %w", name, c.explain(err))
 			}
-			return l, nil
+			if l.Err() != nil {
+				continue // lost while it came back: never handed out
+			}
 		}
-		// Back late: renew the session (which ends the lease if taken).
-		if _, err := c.liveSession(ctx); err != nil {
-			_ = l.Release(ctx)
-			return nil, fmt.Errorf("lock: acquire %q: renew the session after a late acquisition: %w", name, c.explain(err))
-		}
-		if l.Err() != nil || !l.handOut() {
-			continue // lost while it came back: never handed out
+		if !l.handOut() {
+			continue // lost meanwhile: try again
 		}
 		return l, nil
 	}
+	if held != nil {
+		return nil, held
+	}
+	return nil, fmt.Errorf("lock: acquire %q: %w", name, errRowChanging)
 }
 
 // freeBySecret frees the lease name this acquisition won but does not hand
@@ -296,8 +293,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		if p, ok := inDoubt(err); ok {
 			doubt, pid = true, p
 		}
-		var held *HeldError
-		if !errors.As(err, &held) {
+		if !errors.Is(err, ErrHeld) {
 			switch {
 			case err == nil:
 				failing.Recover(c.log, "pgfence: acquire recovered", "lease", name)

@@ -195,30 +195,27 @@ func (c *Client) releaseAll(ctx context.Context, s *session) error {
 // (handOff) and waits only wait.PastDeadline more. f must be safe to run
 // again.
 func (c *Client) cleanup(ctx context.Context, what string, f func(ctx context.Context) error) error {
-	if ctx.Err() == nil {
+	err := ctx.Err()
+	if err == nil {
 		fctx, cancel := context.WithTimeout(ctx, wait.CleanupTimeout)
-		err := f(fctx)
+		err = f(fctx)
 		cancel()
-		if err == nil {
-			return nil
-		}
-		if ctx.Err() == nil {
-			return fmt.Errorf("lock: %s: %w", what, c.explain(err))
+	}
+	if err != nil && ctx.Err() != nil { // ctx ended before f ran, or while it failed
+		done := c.handOff(ctx, what, f)
+		tidy, cancel := wait.Tidy(ctx)
+		defer cancel()
+		select {
+		case err = <-done:
+		case <-tidy.Done():
+			return fmt.Errorf("lock: %s: %w (it goes on in the background, within %v; a lease it does not free expires by its TTL)",
+				what, context.Cause(ctx), wait.CleanupTimeout)
 		}
 	}
-	done := c.handOff(ctx, what, f)
-	tidy, cancel := wait.Tidy(ctx)
-	defer cancel()
-	select {
-	case err := <-done:
-		if err != nil {
-			return fmt.Errorf("lock: %s: %w", what, c.explain(err))
-		}
-		return nil
-	case <-tidy.Done():
-		return fmt.Errorf("lock: %s: %w (it goes on in the background, within %v; a lease it does not free expires by its TTL)",
-			what, context.Cause(ctx), wait.CleanupTimeout)
+	if err != nil {
+		return fmt.Errorf("lock: %s: %w", what, c.explain(err))
 	}
+	return nil
 }
 
 // handOff runs f in the client's group under wait.CleanupTimeout, even
@@ -246,10 +243,11 @@ func (c *Client) handOff(ctx context.Context, what string, f func(ctx context.Co
 	return done
 }
 
-func (c *Client) isClosed() bool {
+// state returns the client's current session (nil if none) and whether it is closed.
+func (c *Client) state() (*session, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.closed
+	return c.sess, c.closed
 }
 
 // track adds l to its session and wants the renewer, unless the client

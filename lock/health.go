@@ -23,14 +23,14 @@ func (c *Client) Health(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Health"); err != nil {
 		return err
 	}
-	if c.isClosed() {
+	if _, closed := c.state(); closed {
 		return fmt.Errorf("%w: %w", ErrUnhealthy, ErrClosed)
 	}
 	var why []error
 	if err := c.pool.Ping(ctx); err != nil {
 		why = append(why, fmt.Errorf("the database does not answer: %w", err))
 	}
-	if s := c.session(); s != nil && s.count() > 0 {
+	if s, _ := c.state(); s != nil && s.count() > 0 {
 		if c.failing.Load() {
 			why = append(why, errors.New("renewals are failing"))
 		}

@@ -33,8 +33,7 @@ func inFlight(err error, pid uint32) error {
 // inDoubt reports whether a failed acquisition may nevertheless have been
 // granted, and on which backend.
 func inDoubt(err error) (pid uint32, ok bool) {
-	var f *inFlightError
-	if errors.As(err, &f) {
+	if f, found := errors.AsType[*inFlightError](err); found {
 		return f.pid, true
 	}
 	return 0, false
@@ -46,38 +45,30 @@ func inDoubt(err error) (pid uint32, ok bool) {
 // wait.CleanupTimeout) until backend pid has exited, then frees the lease;
 // the lease's TTL covers a backend that lingers longer.
 func (c *Client) abandon(name string, secret []byte, pid uint32) {
-	run := func(ctx context.Context) {
+	// It runs even once Close has begun, and Close waits for it.
+	if !c.bg.Go(func(context.Context) {
+		ctx, cancel := wait.Detached(context.Background())
+		defer cancel()
 		wctx, wcancel := context.WithTimeout(ctx, wait.CleanupTimeout*4/5)
-		_ = c.afterBackend(wctx, pid)
+		c.afterBackend(wctx, pid)
 		wcancel()
 		_, err := c.pool.Exec(ctx, c.q.releaseSecret, name, secret)
 		if err != nil {
 			c.log.Warn("pgfence: could not free an acquisition whose outcome was unknown; it expires by TTL",
 				"lease", name, "err", err)
 		}
-	}
-	// It runs even once Close has begun, and Close waits for it.
-	if !c.bg.Go(func(context.Context) {
-		ctx, cancel := wait.Detached(context.Background())
-		defer cancel()
-		run(ctx)
 	}) {
 		c.log.Warn("pgfence: the client is closed: an acquisition whose outcome was unknown expires by its TTL", "lease", name)
 	}
 }
 
-// afterBackend waits until backend pid has exited.
-func (c *Client) afterBackend(ctx context.Context, pid uint32) error {
+// afterBackend waits until backend pid has exited, ctx ends, or asking fails.
+func (c *Client) afterBackend(ctx context.Context, pid uint32) {
 	for {
 		var alive bool
-		if err := c.pool.QueryRow(ctx, c.q.backendAlive, int64(pid)).Scan(&alive); err != nil {
-			return err
-		}
-		if !alive {
-			return nil
-		}
-		if !wait.Sleep(ctx, 5*time.Millisecond) {
-			return ctx.Err()
+		err := c.pool.QueryRow(ctx, c.q.backendAlive, int64(pid)).Scan(&alive)
+		if err != nil || !alive || !wait.Sleep(ctx, 5*time.Millisecond) {
+			return
 		}
 	}
 }

@@ -93,10 +93,9 @@ func (l *Lease) Err() error {
 		l.mu.Lock()
 		ended := l.ended
 		l.mu.Unlock()
-		if ended || l.s.left(l.c.clock.Now()) > 0 {
-			return context.Cause(l.ctx)
+		if !ended && l.s.left(l.c.clock.Now()) <= 0 {
+			l.s.trustElapsed()
 		}
-		l.s.trustElapsed()
 	}
 	return context.Cause(l.ctx)
 }

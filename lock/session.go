@@ -164,11 +164,11 @@ type loss struct {
 }
 
 // startSession starts the client's session.
-func (c *Client) startSession(ctx context.Context) (*session, error) {
+func (c *Client) startSession(ctx context.Context) error {
 	sent := c.clock.Now()
 	s := &session{c: c, leases: make(map[*Lease]struct{})}
 	if err := c.pool.QueryRow(ctx, c.q.startSession, c.cfg.Holder, c.cfg.TTL.Microseconds()).Scan(&s.id, &s.expiresAt, &s.timeline); err != nil {
-		return nil, fmt.Errorf("lock: start a session: %w", c.explain(err))
+		return fmt.Errorf("lock: start a session: %w", c.explain(err))
 	}
 	s.trustUntil = c.cfg.window().until(sent)
 	// A window already over fires at once: mu holds it off until s.timer
@@ -183,10 +183,10 @@ func (c *Client) startSession(ctx context.Context) (*session, error) {
 		s.ended = true
 		s.timer.Stop()
 		s.mu.Unlock()
-		return nil, ErrClosed
+		return ErrClosed
 	}
 	c.sess = s
-	return s, nil
+	return nil
 }
 
 // liveSession returns the client's session with at least one RenewInterval
@@ -194,9 +194,7 @@ func (c *Client) startSession(ctx context.Context) (*session, error) {
 // is none (or it has ended).
 func (c *Client) liveSession(ctx context.Context) (*session, error) {
 	for {
-		c.mu.Lock()
-		s, closed := c.sess, c.closed
-		c.mu.Unlock()
+		s, closed := c.state()
 		switch {
 		case closed:
 			return nil, ErrClosed
@@ -208,12 +206,9 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
-		c.mu.Lock()
-		s = c.sess
-		c.mu.Unlock()
 		var err error
 		left := time.Duration(0)
-		if s != nil {
+		if s, _ = c.state(); s != nil {
 			left = s.left(c.clock.Now())
 		}
 		// A renewal gets the trust left, a start a trust window: past
@@ -223,16 +218,13 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 			bound = c.cfg.TTL - c.cfg.SafetyMargin
 		}
 		tctx, cancel := context.WithTimeout(ctx, bound)
-		switch {
-		case left >= c.cfg.RenewInterval:
-			// Renewed or started while this call waited its turn.
-		case left > 0:
+		// With a RenewInterval left, it was renewed or started while
+		// this call waited its turn.
+		if 0 < left && left < c.cfg.RenewInterval {
 			err = c.renewSession(tctx, c.pool, s)
-			if errors.Is(err, errSessionExpired) {
-				_, err = c.startSession(tctx)
-			}
-		default:
-			_, err = c.startSession(tctx)
+		}
+		if left <= 0 || errors.Is(err, errSessionExpired) {
+			err = c.startSession(tctx)
 		}
 		cut := tctx.Err() != nil && ctx.Err() == nil
 		cancel()
@@ -376,7 +368,7 @@ func (c *Client) renewLoop(ctx context.Context) {
 			return
 		}
 		wait := c.cfg.RenewInterval
-		if s := c.session(); s != nil {
+		if s, _ := c.state(); s != nil {
 			sent := c.clock.Now()
 			err := c.renewTurn(ctx, own, s)
 			if ctx.Err() != nil {
@@ -411,7 +403,7 @@ func (c *Client) renewLoop(ctx context.Context) {
 // firstRenewal is when a starting renewer first renews: a RenewInterval
 // after the session's last renewal was sent (its trust window tells when).
 func (c *Client) firstRenewal() time.Duration {
-	s := c.session()
+	s, _ := c.state()
 	if s == nil {
 		return c.cfg.RenewInterval
 	}
@@ -439,13 +431,6 @@ func (c *Client) renewTurn(ctx context.Context, own *ownconn.Link, s *session) e
 		}
 		return c.renewSession(ctx, q, s)
 	})
-}
-
-// session returns the client's current session, if any.
-func (c *Client) session() *session {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.sess
 }
 
 // slowRenewal is the fraction of RenewInterval past which a renewal is

@@ -44,7 +44,7 @@ type stats struct {
 // Stats returns the client's current lease health.
 func (c *Client) Stats() Stats {
 	held := 0
-	if s := c.session(); s != nil {
+	if s, _ := c.state(); s != nil {
 		held = s.count()
 	}
 	return Stats{
