@@ -98,13 +98,11 @@ func (e *BlockedError) Error() string {
 	if len(e.Backends) == 0 {
 		b.WriteString(" (the blocking sessions had ended by the time they were looked up)")
 	}
-	for i, be := range e.Backends {
-		sep := "; held by"
-		if i > 0 {
-			sep = ","
-		}
+	sep := "; held by"
+	for _, be := range e.Backends {
 		fmt.Fprintf(&b, "%s backend pid %d (application %q, user %q, %s, transaction open %v, last query %q)",
 			sep, be.PID, be.Application, be.User, be.State, time.Since(be.XactStart).Round(time.Millisecond), be.Query)
+		sep = ","
 	}
 	return b.String()
 }

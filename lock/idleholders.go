@@ -13,6 +13,7 @@ import (
 	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/ownconn"
 	"github.com/pgfence/pgfence/internal/pgexec"
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // A holder frozen inside a guarded transaction (a GC pause, SIGSTOP, a
@@ -51,14 +52,7 @@ type idleLook func(stopping, ctx context.Context) ([]Backend, error)
 func watchIdleHolders(ctx context.Context, after time.Duration, look idleLook, report func(ended []Backend, err error)) (stop func()) {
 	// Most statements are done before after, and cost no goroutine.
 	return bg.RunAfter(ctx, after, func(stopping context.Context) {
-		next := time.NewTimer(0)
-		defer next.Stop()
-		for {
-			select {
-			case <-stopping.Done():
-				return
-			case <-next.C:
-			}
+		for stopping.Err() == nil {
 			sctx, scancel := context.WithTimeout(stopping, idleHolderTimeout)
 			lctx, lcancel := context.WithTimeout(ctx, idleHolderTimeout)
 			ended, err := look(sctx, lctx)
@@ -70,7 +64,7 @@ func watchIdleHolders(ctx context.Context, after time.Duration, look idleLook, r
 			if len(ended) > 0 || err != nil {
 				report(ended, err)
 			}
-			next.Reset(after)
+			wait.Sleep(stopping, after)
 		}
 	}).Stop
 }
@@ -89,15 +83,8 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, a
 	if err != nil {
 		return nil, err
 	}
-	all, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (found, error) {
-		var (
-			f  found
-			at *time.Time
-		)
-		err := r.Scan(&f.b.PID, &f.b.Application, &f.b.User, &f.b.State, &at, &f.b.Query, &f.xid, &f.since)
-		if at != nil {
-			f.b.XactStart = *at
-		}
+	all, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (f found, err error) {
+		f.b, err = scanBackend(r, &f.xid, &f.since)
 		return f, err
 	})
 	if err != nil {

@@ -120,15 +120,7 @@ func operatorStart(ctx context.Context, what string, dbErr error, schema string,
 			return nil, err
 		}
 	}
-	return sqlFor(ident.Schema(schema)), nil
-}
-
-// nilWhen returns err if missing.
-func nilWhen(missing bool, err error) error {
-	if missing {
-		return err
-	}
-	return nil
+	return sqlFor(schema), nil
 }
 
 // explainFor is Client.explain for the operators' functions.
@@ -181,7 +173,11 @@ func ForceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string) 
 
 // forceRelease is ForceRelease; looked, if not nil, hears each look's error.
 func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, looked func(error)) (Freed, error) {
-	q, err := operatorStart(ctx, "lock: ForceRelease", nilWhen(pool == nil, ErrNilPool), schema, name)
+	var noPool error
+	if pool == nil {
+		noPool = ErrNilPool
+	}
+	q, err := operatorStart(ctx, "lock: ForceRelease", noPool, schema, name)
 	if err != nil {
 		return Freed{}, err
 	}
@@ -191,10 +187,9 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	}
 	defer conn.Release()
 	waiter := backendPID(ctx, conn.Conn()) // the statement's backend; nil behind PgBouncer
-	// The statement's context is cancelled here, after the blockers are
-	// looked up.
-	qctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	defer cancel()
+	// The statement's context is cancelled here (stmt.Stop), after the
+	// blockers are looked up.
+	qctx := context.WithoutCancel(ctx)
 	var r struct {
 		holder string
 		token  int64
@@ -267,7 +262,7 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 // if released, an expired holder's name if expired). A lease never
 // acquired is ErrNoLease.
 func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.Token, holder string, err error) {
-	q, err := operatorStart(ctx, "lock: RevokeTx", nilWhen(tx == nil, fmt.Errorf("lock: RevokeTx: %w", fence.ErrNilDB)), schema, name)
+	q, err := operatorStart(ctx, "lock: RevokeTx", pgexec.NotNil(tx, "lock: RevokeTx"), schema, name)
 	if err != nil {
 		return 0, "", err
 	}
@@ -285,7 +280,7 @@ func RevokeTx(ctx context.Context, tx pgx.Tx, schema, name string) (token fence.
 // RevokeAllTx is RevokeTx for each of names that has been acquired, in one
 // statement, and returns how many it revoked.
 func RevokeAllTx(ctx context.Context, tx pgx.Tx, schema string, names []string) (int, error) {
-	q, err := operatorStart(ctx, "lock: RevokeAllTx", nilWhen(tx == nil, fmt.Errorf("lock: RevokeAllTx: %w", fence.ErrNilDB)), schema, names...)
+	q, err := operatorStart(ctx, "lock: RevokeAllTx", pgexec.NotNil(tx, "lock: RevokeAllTx"), schema, names...)
 	if err != nil {
 		return 0, err
 	}
@@ -302,16 +297,17 @@ func blockers(ctx context.Context, db fence.DB, q *queries, pid int64) ([]Backen
 	if err != nil {
 		return nil, err
 	}
-	return pgx.CollectRows(rows, scanBackend)
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Backend, error) { return scanBackend(r) })
 }
 
-// scanBackend reads a session of blockers.
-func scanBackend(r pgx.CollectableRow) (Backend, error) {
+// scanBackend reads the session a row of blockers or idleHolders begins
+// with, and then the row's extra columns.
+func scanBackend(r pgx.Row, extra ...any) (Backend, error) {
 	var (
 		b  Backend
 		at *time.Time
 	)
-	err := r.Scan(&b.PID, &b.Application, &b.User, &b.State, &at, &b.Query)
+	err := r.Scan(append([]any{&b.PID, &b.Application, &b.User, &b.State, &at, &b.Query}, extra...)...)
 	if at != nil {
 		b.XactStart = *at
 	}

@@ -1,6 +1,7 @@
 package lock
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -42,11 +43,7 @@ func newMetrics(c *Client) (*metrics, error) {
 		err error
 		e   error
 	)
-	keep := func(x error) {
-		if err == nil {
-			err = x
-		}
-	}
+	keep := func(x error) { err = cmp.Or(err, x) } // the first error
 	ms.acquisitions, e = m.Int64Counter("pgfence.lease.acquisitions", metric.WithUnit("{attempt}"),
 		metric.WithDescription("Acquisition attempts, by pgfence.outcome: acquired, held (by another holder), error (with error.type: the SQLSTATE, timeout, canceled, connection or _OTHER)."))
 	keep(e)

@@ -38,7 +38,7 @@ func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) 
 		defer cancel()
 		stop := context.AfterFunc(gctx, cancel) // the client's Close ends it too
 		defer stop()
-		c.observe(ctx, name, sub.C, out)
+		c.observe(ctx, name, sub, out)
 	})
 	if !ok {
 		sub.cancel()
@@ -48,7 +48,7 @@ func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) 
 }
 
 // observe is Observe's loop.
-func (c *Client) observe(ctx context.Context, name string, woken <-chan struct{}, out chan Info) {
+func (c *Client) observe(ctx context.Context, name string, sub *waiter, out chan Info) {
 	var (
 		last    Info
 		sent    bool
@@ -77,14 +77,8 @@ func (c *Client) observe(ctx context.Context, name string, woken <-chan struct{}
 			failing.Fail(c.log, "pgfence: observe failing; retrying", err, "lease", name)
 			next = c.backoff.Wait(failing.Count() - 1)
 		}
-		t := time.NewTimer(next)
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !backoffOrWake(ctx, next, sub) {
 			return
-		case <-woken:
-			t.Stop()
-		case <-t.C:
 		}
 	}
 }
@@ -110,11 +104,6 @@ func (c *Client) observeOnce(ctx context.Context, name string, poll time.Duratio
 // latest puts i in out, replacing a state the reader has not taken yet.
 // Only one goroutine sends on out.
 func latest(out chan Info, i Info) {
-	select {
-	case out <- i:
-		return
-	default:
-	}
 	select {
 	case <-out:
 	default:

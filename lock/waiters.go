@@ -174,16 +174,15 @@ func (ws *waiters) listenLoop(ctx context.Context) {
 	}()
 	backoff := retry.Backoff{Base: 50 * time.Millisecond, Max: ws.c.cfg.PollInterval}
 	var failing retry.Failing
-	log := ws.c.log
 	for ctx.Err() == nil {
 		err := ws.listenOnce(ctx, func() {
 			readyOnce()
-			failing.Recover(log, "pgfence: release listener listening again")
+			failing.Recover(ws.c.log, "pgfence: release listener listening again")
 		})
 		if ctx.Err() != nil {
 			return
 		}
-		failing.Fail(log, "pgfence: release listener failed, reconnecting; waiters poll meanwhile", err)
+		failing.Fail(ws.c.log, "pgfence: release listener failed, reconnecting; waiters poll meanwhile", err)
 		if !wait.Sleep(ctx, backoff.Wait(failing.Count()-1)) {
 			return
 		}
@@ -241,7 +240,6 @@ func (ws *waiters) pollLoop(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	var failing retry.Failing
-	log := ws.c.log
 	for ctx.Err() == nil {
 		ws.mu.Lock()
 		var (
@@ -281,10 +279,10 @@ func (ws *waiters) pollLoop(ctx context.Context) {
 			if ctx.Err() != nil {
 				return
 			}
-			failing.Fail(log, "pgfence: polling for released leases failing; waiters still wake on release", err)
+			failing.Fail(ws.c.log, "pgfence: polling for released leases failing; waiters still wake on release", err)
 			next = ws.c.backoff.Wait(failing.Count() - 1)
 		} else {
-			failing.Recover(log, "pgfence: polling for released leases recovered")
+			failing.Recover(ws.c.log, "pgfence: polling for released leases recovered")
 		}
 		ws.mu.Lock()
 		for _, w := range fresh {
@@ -302,10 +300,7 @@ func (ws *waiters) pollLoop(ctx context.Context) {
 		timer.Reset(next)
 		select {
 		case <-timer.C:
-		case <-ws.kick:
-			if !timer.Stop() {
-				<-timer.C
-			}
+		case <-ws.kick: // Reset discards a tick left pending (Go 1.23's timers)
 		case <-ctx.Done():
 		}
 	}
