@@ -195,27 +195,30 @@ func (c *Client) releaseAll(ctx context.Context, s *session) error {
 // (handOff) and waits only wait.PastDeadline more. f must be safe to run
 // again.
 func (c *Client) cleanup(ctx context.Context, what string, f func(ctx context.Context) error) error {
-	err := ctx.Err()
-	if err == nil {
+	if ctx.Err() == nil {
 		fctx, cancel := context.WithTimeout(ctx, wait.CleanupTimeout)
-		err = f(fctx)
+		err := f(fctx)
 		cancel()
-	}
-	if err != nil && ctx.Err() != nil { // ctx ended before f ran, or while it failed
-		done := c.handOff(ctx, what, f)
-		tidy, cancel := wait.Tidy(ctx)
-		defer cancel()
-		select {
-		case err = <-done:
-		case <-tidy.Done():
-			return fmt.Errorf("lock: %s: %w (it goes on in the background, within %v; a lease it does not free expires by its TTL)",
-				what, context.Cause(ctx), wait.CleanupTimeout)
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() == nil {
+			return fmt.Errorf("lock: %s: %w", what, c.explain(err))
 		}
 	}
-	if err != nil {
-		return fmt.Errorf("lock: %s: %w", what, c.explain(err))
+	done := c.handOff(ctx, what, f)
+	tidy, cancel := wait.Tidy(ctx)
+	defer cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("lock: %s: %w", what, c.explain(err))
+		}
+		return nil
+	case <-tidy.Done():
+		return fmt.Errorf("lock: %s: %w (it goes on in the background, within %v; a lease it does not free expires by its TTL)",
+			what, context.Cause(ctx), wait.CleanupTimeout)
 	}
-	return nil
 }
 
 // handOff runs f in the client's group under wait.CleanupTimeout, even

@@ -77,7 +77,10 @@ func (e *Election) Run(ctx context.Context) error {
 		if e.OnStop != nil {
 			e.OnStop(l, err)
 		}
-		if ctx.Err() != nil || delay > 0 && !wait.Sleep(ctx, delay) {
+		if ctx.Err() != nil {
+			return nil
+		}
+		if delay > 0 && !wait.Sleep(ctx, delay) {
 			return nil
 		}
 	}

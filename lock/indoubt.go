@@ -33,7 +33,8 @@ func inFlight(err error, pid uint32) error {
 // inDoubt reports whether a failed acquisition may nevertheless have been
 // granted, and on which backend.
 func inDoubt(err error) (pid uint32, ok bool) {
-	if f, found := errors.AsType[*inFlightError](err); found {
+	var f *inFlightError
+	if errors.As(err, &f) {
 		return f.pid, true
 	}
 	return 0, false
@@ -66,8 +67,10 @@ func (c *Client) abandon(name string, secret []byte, pid uint32) {
 func (c *Client) afterBackend(ctx context.Context, pid uint32) {
 	for {
 		var alive bool
-		err := c.pool.QueryRow(ctx, c.q.backendAlive, int64(pid)).Scan(&alive)
-		if err != nil || !alive || !wait.Sleep(ctx, 5*time.Millisecond) {
+		if err := c.pool.QueryRow(ctx, c.q.backendAlive, int64(pid)).Scan(&alive); err != nil || !alive {
+			return
+		}
+		if !wait.Sleep(ctx, 5*time.Millisecond) {
 			return
 		}
 	}

@@ -187,8 +187,8 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	}
 	defer conn.Release()
 	waiter := backendPID(ctx, conn.Conn()) // the statement's backend; nil behind PgBouncer
-	// The statement's context is cancelled here (stmt.Stop), after the
-	// blockers are looked up.
+	// The statement outlives ctx: stmt.Stop ends it, after the blockers
+	// are looked up.
 	qctx := context.WithoutCancel(ctx)
 	var r struct {
 		holder string

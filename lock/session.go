@@ -218,8 +218,9 @@ func (c *Client) liveSession(ctx context.Context) (*session, error) {
 			bound = c.cfg.TTL - c.cfg.SafetyMargin
 		}
 		tctx, cancel := context.WithTimeout(ctx, bound)
-		// With a RenewInterval left, it was renewed or started while
-		// this call waited its turn.
+		// Less than a RenewInterval left: renew; none (or expired at the
+		// database): start anew; more: renewed or started while this
+		// call waited its turn.
 		if 0 < left && left < c.cfg.RenewInterval {
 			err = c.renewSession(tctx, c.pool, s)
 		}

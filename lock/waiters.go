@@ -300,7 +300,10 @@ func (ws *waiters) pollLoop(ctx context.Context) {
 		timer.Reset(next)
 		select {
 		case <-timer.C:
-		case <-ws.kick: // Reset discards a tick left pending (Go 1.23's timers)
+		case <-ws.kick:
+			if !timer.Stop() {
+				<-timer.C
+			}
 		case <-ctx.Done():
 		}
 	}
