@@ -3,9 +3,11 @@ package lock
 import (
 	"context"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clock"
 )
 
@@ -44,4 +46,10 @@ func ForceReleaseLooking(ctx context.Context, pool *pgxpool.Pool, schema, name s
 			succeeded.Add(1)
 		}
 	})
+}
+
+// EndIdleHolders is the idle-holder look of an acquisition on backend
+// waiter, with schema's statements, on db.
+func EndIdleHolders(ctx context.Context, db fence.DB, schema, name string, after time.Duration, waiter int64) ([]Backend, error) {
+	return endIdleHolders(ctx, db, sqlFor(schema), name, after, &waiter)
 }

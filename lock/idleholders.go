@@ -91,8 +91,9 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, a
 		return nil, err
 	}
 	// Ending one frees the row, and the waiter may then end ctx: each
-	// ending is seen through on a context of its own, to be counted.
-	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), idleHolderTimeout)
+	// ending is seen through past ctx's end, to be counted, but by
+	// wait.PastDeadline at most: the waiter's caller waits for the look.
+	kctx, cancel := wait.Outlive(ctx, idleHolderTimeout)
 	defer cancel()
 	var (
 		ended []Backend

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -11,7 +12,9 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgfence/pgfence/internal/faultproxy"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
 )
 
@@ -399,4 +402,95 @@ func TestIdleHolderLooksKeepTheirConnection(t *testing.T) {
 	if own > 3 {
 		t.Fatalf("%d connects outside the pool for %d short waits on the row: the looker's connection was not kept", own, waits)
 	}
+}
+
+// cutBeforeEnding is a connection whose network the proxy cuts (black
+// hole) just before the look sends its pg_terminate_backend.
+type cutBeforeEnding struct {
+	*pgx.Conn
+	proxy *faultproxy.Proxy
+	cut   atomic.Bool
+}
+
+func (c *cutBeforeEnding) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if strings.Contains(sql, "pg_terminate_backend") {
+		c.cut.Store(true)
+		c.proxy.Set(faultproxy.Blackhole)
+	}
+	return c.Conn.QueryRow(ctx, sql, args...)
+}
+
+// A look that found an idle holder returns within wait.PastDeadline of its
+// caller's deadline even when the server stops answering just as it sends
+// the ending (an acquisition and ForceRelease wait for their look before
+// they return).
+func TestIdleHolderLookReturnsByItsDeadline(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	holder := newClient(t, db, lock.Config{})
+	pool := pgtest.NewPool(t, pgtest.UniqueName("idle-cut"), func(c *pgxpool.Config) { c.MaxConns = 4 })
+	name := pgtest.UniqueName("cut")
+	l, err := holder.TryAcquire(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The holder's guarded transaction sits idle on the row; the lease
+	// expires; a statement then waits on the row, as a takeover does.
+	idle, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = idle.Rollback(context.Background()) })
+	if err := l.Guard().Check(ctx, idle); err != nil {
+		t.Fatal(err)
+	}
+	expire(t, db, name)
+	waiting, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = waiting.Rollback(context.Background()) })
+	var waiter int64
+	if err := waiting.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&waiter); err != nil {
+		t.Fatal(err)
+	}
+	leases := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
+	go func() { _, _ = waiting.Exec(ctx, "SELECT 1 FROM "+leases+" WHERE name = $1 FOR UPDATE", name) }()
+	pgtest.Eventually(t, 30*time.Second, "the statement waiting on the row", func() bool {
+		var blocked bool
+		_ = db.Pool.QueryRow(ctx, "SELECT cardinality(pg_blocking_pids($1)) > 0", waiter).Scan(&blocked)
+		return blocked
+	})
+
+	proxy, err := faultproxy.To(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = proxy.Close() })
+	cfg, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy.Route(&cfg.Config)
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	looker := &cutBeforeEnding{Conn: conn, proxy: proxy}
+	deadline := time.Now().Add(2 * time.Second)
+	lctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	_, err = lock.EndIdleHolders(lctx, looker, db.Schema, name, time.Millisecond, waiter)
+	late := time.Since(deadline)
+	if !looker.cut.Load() {
+		t.Fatalf("the look did not try to end the idle holder (err %v): nothing was cut", err)
+	}
+	if err == nil {
+		t.Fatal("the look reports no error although its ending got no answer")
+	}
+	if late > wait.PastDeadline+500*time.Millisecond {
+		t.Fatalf("the look returned %v past its deadline (allowed: wait.PastDeadline, %v): %v", late, wait.PastDeadline, err)
+	}
+	t.Logf("returned %v past the deadline: %v", late.Round(time.Millisecond), err)
 }

@@ -213,12 +213,13 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	select {
 	case <-stmt.Done():
 	case <-ctx.Done():
-		// Within wait.PastDeadline: name the blockers and cancel the
+		// Within wait.PastDeadline: stop the looks (one ending a session
+		// sees it through within that), name the blockers and cancel the
 		// statement at the server (closing the connection would leave the
 		// backend waiting, to free the lease later, unasked).
-		stopWatch()
 		bctx, bcancel := wait.Tidy(ctx)
 		defer bcancel()
+		stopWatch()
 		var (
 			backends []Backend
 			berr     error

@@ -42,3 +42,17 @@ const PastDeadline = 500 * time.Millisecond
 func Tidy(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(context.WithoutCancel(ctx), PastDeadline)
 }
+
+// Outlive returns a context for a step whose outcome is worth learning
+// even as ctx ends (whether a session it ends was ended): ctx's values,
+// ending PastDeadline after ctx ends, and after max at the latest. A
+// caller that waits for the step so waits at most PastDeadline past its
+// deadline.
+func Outlive(ctx context.Context, max time.Duration) (context.Context, context.CancelFunc) {
+	out, cancel := context.WithTimeout(context.WithoutCancel(ctx), max)
+	stop := context.AfterFunc(ctx, func() { time.AfterFunc(PastDeadline, cancel) })
+	return out, func() {
+		stop()
+		cancel()
+	}
+}
