@@ -45,8 +45,9 @@ type Client struct {
 	clock   clock.Clock   // trust windows and the renewals' pace; tests move it
 
 	closeOnce sync.Once
-	closeErr  error    // the release's, set once
-	stopping  *bg.Task // set by the first Close: stops the goroutines
+	closed1   chan struct{} // closed once the first Close has released (closeErr and stopping set)
+	closeErr  error         // the release's
+	stopping  *bg.Task      // stops the goroutines
 	stats     stats
 
 	verified atomic.Bool   // the schema version was checked
@@ -132,19 +133,31 @@ func (c *Client) verify(ctx context.Context) error {
 // background within wait.CleanupTimeout (5s), and Close returns an error
 // that wraps ctx's; close the pool only once Close has returned nil (a
 // later Close waits again). Later acquisitions fail with ErrClosed. It
-// runs once: later calls wait for the first and return its result.
+// runs once: later calls wait for the first, as long as their own ctx
+// allows, and return its result.
 func (c *Client) Close(ctx context.Context) error {
 	if err := ctxcheck.NotNil(ctx, "lock: Close"); err != nil {
 		return err
 	}
-	c.closeOnce.Do(func() { c.closeErr = c.close(ctx) })
-	select {
-	case <-c.stopping.Done():
-		return c.closeErr
-	case <-ctx.Done():
-		return errors.Join(c.closeErr, fmt.Errorf("lock: Close: %w (its goroutines stop in the background, within %v)",
-			context.Cause(ctx), wait.CleanupTimeout))
+	first := false
+	c.closeOnce.Do(func() { first, c.closed1 = true, make(chan struct{}) })
+	if first {
+		c.closeErr = c.close(ctx)
+		close(c.closed1)
 	}
+	var released error
+	select {
+	case <-c.closed1:
+		released = c.closeErr
+		select {
+		case <-c.stopping.Done():
+			return released
+		case <-ctx.Done():
+		}
+	case <-ctx.Done():
+	}
+	return errors.Join(released, fmt.Errorf("lock: Close: %w (its goroutines stop in the background, within %v)",
+		context.Cause(ctx), wait.CleanupTimeout))
 }
 
 // close releases the leases, ends the session and starts stopping the

@@ -15,7 +15,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/faultproxy"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
 )
@@ -498,5 +500,53 @@ func TestSlowRenewalsWarnOnce(t *testing.T) {
 	}
 	if err := l.Check(ctx); err != nil {
 		t.Fatalf("the lease after a slow renewal (within its TTL): %v", err)
+	}
+}
+
+// A Close that comes while another Close is releasing the client's leases
+// returns by its own deadline when the server stops answering (a partition
+// that black-holes packets), not when the first gives up.
+func TestCloseReturnsByItsDeadlineWhileAnotherCloses(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	ctx := ctxT(t, time.Minute)
+	proxy, err := faultproxy.To(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := pgtest.NewPool(t, pgtest.UniqueName("close-cut"), func(c *pgxpool.Config) { proxy.Route(&c.ConnConfig.Config) })
+	// Registered after the pool's, so it runs first: the pool closes its
+	// cut connections at once.
+	t.Cleanup(func() { _ = proxy.Close() })
+	c, err := lock.New(pool, lock.Config{Schema: db.Schema, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.TryAcquire(ctx, "held"); err != nil {
+		t.Fatal(err)
+	}
+	proxy.Set(faultproxy.Blackhole)
+	first := make(chan error, 1)
+	go func() { first <- c.Close(context.Background()) }() // its release waits up to wait.CleanupTimeout
+	pgtest.Eventually(t, 30*time.Second, "the first Close under way", func() bool {
+		hctx, cancel := context.WithTimeout(ctx, 10*time.Millisecond)
+		defer cancel()
+		return errors.Is(c.Health(hctx), lock.ErrClosed)
+	})
+	deadline := time.Now().Add(300 * time.Millisecond)
+	cctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	err = c.Close(cctx)
+	late := time.Since(deadline)
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the second Close: %v, want its context's error", err)
+	}
+	if late > wait.PastDeadline+500*time.Millisecond {
+		t.Fatalf("the second Close returned %v past its deadline while the first released", late)
+	}
+	select {
+	case <-first:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the first Close did not return within 30 s")
 	}
 }
