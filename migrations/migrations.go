@@ -53,6 +53,7 @@ import (
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
 	"github.com/pgfence/pgfence/internal/schemaver"
+	"github.com/pgfence/pgfence/internal/wait"
 )
 
 //go:embed sql/*.sql
@@ -138,7 +139,7 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 		return 0, err
 	}
 	defer p.Close()
-	if _, err := p.Up(ctx); err != nil {
+	if _, err := p.Up(keepDeadline(ctx)); err != nil {
 		return 0, fmt.Errorf("migrations: up: %w", hint.Wrap(err, schema, hint.Role(pool)))
 	}
 	v, err := p.GetDBVersion(ctx)
@@ -343,10 +344,35 @@ func (id sessionLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
 	return nil
 }
 
-// SessionUnlock implements goose's lock.SessionLocker.
+// SessionUnlock implements goose's lock.SessionLocker. goose calls it
+// once it has migrated, with the caller's deadline stripped: it is bounded
+// by that deadline (which Up hands it, keepDeadline) plus
+// wait.PastDeadline, or by wait.CleanupTimeout, so that Up returns by its
+// deadline even when the server stops answering. An unlock that does not
+// come back closes its connection, and the server drops the lock with the
+// session.
 func (id sessionLocker) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
+	bound := wait.CleanupTimeout
+	if d, ok := ctx.Value(deadlineKey{}).(time.Time); ok {
+		bound = min(bound, max(time.Until(d), 0)+wait.PastDeadline)
+	}
+	ctx, cancel := context.WithTimeout(ctx, bound)
+	defer cancel()
 	_, err := conn.ExecContext(ctx, sqlSessionUnlock, int64(id))
 	return err
+}
+
+// deadlineKey carries a caller's deadline to SessionUnlock, past goose's
+// context.WithoutCancel.
+type deadlineKey struct{}
+
+// keepDeadline makes ctx's deadline, if it has one, readable by
+// SessionUnlock.
+func keepDeadline(ctx context.Context) context.Context {
+	if d, ok := ctx.Deadline(); ok {
+		return context.WithValue(ctx, deadlineKey{}, d)
+	}
+	return ctx
 }
 
 // lockID derives the advisory lock goose holds while migrating from the schema,

@@ -1,0 +1,17 @@
+package migrations
+
+import (
+	"context"
+	"database/sql"
+)
+
+// Unlock releases schema's migration lock on conn as Up's goose does once
+// it has migrated: with ctx's deadline stripped.
+func Unlock(ctx context.Context, conn *sql.Conn, schema string) error {
+	return sessionLocker(lockID(schema)).SessionUnlock(context.WithoutCancel(keepDeadline(ctx)), conn)
+}
+
+// Lock takes schema's migration lock on conn.
+func Lock(ctx context.Context, conn *sql.Conn, schema string) error {
+	return sessionLocker(lockID(schema)).SessionLock(ctx, conn)
+}
