@@ -162,9 +162,11 @@ func (r *Runner) balance(ctx context.Context, jobs, singles []*job) {
 			}
 		}
 		if err == nil && !announced {
-			if _, err := own.Exec(ctx, r.q.announce, membersName); err == nil {
+			actx, cancel := context.WithTimeout(ctx, r.balanceTimeout()) // as every statement here: a black-holed connection
+			if _, err := own.Exec(actx, r.q.announce, membersName); err == nil {
 				announced = true
 			}
+			cancel()
 		}
 		t := time.NewTimer(next)
 		select {
