@@ -302,8 +302,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if !strings.HasPrefix(r.URL.Path, "/static/") {
 		hd.Set("Cache-Control", "no-store")
 	}
+	if r.Method == http.MethodGet || r.Method == http.MethodHead {
+		ctx, cancel := context.WithTimeout(r.Context(), readTimeout)
+		defer cancel()
+		r = r.WithContext(ctx)
+	}
 	h.root.ServeHTTP(w, r)
 }
+
+// readTimeout bounds a page's or an endpoint's reads: a request whose
+// database stops answering (a partition) fails, and an open page says it
+// is not updating, instead of waiting for TCP to give up. Actions have
+// bounds of their own.
+const readTimeout = 10 * time.Second
 
 // view is what every page template gets.
 type view struct {

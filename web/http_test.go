@@ -16,6 +16,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgfence/pgfence/internal/faultproxy"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/migrations"
@@ -446,4 +447,45 @@ func TestHealthzWithoutTheDatabase(t *testing.T) {
 	if code, _, body := get(t, srv+"/healthz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "the database does not answer") {
 		t.Fatalf("healthz with no database: %d %q", code, body)
 	}
+}
+
+// A read whose database stops answering (a partition that black-holes
+// packets) fails within its bound, so that an open page says it is not
+// updating, instead of waiting for TCP to give up.
+func TestReadsFailWhenTheDatabaseStopsAnswering(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	proxy, err := faultproxy.To(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := pgtest.NewPool(t, pgtest.UniqueName("web-cut"), func(c *pgxpool.Config) { proxy.Route(&c.ConnConfig.Config) })
+	// Registered after the pool's, so it runs first: the pool closes its
+	// cut connections at once.
+	t.Cleanup(func() { _ = proxy.Close() })
+	h, err := web.New(pool, web.Config{Schema: db.Schema, Logger: pgtest.Quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	if code, _, body := get(t, srv.URL+"/api/leases"); code != http.StatusOK {
+		t.Fatalf("GET api/leases before the cut: %d %s", code, body)
+	}
+	proxy.Set(faultproxy.Blackhole)
+	began := time.Now()
+	client := &http.Client{Timeout: time.Minute}
+	res, err := client.Get(srv.URL + "/api/leases")
+	if err != nil {
+		t.Fatalf("GET api/leases during the cut: %v (the server did not answer within a minute)", err)
+	}
+	res.Body.Close()
+	took := time.Since(began)
+	if res.StatusCode == http.StatusOK {
+		t.Fatal("GET api/leases answered 200 while its database did not answer")
+	}
+	if took > 15*time.Second {
+		t.Fatalf("GET api/leases failed after %v, past its 10 s bound", took)
+	}
+	t.Logf("GET api/leases during the cut: %d after %v", res.StatusCode, took.Round(time.Millisecond))
 }

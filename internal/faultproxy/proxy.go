@@ -38,6 +38,7 @@ type Proxy struct {
 	onCommit func() (CommitFault, time.Duration)
 	commits  map[CommitFault]int
 	conns    map[net.Conn]struct{}
+	held     int // chunks that reached a held direction
 	done     bool
 	wg       sync.WaitGroup
 }
@@ -74,6 +75,15 @@ func (p *Proxy) Set(m Mode) {
 		}
 	}
 	p.cond.Broadcast()
+}
+
+// Held is how many chunks of traffic have reached the proxy while their
+// direction was held (Blackhole, HoldReplies): a test waits on it to know
+// that a request is stuck.
+func (p *Proxy) Held() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.held
 }
 
 // SetDelay adds d of latency to every chunk forwarded (0 removes it).
@@ -165,6 +175,9 @@ func reset(c net.Conn) {
 func (p *Proxy) gate(reply bool) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if (p.mode == Blackhole || p.mode == HoldReplies && reply) && !p.done {
+		p.held++
+	}
 	for (p.mode == Blackhole || p.mode == HoldReplies && reply) && !p.done {
 		p.cond.Wait()
 	}

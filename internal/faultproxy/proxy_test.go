@@ -50,9 +50,15 @@ func TestModes(t *testing.T) {
 	if got, err := roundTrip("pass", time.Second); err != nil || got != "pass\n" {
 		t.Fatalf("pass: %q %v", got, err)
 	}
+	if p.Held() != 0 {
+		t.Fatalf("Held = %d with nothing held", p.Held())
+	}
 	p.Set(Blackhole)
 	if got, err := roundTrip("hole", 200*time.Millisecond); err == nil {
 		t.Fatalf("blackhole let %q through", got)
+	}
+	if p.Held() == 0 {
+		t.Fatal("Held = 0 after the blackhole held a message")
 	}
 	p.Set(Pass) // held data flows again
 	_ = c.SetDeadline(time.Now().Add(time.Second))

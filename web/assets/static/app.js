@@ -63,7 +63,10 @@
   function refresh() {
     var url = new URL(window.location.href);
     url.searchParams.set("partial", "1");
-    fetch(url.toString(), { cache: "no-store", credentials: "same-origin" })
+    // A request the network holds (no answer, no error) is given up, so
+    // that the page says it is not updating.
+    var signal = window.AbortSignal && AbortSignal.timeout ? AbortSignal.timeout(Math.max(15000, 3 * every)) : undefined;
+    fetch(url.toString(), { cache: "no-store", credentials: "same-origin", signal: signal })
       .then(function (res) {
         if (!res.ok) throw new Error("HTTP " + res.status);
         return res.text();
