@@ -43,7 +43,7 @@ func cmdMigrate(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	if fs.Arg(0) == "up" {
 		v, err := migrations.Up(ctx, pool, e.schema)
 		if err != nil {
@@ -99,7 +99,7 @@ func cmdLeases(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	infos, err := lock.Leases(ctx, pool, e.schema)
 	if err != nil {
 		return err
@@ -161,7 +161,7 @@ func cmdRelease(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	info, err := lock.Inspect(ctx, pool, e.schema, name)
 	if errors.Is(err, lock.ErrNoLease) {
 		return fail(exitNoLease, "no lease named %q", name)
@@ -243,7 +243,7 @@ func cmdJobs(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	runs, err := runner.Runs(ctx, pool, e.schema, f)
 	if err != nil {
 		return err
@@ -282,7 +282,7 @@ func cmdJobsPrune(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	n, err := runner.Prune(ctx, pool, e.schema, time.Now().Add(-olderThan))
 	if err != nil {
 		return err

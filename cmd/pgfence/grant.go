@@ -55,7 +55,7 @@ func cmdGrant(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	if err := grant(ctx, pool, e.schema, role); err != nil {
 		var pg *pgconn.PgError
 		if errors.As(err, &pg) && pg.Code == "42704" {

@@ -38,7 +38,7 @@ func cmdGroups(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	parts, err := runner.Partitions(ctx, pool, e.schema, group)
 	if err != nil {
 		return err
@@ -134,7 +134,7 @@ func cmdGroupsSeek(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	sctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	before, err := runner.Seek(sctx, pool, e.schema, group, partition, offset, operator())
@@ -172,7 +172,7 @@ func cmdGroupsPartitions(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	before, err := runner.SetPartitions(ctx, pool, e.schema, group, n, operator())
 	switch {
 	case errors.Is(err, runner.ErrUnknownJob):

@@ -40,7 +40,7 @@ func cmdJobsStatus(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	jobs, err := runner.Jobs(ctx, pool, e.schema, job)
 	if err != nil {
 		return err
@@ -135,7 +135,7 @@ func cmdJobsRun(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	refs, err := runner.RunNow(ctx, pool, e.schema, job, shard, operator())
 	if err != nil {
 		return noJob(err, job, e)
@@ -199,7 +199,7 @@ func jobsPause(ctx context.Context, e *env, verb string, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	if verb == "pause" {
 		// Pausing a paused job keeps the first pause: say so.
 		if jobs, err := runner.Jobs(ctx, pool, e.schema, job); err == nil && len(jobs) > 0 && jobs[0].Paused {

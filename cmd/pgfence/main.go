@@ -75,6 +75,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -107,6 +108,22 @@ func fail(code int, format string, a ...any) error {
 
 func main() {
 	os.Exit(run(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+}
+
+// closePool closes pool, waiting wait.PastDeadline at most: pgx takes up
+// to 15 s to close a connection a partition cut (its cancel request to the
+// server gets no answer), and the command is ending anyway; what is left
+// closes in the background, or with the process.
+func closePool(pool *pgxpool.Pool) {
+	done := make(chan struct{})
+	go func() {
+		pool.Close()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(wait.PastDeadline):
+	}
 }
 
 // env is what every command needs.
@@ -169,7 +186,7 @@ func (e *env) connect(ctx context.Context) (*pgxpool.Pool, error) {
 	}
 	if err != nil {
 		if pool != nil {
-			pool.Close()
+			closePool(pool)
 		}
 		return nil, fail(exitError, "cannot reach %s: %s", e.target, distinctLines(err.Error()))
 	}
@@ -223,6 +240,9 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal ends the command's context; the next one ends the
+	// process, as if pgfence did not catch signals.
+	context.AfterFunc(ctx, stop)
 	c, rest, ok := lookup(global.Args())
 	if !ok {
 		fmt.Fprintf(stderr, "pgfence: unknown command %q\n\n%s", global.Arg(0), usageText())

@@ -50,7 +50,7 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	c, err := lock.New(pool, lock.Config{Schema: e.schema, TTL: ttl})
 	if err != nil {
 		var ce *lock.ConfigError

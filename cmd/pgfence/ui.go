@@ -44,7 +44,7 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer closePool(pool)
 	// An unmigrated (or mistyped) schema is refused at start, as an
 	// unreachable database is: every page would answer 500.
 	if err := migrations.Verify(ctx, pool, e.schema); err != nil {
@@ -76,7 +76,11 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 		fmt.Fprintf(e.stderr, "pgfence: warning: listening on %s, beyond this machine: whoever reaches it reads the page%s\n",
 			ln.Addr(), map[bool]string{true: " and can steer jobs and release leases", false: ""}[allow])
 	}
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	// Requests end with base: once the shutdown's grace has passed, those
+	// still running (their database may not answer) are cut.
+	base, cut := context.WithCancel(context.WithoutCancel(ctx))
+	defer cut()
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second, BaseContext: func(net.Listener) context.Context { return base }}
 	var serveErr error
 	serve := bg.Run(ctx, func(context.Context) { serveErr = srv.Serve(ln) }) // ended by Shutdown, waited for below
 	select {
@@ -87,7 +91,8 @@ func cmdUI(ctx context.Context, e *env, args []string) error {
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	if err := srv.Shutdown(sctx); err != nil {
-		return err
+		cut()
+		return fmt.Errorf("requests still running after 5 s were cut: %w", err)
 	}
 	<-serve.Done()
 	return nil

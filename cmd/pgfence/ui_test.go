@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptrace"
 	"net/url"
 	"regexp"
 	"slices"
@@ -12,6 +13,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/faultproxy"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // pgfence ui serves the status page on localhost, read-only unless
@@ -107,4 +111,91 @@ func keys(m map[string]any) string {
 	}
 	slices.Sort(ks)
 	return strings.Join(ks, ",")
+}
+
+// pgfence ui stops within 10 s of SIGINT while its database does not
+// answer a request it serves (a partition that black-holes packets): the
+// request is cut once the shutdown's grace has passed, and the pool's
+// connections close in the background.
+func TestUIStopsWhileItsDatabaseDoesNotAnswer(t *testing.T) {
+	c := newCLI(t)
+	proxy, err := faultproxy.To(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = proxy.Close() })
+	u, err := url.Parse(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Host = proxy.Addr()
+	cmd := c.cmd("", "--database-url", u.String(), "ui", "--listen", "127.0.0.1:0")
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(exited)
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-exited
+	})
+	line, err := bufio.NewReader(out).ReadString('\n')
+	m := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/`).FindStringSubmatch(line)
+	if err != nil || m == nil {
+		t.Fatalf("pgfence ui printed no address: %q, %v", line, err)
+	}
+	api := "http://" + m[1] + "/api/leases"
+	// A connection per request: the stuck one is a new connection, which
+	// the shutdown waits for (an idle kept-alive one it would close).
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	defer client.CloseIdleConnections()
+	res, err := client.Get(api)
+	if err != nil {
+		t.Fatalf("GET api/leases before the cut: %v", err)
+	}
+	res.Body.Close()
+	if res.StatusCode != http.StatusOK {
+		t.Fatalf("GET api/leases before the cut: %d", res.StatusCode)
+	}
+	proxy.Set(faultproxy.Blackhole)
+	sent := make(chan struct{})
+	req, err := http.NewRequest(http.MethodGet, api, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req = req.WithContext(httptrace.WithClientTrace(req.Context(), &httptrace.ClientTrace{WroteRequest: func(httptrace.WroteRequestInfo) { close(sent) }}))
+	answered := make(chan struct{})
+	go func() {
+		defer close(answered)
+		if res, err := client.Do(req); err == nil {
+			res.Body.Close()
+		}
+	}()
+	defer func() { <-answered }() // the process's exit ends it
+	select {
+	case <-sent:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the request to the page was not sent")
+	}
+	pgtest.Eventually(t, 30*time.Second, "the page's statement held by the cut", func() bool { return proxy.Held() > 0 })
+	if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-exited:
+	case <-time.After(10 * time.Second):
+		t.Fatal("pgfence ui did not stop within 10 s of SIGINT while its database did not answer")
+	}
+	if !strings.Contains(stderr.String(), "were cut") {
+		t.Fatalf("pgfence ui stopped without a request left to cut (the test did not hold one): %s", stderr.String())
+	}
 }
