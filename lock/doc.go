@@ -91,8 +91,10 @@
 //
 // Every call returns by its context's deadline whatever the network does
 // (a partition that black-holes packets included), or within 500 ms of it
-// (wait.PastDeadline) when it must tidy up: Release and Close with a
-// context that has already ended, ForceRelease cancelling its statement.
+// (wait.PastDeadline) when it must tidy up: a release (Release, Close, an
+// acquisition freeing what it cannot hand out) cut by the deadline or
+// begun after it, an acquisition learning whether it ended a frozen
+// holder's session, ForceRelease cancelling its statement.
 // Work that must outlive the caller (freeing a lease; an acquisition in
 // flight when its caller gave up, which the database may still grant, is
 // freed by a secret only it knew) runs in the client's background within
