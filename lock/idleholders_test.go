@@ -450,13 +450,25 @@ func TestIdleHolderLookReturnsByItsDeadline(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = waiting.Rollback(context.Background()) })
+	// At the end the idle holder goes first; the waiting statement then
+	// returns, and only then is its transaction ended (one goroutine at
+	// a time on its connection).
+	waited := make(chan struct{})
+	t.Cleanup(func() {
+		<-waited
+		_ = waiting.Rollback(context.Background())
+	})
+	t.Cleanup(func() { _ = idle.Rollback(context.Background()) })
 	var waiter int64
 	if err := waiting.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&waiter); err != nil {
+		close(waited)
 		t.Fatal(err)
 	}
 	leases := pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()
-	go func() { _, _ = waiting.Exec(ctx, "SELECT 1 FROM "+leases+" WHERE name = $1 FOR UPDATE", name) }()
+	go func() {
+		defer close(waited)
+		_, _ = waiting.Exec(ctx, "SELECT 1 FROM "+leases+" WHERE name = $1 FOR UPDATE", name)
+	}()
 	pgtest.Eventually(t, 30*time.Second, "the statement waiting on the row", func() bool {
 		var blocked bool
 		_ = db.Pool.QueryRow(ctx, "SELECT cardinality(pg_blocking_pids($1)) > 0", waiter).Scan(&blocked)
@@ -489,8 +501,8 @@ func TestIdleHolderLookReturnsByItsDeadline(t *testing.T) {
 	if err == nil {
 		t.Fatal("the look reports no error although its ending got no answer")
 	}
-	if late > wait.PastDeadline+500*time.Millisecond {
-		t.Fatalf("the look returned %v past its deadline (allowed: wait.PastDeadline, %v): %v", late, wait.PastDeadline, err)
+	if late > wait.PastDeadline+time.Second {
+		t.Fatalf("the look returned %v past its deadline (allowed: wait.PastDeadline, %v, and 1 s for a loaded machine): %v", late, wait.PastDeadline, err)
 	}
 	t.Logf("returned %v past the deadline: %v", late.Round(time.Millisecond), err)
 }

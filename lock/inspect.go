@@ -202,8 +202,10 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	own := ownconn.New(pool)
 	defer own.Close()
 	var ended []Backend // appended to on the watcher's goroutine, read once stopWatch returned
-	stopWatch := watchIdleHolders(qctx, forceReleaseIdleAfter, func(stopping, _ context.Context) ([]Backend, error) {
-		ended, err := endIdleHolders(stopping, own, q, name, forceReleaseIdleAfter, waiter)
+	// The looks run on ctx: when it ends, they stop, and one ending a
+	// session sees it through within wait.PastDeadline (endIdleHolders).
+	stopWatch := watchIdleHolders(ctx, forceReleaseIdleAfter, func(_, lctx context.Context) ([]Backend, error) {
+		ended, err := endIdleHolders(lctx, own, q, name, forceReleaseIdleAfter, waiter)
 		if looked != nil {
 			looked(err)
 		}
@@ -213,13 +215,12 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	select {
 	case <-stmt.Done():
 	case <-ctx.Done():
-		// Within wait.PastDeadline: stop the looks (one ending a session
-		// sees it through within that), name the blockers and cancel the
+		// Within wait.PastDeadline: name the blockers and cancel the
 		// statement at the server (closing the connection would leave the
-		// backend waiting, to free the lease later, unasked).
+		// backend waiting, to free the lease later, unasked), while the
+		// looks, which ctx ended too, stop.
 		bctx, bcancel := wait.Tidy(ctx)
 		defer bcancel()
-		stopWatch()
 		var (
 			backends []Backend
 			berr     error
@@ -235,6 +236,7 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 			berr = errors.Join(berr, errors.New("the server did not confirm the cancel in time: "+
 				"the lease may still be freed when it gets it"))
 		}
+		stopWatch()
 		if r.err != nil {
 			be := &BlockedError{Name: name, Backends: backends, Err: ctx.Err()}
 			if berr != nil {
