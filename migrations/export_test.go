@@ -6,9 +6,9 @@ import (
 )
 
 // Unlock releases schema's migration lock on conn as Up's goose does once
-// it has migrated: with ctx's deadline stripped.
+// it has migrated: with ctx's cancellation and deadline stripped.
 func Unlock(ctx context.Context, conn *sql.Conn, schema string) error {
-	return sessionLocker(lockID(schema)).SessionUnlock(context.WithoutCancel(keepDeadline(ctx)), conn)
+	return sessionLocker(lockID(schema)).SessionUnlock(context.WithoutCancel(withCaller(ctx)), conn)
 }
 
 // Lock takes schema's migration lock on conn.

@@ -139,10 +139,12 @@ func Up(ctx context.Context, pool *pgxpool.Pool, schema string) (int64, error) {
 		return 0, err
 	}
 	defer p.Close()
-	if _, err := p.Up(keepDeadline(ctx)); err != nil {
+	// Each call takes and releases the migration lock (goose); its
+	// release sees ctx (withCaller).
+	if _, err := p.Up(withCaller(ctx)); err != nil {
 		return 0, fmt.Errorf("migrations: up: %w", hint.Wrap(err, schema, hint.Role(pool)))
 	}
-	v, err := p.GetDBVersion(ctx)
+	v, err := p.GetDBVersion(withCaller(ctx))
 	if err != nil {
 		return 0, fmt.Errorf("migrations: version: %w", err)
 	}
@@ -345,34 +347,32 @@ func (id sessionLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
 }
 
 // SessionUnlock implements goose's lock.SessionLocker. goose calls it
-// once it has migrated, with the caller's deadline stripped: it is bounded
-// by that deadline (which Up hands it, keepDeadline) plus
-// wait.PastDeadline, or by wait.CleanupTimeout, so that Up returns by its
-// deadline even when the server stops answering. An unlock that does not
-// come back closes its connection, and the server drops the lock with the
-// session.
+// once it has migrated, with the caller's cancellation and deadline
+// stripped: it ends wait.PastDeadline after the caller's context does
+// (which Up hands it, withCaller), or after wait.CleanupTimeout, so that
+// Up returns by its deadline even when the server stops answering. An
+// unlock that does not come back closes its connection; the server drops
+// the lock once it sees the session gone (at the latest by its TCP
+// keepalive, tcp_keepalives_idle), and until then other Up calls on the
+// schema wait for it.
 func (id sessionLocker) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
-	bound := wait.CleanupTimeout
-	if d, ok := ctx.Value(deadlineKey{}).(time.Time); ok {
-		bound = min(bound, max(time.Until(d), 0)+wait.PastDeadline)
+	caller, ok := ctx.Value(callerKey{}).(context.Context)
+	if !ok {
+		caller = ctx
 	}
-	ctx, cancel := context.WithTimeout(ctx, bound)
+	uctx, cancel := wait.Outlive(caller, wait.CleanupTimeout)
 	defer cancel()
-	_, err := conn.ExecContext(ctx, sqlSessionUnlock, int64(id))
+	_, err := conn.ExecContext(uctx, sqlSessionUnlock, int64(id))
 	return err
 }
 
-// deadlineKey carries a caller's deadline to SessionUnlock, past goose's
+// callerKey carries a caller's context to SessionUnlock, past goose's
 // context.WithoutCancel.
-type deadlineKey struct{}
+type callerKey struct{}
 
-// keepDeadline makes ctx's deadline, if it has one, readable by
-// SessionUnlock.
-func keepDeadline(ctx context.Context) context.Context {
-	if d, ok := ctx.Deadline(); ok {
-		return context.WithValue(ctx, deadlineKey{}, d)
-	}
-	return ctx
+// withCaller makes ctx itself readable by SessionUnlock.
+func withCaller(ctx context.Context) context.Context {
+	return context.WithValue(ctx, callerKey{}, ctx)
 }
 
 // lockID derives the advisory lock goose holds while migrating from the schema,
