@@ -149,11 +149,6 @@ func Prune(ctx context.Context, db fence.DB, schema string, before time.Time) (i
 // pruneEvery is how often a runner prunes the ledger.
 const pruneEvery = time.Hour
 
-// pruneTimeout bounds one prune: a black-holed connection would otherwise
-// hold it until TCP gives up (about 15 minutes); a prune cut short is
-// done again at the next.
-const pruneTimeout = 10 * time.Minute
-
 // prune deletes runs older than Retention now and then every pruneEvery,
 // until ctx ends.
 func (r *Runner) prune(ctx context.Context) {
@@ -162,10 +157,7 @@ func (r *Runner) prune(ctx context.Context) {
 	}
 	var failing retry.Failing
 	for {
-		pctx, cancel := context.WithTimeout(ctx, pruneTimeout)
-		n, err := Prune(pctx, r.pool, r.lcfg.Schema, r.clock.Now().Add(-r.cfg.Retention))
-		cancel()
-		if err != nil {
+		if n, err := Prune(ctx, r.pool, r.lcfg.Schema, r.clock.Now().Add(-r.cfg.Retention)); err != nil {
 			if ctx.Err() != nil {
 				return
 			}
