@@ -12,7 +12,10 @@
 //   - Fleet: the live runner instances, the job shards each leads, and the
 //     recent leadership terms.
 //
-// Open pages update in place (they poll; no reload). Everything served is
+// Open pages update in place (they poll; no reload), and say so when they
+// cannot: each request's database work is bounded by 15 s (a database that
+// stops answering fails it, instead of holding it until TCP gives up),
+// and a page gives up a refresh the network holds. Everything served is
 // embedded: no CDN, fonts or external scripts, and every response carries a
 // strict Content-Security-Policy. The pages read without JavaScript (they
 // then update on reload only) and with the keyboard.

@@ -302,19 +302,16 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if !strings.HasPrefix(r.URL.Path, "/static/") {
 		hd.Set("Cache-Control", "no-store")
 	}
-	if r.Method == http.MethodGet || r.Method == http.MethodHead {
-		ctx, cancel := context.WithTimeout(r.Context(), readTimeout)
-		defer cancel()
-		r = r.WithContext(ctx)
-	}
-	h.root.ServeHTTP(w, r)
+	ctx, cancel := context.WithTimeout(r.Context(), requestTimeout)
+	defer cancel()
+	h.root.ServeHTTP(w, r.WithContext(ctx))
 }
 
-// readTimeout bounds a page's or an endpoint's reads: a request whose
-// database stops answering (a partition) fails, and an open page says it
-// is not updating, instead of waiting for TCP to give up. Actions have
-// bounds of their own.
-const readTimeout = 10 * time.Second
+// requestTimeout bounds each request's database work (the package
+// documentation): one whose database stops answering (a partition) fails,
+// and an open page says it is not updating, instead of waiting for TCP to
+// give up. A force release waits at most releaseTimeout within it.
+const requestTimeout = 15 * time.Second
 
 // view is what every page template gets.
 type view struct {

@@ -65,7 +65,7 @@
     url.searchParams.set("partial", "1");
     // A request the network holds (no answer, no error) is given up, so
     // that the page says it is not updating.
-    var signal = window.AbortSignal && AbortSignal.timeout ? AbortSignal.timeout(Math.max(15000, 3 * every)) : undefined;
+    var signal = window.AbortSignal && AbortSignal.timeout ? AbortSignal.timeout(Math.max(20000, 3 * every)) : undefined;
     fetch(url.toString(), { cache: "no-store", credentials: "same-origin", signal: signal })
       .then(function (res) {
         if (!res.ok) throw new Error("HTTP " + res.status);
