@@ -240,9 +240,11 @@ func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	// The first signal ends the command's context; the next one ends the
-	// process, as if pgfence did not catch signals.
-	context.AfterFunc(ctx, stop)
+	// The first signal ends the command's context; one that comes once
+	// the command has had wait.PastDeadline to tidy up (cancel a
+	// statement at the server, which closing the connection would not)
+	// ends the process, as if pgfence did not catch signals.
+	context.AfterFunc(ctx, func() { time.AfterFunc(wait.PastDeadline, stop) })
 	c, rest, ok := lookup(global.Args())
 	if !ok {
 		fmt.Fprintf(stderr, "pgfence: unknown command %q\n\n%s", global.Arg(0), usageText())

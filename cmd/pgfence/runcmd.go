@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/pgfence/pgfence/internal/bg"
+	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
 )
 
@@ -20,16 +21,16 @@ import (
 // then SIGKILL after --grace) if the lease is lost.
 func cmdRun(ctx context.Context, e *env, args []string) error {
 	var (
-		name  string
-		ttl   time.Duration
-		grace time.Duration
-		wait  bool
+		name     string
+		ttl      time.Duration
+		grace    time.Duration
+		blocking bool
 	)
 	fs, err := parse(e, "run", args, func(fs *flag.FlagSet) {
 		fs.StringVar(&name, "lease", "", "lease name (required)")
 		fs.DurationVar(&ttl, "ttl", 15*time.Second, "lease TTL; renewed every TTL/3 while COMMAND runs")
 		fs.DurationVar(&grace, "grace", 10*time.Second, "time between SIGTERM and SIGKILL when the lease is lost")
-		fs.BoolVar(&wait, "wait", false, "wait for the lease instead of exiting with 75 when it is held")
+		fs.BoolVar(&blocking, "wait", false, "wait for the lease instead of exiting with 75 when it is held")
 	})
 	if err != nil {
 		return err
@@ -59,10 +60,17 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 		}
 		return err
 	}
-	defer c.Close(context.Background())
+	// Close frees the lease and ends the client's session in one
+	// transaction, within wait.CleanupTimeout (a lease not freed expires
+	// by its TTL).
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
+		defer cancel()
+		_ = c.Close(cctx)
+	}()
 
 	var l *lock.Lease
-	if wait {
+	if blocking {
 		l, err = c.Acquire(ctx, name)
 	} else {
 		l, err = c.TryAcquire(ctx, name)
@@ -84,22 +92,22 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 	cmd.Env = append(os.Environ(), "PGFENCE_TOKEN="+l.Token().String(), "PGFENCE_LEASE="+name)
 	// Its own process group, so that terminating it reaches its children.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// Caught before the command starts: from then on, every signal is
+	// the command's.
+	signals := make(chan os.Signal, 2)
+	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
+	defer signal.Stop(signals)
 	if err := cmd.Start(); err != nil {
-		_ = l.Release(context.Background())
 		return fail(exitError, "start %s: %v", fs.Arg(0), err)
 	}
 	var waitErr error
 	waited := bg.Run(context.Background(), func(context.Context) { waitErr = cmd.Wait() }) // the command's end, waited for on every path
-	signals := make(chan os.Signal, 2)
-	signal.Notify(signals, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
-	defer signal.Stop(signals)
 	group := func(sig syscall.Signal) { _ = syscall.Kill(-cmd.Process.Pid, sig) }
 
 	for {
 		select {
 		case <-waited.Done():
-			_ = l.Release(context.Background())
-			return exitCode(waitErr)
+			return exitCode(waitErr) // Close frees the lease
 		case sig := <-signals:
 			group(sig.(syscall.Signal)) // pass it on; the command decides
 		case <-l.Done():
