@@ -51,5 +51,5 @@ func ForceReleaseLooking(ctx context.Context, pool *pgxpool.Pool, schema, name s
 // EndIdleHolders is the idle-holder look of an acquisition on backend
 // waiter, with schema's statements, on db.
 func EndIdleHolders(ctx context.Context, db fence.DB, schema, name string, after time.Duration, waiter int64) ([]Backend, error) {
-	return endIdleHolders(ctx, db, sqlFor(schema), name, after, &waiter)
+	return endIdleHolders(ctx, ctx, db, sqlFor(schema), name, after, &waiter)
 }

@@ -73,7 +73,9 @@ func watchIdleHolders(ctx context.Context, after time.Duration, look idleLook, r
 // at least after that block backend waiter (nil behind PgBouncer) on the
 // row of lease name, if it has expired or is free. A session it may not
 // end or see is an error that names it; the others are ended all the same.
-func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, after time.Duration, waiter *int64) ([]Backend, error) {
+// ctx bounds the look; each ending is seen through until caller, its
+// caller's context, ends, and wait.PastDeadline more.
+func endIdleHolders(ctx, caller context.Context, db fence.DB, q *queries, name string, after time.Duration, waiter *int64) ([]Backend, error) {
 	type found struct {
 		b     Backend
 		xid   *string
@@ -91,9 +93,9 @@ func endIdleHolders(ctx context.Context, db fence.DB, q *queries, name string, a
 		return nil, err
 	}
 	// Ending one frees the row, and the waiter may then end ctx: each
-	// ending is seen through past ctx's end, to be counted, but by
-	// wait.PastDeadline at most: the waiter's caller waits for the look.
-	kctx, cancel := wait.Outlive(ctx, idleHolderTimeout)
+	// ending is seen through, to be counted, but by wait.PastDeadline past
+	// caller's end at most: the caller waits for the look.
+	kctx, cancel := wait.Outlive(caller, idleHolderTimeout)
 	defer cancel()
 	var (
 		ended []Backend
@@ -156,7 +158,7 @@ func (l *looker) look(stopping, ctx context.Context, q *queries, name string, af
 	}
 	var ended []Backend
 	err := l.link.Do(stopping, idleHolderTimeout, func(_ context.Context, db pgexec.DB) (err error) {
-		ended, err = endIdleHolders(ctx, db, q, name, after, waiter)
+		ended, err = endIdleHolders(ctx, ctx, db, q, name, after, waiter)
 		return err
 	})
 	return ended, err

@@ -202,10 +202,11 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	own := ownconn.New(pool)
 	defer own.Close()
 	var ended []Backend // appended to on the watcher's goroutine, read once stopWatch returned
-	// The looks run on ctx: when it ends, they stop, and one ending a
-	// session sees it through within wait.PastDeadline (endIdleHolders).
-	stopWatch := watchIdleHolders(ctx, forceReleaseIdleAfter, func(_, lctx context.Context) ([]Backend, error) {
-		ended, err := endIdleHolders(lctx, own, q, name, forceReleaseIdleAfter, waiter)
+	// The looks stop when the statement is done or ctx ends; one ending a
+	// session sees it through as long as ctx allows, and wait.PastDeadline
+	// more (endIdleHolders).
+	stopWatch := watchIdleHolders(ctx, forceReleaseIdleAfter, func(stopping, lctx context.Context) ([]Backend, error) {
+		ended, err := endIdleHolders(stopping, lctx, own, q, name, forceReleaseIdleAfter, waiter)
 		if looked != nil {
 			looked(err)
 		}
