@@ -62,12 +62,19 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 	}
 	// Close frees the lease and ends the client's session in one
 	// transaction, within wait.CleanupTimeout (a lease not freed expires
-	// by its TTL).
-	defer func() {
+	// by its TTL). Once the command has started, it runs while signals
+	// are still caught; deferred, on the paths before.
+	closed := false
+	closeClient := func() {
+		if closed {
+			return
+		}
+		closed = true
 		cctx, cancel := context.WithTimeout(context.Background(), wait.CleanupTimeout)
 		defer cancel()
 		_ = c.Close(cctx)
-	}()
+	}
+	defer closeClient()
 
 	var l *lock.Lease
 	if blocking {
@@ -107,7 +114,8 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 	for {
 		select {
 		case <-waited.Done():
-			return exitCode(waitErr) // Close frees the lease
+			closeClient()
+			return exitCode(waitErr)
 		case sig := <-signals:
 			group(sig.(syscall.Signal)) // pass it on; the command decides
 		case <-l.Done():
@@ -119,6 +127,7 @@ func cmdRun(ctx context.Context, e *env, args []string) error {
 				group(syscall.SIGKILL)
 				<-waited.Done()
 			}
+			closeClient()
 			return &cliError{exitLost, errors.New("")}
 		}
 	}
