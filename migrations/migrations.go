@@ -307,7 +307,10 @@ func mustSources() []MigrationStatus {
 // the schema), so it excludes concurrent Up calls on that schema. It opens
 // a private database/sql handle with the pool's settings and search_path
 // set to schema (goose speaks only database/sql); the schema must exist.
-// Close the provider when done.
+// goose releases the lock with the caller's deadline stripped: its
+// methods may take up to 5 s (wait.CleanupTimeout) past their context's
+// end when the server stops answering, where Up takes 500 ms. Close the
+// provider when done.
 func NewProvider(pool *pgxpool.Pool, schema string) (*goose.Provider, error) {
 	if pool == nil {
 		return nil, ErrNilPool
@@ -352,9 +355,10 @@ func (id sessionLocker) SessionLock(ctx context.Context, conn *sql.Conn) error {
 // (which Up hands it, withCaller), or after wait.CleanupTimeout, so that
 // Up returns by its deadline even when the server stops answering. An
 // unlock that does not come back closes its connection; the server drops
-// the lock once it sees the session gone (at the latest by its TCP
-// keepalive, tcp_keepalives_idle), and until then other Up calls on the
-// schema wait for it.
+// the lock once it sees the session gone (by its TCP keepalive, whose
+// operating-system defaults take over two hours: tcp_keepalives_idle),
+// and until then other Up calls on the schema wait for it. Callers of a
+// NewProvider's methods get the wait.CleanupTimeout bound.
 func (id sessionLocker) SessionUnlock(ctx context.Context, conn *sql.Conn) error {
 	caller, ok := ctx.Value(callerKey{}).(context.Context)
 	if !ok {
