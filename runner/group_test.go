@@ -740,16 +740,17 @@ func TestTermLeftOpenEndsAsExpired(t *testing.T) {
 		old.Holder != "killed" || old.EndCause != runner.EndExpired || old.Ended.IsZero() {
 		t.Fatalf("terms: %+v; want next's going on, and killed's ended as expired", terms)
 	}
-	var named bool
-	for _, r := range logs.Find(slog.LevelInfo, "leading") {
-		r.Attrs(func(a slog.Attr) bool {
-			named = named || a.Key == "previous_end" && a.Value.String() == runner.EndExpired
-			return true
-		})
-	}
-	if !named {
-		t.Error("the next leader's log does not say the previous term expired")
-	}
+	// The leader logs once it has recorded its term: wait for the line.
+	waitFor(t, 30*time.Second, "the next leader's log to say the previous term expired", func() bool {
+		var named bool
+		for _, r := range logs.Find(slog.LevelInfo, "leading") {
+			r.Attrs(func(a slog.Attr) bool {
+				named = named || a.Key == "previous_end" && a.Value.String() == runner.EndExpired
+				return true
+			})
+		}
+		return named
+	})
 }
 
 // Seek sets a partition's offset through its fence: the leader's lease is
