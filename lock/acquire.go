@@ -187,7 +187,7 @@ func (c *Client) attempt(ctx context.Context, name string, secret []byte, s *ses
 	pid := conn.Conn().PgConn().PID()
 	args := []any{name, c.cfg.Holder, secret, s.id}
 	// cas runs acquire or takeOver, which may wait on the row for a holder
-	// frozen in a guarded transaction (idleholders.go).
+	// frozen in a guarded transaction (package idleholder).
 	cas := func(sql string) (bool, error) {
 		stop := func() {}
 		if c.cfg.IdleHolderAfter > 0 {

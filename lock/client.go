@@ -16,6 +16,7 @@ import (
 	"github.com/pgfence/pgfence/internal/clock"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
+	"github.com/pgfence/pgfence/internal/idleholder"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -53,8 +54,8 @@ type Client struct {
 	verified atomic.Bool   // the schema version was checked
 	backoff  retry.Backoff // after transient errors
 	m        *metrics
-	failing  atomic.Bool // renewals are failing (for the cause of a loss)
-	idle     *looker     // looks for idle holders that block acquisitions
+	failing  atomic.Bool        // renewals are failing (for the cause of a loss)
+	idle     *idleholder.Looker // looks for idle holders that block acquisitions
 	// backendPIDs: the PID a pooled connection announced is its backend's
 	// (not behind PgBouncer); set by verify.
 	backendPIDs atomic.Bool
@@ -85,7 +86,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Client, error) {
 		backoff: retry.Backoff{Base: cfg.PollInterval, Max: 10 * cfg.PollInterval},
 	}
 	c.turn <- struct{}{}
-	c.idle = newLooker(c.bg.Context(), pool)
+	c.idle = idleholder.NewLooker(c.bg.Context(), pool)
 	c.renewer = c.bg.Demand(c.renewLoop, max(cfg.RenewInterval, sessionLinger), clock.Real())
 	c.waits = newWaiters(c)
 	m, err := newMetrics(c)
@@ -121,7 +122,7 @@ func (c *Client) verify(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("lock: %w", c.explain(err))
 	}
-	c.backendPIDs.Store(backendPID(ctx, conn.Conn()) != nil)
+	c.backendPIDs.Store(idleholder.BackendPID(ctx, conn.Conn()) != nil)
 	conn.Release()
 	c.verified.Store(true)
 	return nil
@@ -171,7 +172,7 @@ func (c *Client) close(ctx context.Context) error {
 	c.waits.close()
 	c.stopping = bg.Run(context.Background(), func(context.Context) {
 		c.bg.Stop() // cancel, then wait for every goroutine (each within its own bound)
-		c.idle.close()
+		c.idle.Close()
 		_ = c.m.observed.Unregister()
 	})
 	return first

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/idleholder"
 	"github.com/pgfence/pgfence/internal/ownconn"
 )
 
@@ -151,7 +152,7 @@ func (c Config) withDefaults() Config {
 		c.PollInterval = time.Second
 	}
 	if c.IdleHolderAfter == 0 {
-		c.IdleHolderAfter = idleHolderAfterFor(c.TTL, c.PollInterval)
+		c.IdleHolderAfter = idleholder.DefaultAfter(c.TTL, c.PollInterval)
 	}
 	if c.Holder == "" {
 		c.Holder = defaultHolder()

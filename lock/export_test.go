@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clock"
+	"github.com/pgfence/pgfence/internal/idleholder"
 )
 
 // AcquireLostReply acquires name the way an attempt whose reply was lost
@@ -51,5 +52,6 @@ func ForceReleaseLooking(ctx context.Context, pool *pgxpool.Pool, schema, name s
 // EndIdleHolders is the idle-holder look of an acquisition on backend
 // waiter, with schema's statements, on db.
 func EndIdleHolders(ctx context.Context, db fence.DB, schema, name string, after time.Duration, waiter int64) ([]Backend, error) {
-	return endIdleHolders(ctx, ctx, db, sqlFor(schema), name, after, &waiter)
+	ended, err := idleholder.End(ctx, ctx, db, schema, name, after, &waiter)
+	return backends(ended), err
 }

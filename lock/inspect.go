@@ -15,6 +15,7 @@ import (
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/ident"
+	"github.com/pgfence/pgfence/internal/idleholder"
 	"github.com/pgfence/pgfence/internal/ownconn"
 	"github.com/pgfence/pgfence/internal/pgexec"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -186,7 +187,7 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 		return Freed{}, fmt.Errorf("lock: force release %q: %w", name, explainFor(pool, schema, err))
 	}
 	defer conn.Release()
-	waiter := backendPID(ctx, conn.Conn()) // the statement's backend; nil behind PgBouncer
+	waiter := idleholder.BackendPID(ctx, conn.Conn()) // the statement's backend; nil behind PgBouncer
 	// The statement outlives ctx: stmt.Stop ends it, after the blockers
 	// are looked up.
 	qctx := context.WithoutCancel(ctx)
@@ -204,14 +205,14 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 	var ended []Backend // appended to on the watcher's goroutine, read once stopWatch returned
 	// The looks stop when the statement is done or ctx ends; one ending a
 	// session sees it through as long as ctx allows, and wait.PastDeadline
-	// more (endIdleHolders).
-	stopWatch := watchIdleHolders(ctx, forceReleaseIdleAfter, func(stopping, lctx context.Context) ([]Backend, error) {
-		ended, err := endIdleHolders(stopping, lctx, own, q, name, forceReleaseIdleAfter, waiter)
+	// more (idleholder.End).
+	stopWatch := idleholder.Watch(ctx, forceReleaseIdleAfter, func(stopping, lctx context.Context) ([]idleholder.Backend, error) {
+		ended, err := idleholder.End(stopping, lctx, own, schema, name, forceReleaseIdleAfter, waiter)
 		if looked != nil {
 			looked(err)
 		}
 		return ended, err
-	}, func(e []Backend, _ error) { ended = append(ended, e...) })
+	}, func(e []idleholder.Backend, _ error) { ended = append(ended, backends(e)...) })
 	defer stopWatch()
 	select {
 	case <-stmt.Done():
@@ -223,11 +224,13 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 		bctx, bcancel := wait.Tidy(ctx)
 		defer bcancel()
 		var (
-			backends []Backend
+			blocking []Backend
 			berr     error
 		)
 		if waiter != nil { // behind PgBouncer the blocked backend is not known
-			backends, berr = blockers(bctx, pool, q, *waiter)
+			var found []idleholder.Backend
+			found, berr = idleholder.Blockers(bctx, pool, *waiter)
+			blocking = backends(found)
 		}
 		_ = conn.Conn().PgConn().CancelRequest(bctx)
 		select {
@@ -239,7 +242,7 @@ func forceRelease(ctx context.Context, pool *pgxpool.Pool, schema, name string, 
 		}
 		stopWatch()
 		if r.err != nil {
-			be := &BlockedError{Name: name, Backends: backends, Err: ctx.Err()}
+			be := &BlockedError{Name: name, Backends: blocking, Err: ctx.Err()}
 			if berr != nil {
 				return Freed{}, fmt.Errorf("%w (%v)", be, berr)
 			}
@@ -293,27 +296,4 @@ func RevokeAllTx(ctx context.Context, tx pgx.Tx, schema string, names []string) 
 		return 0, fmt.Errorf("lock: revoke %d leases: %w", len(names), explainFor(tx, schema, err))
 	}
 	return int(tag.RowsAffected()), nil
-}
-
-// blockers lists the sessions that block backend pid.
-func blockers(ctx context.Context, db fence.DB, q *queries, pid int64) ([]Backend, error) {
-	rows, err := db.Query(ctx, q.blockers, pid)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Backend, error) { return scanBackend(r) })
-}
-
-// scanBackend reads the session a row of blockers or idleHolders begins
-// with, and then the row's extra columns.
-func scanBackend(r pgx.Row, extra ...any) (Backend, error) {
-	var (
-		b  Backend
-		at *time.Time
-	)
-	err := r.Scan(append([]any{&b.PID, &b.Application, &b.User, &b.State, &at, &b.Query}, extra...)...)
-	if at != nil {
-		b.XactStart = *at
-	}
-	return b, err
 }

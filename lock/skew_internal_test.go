@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/idleholder"
 )
 
 // The skew a renewal proves is the part of the database's clock reading
@@ -94,7 +96,7 @@ func TestIdleHolderAfterFollowsPollInterval(t *testing.T) {
 		{time.Minute, 10 * time.Second, time.Second}, // the ceiling
 		{time.Second, time.Second, 100 * ms},         // TTL / 10 below a quarter of PollInterval
 	} {
-		if got := idleHolderAfterFor(tc.ttl, tc.poll); got != tc.want {
+		if got := idleholder.DefaultAfter(tc.ttl, tc.poll); got != tc.want {
 			t.Errorf("TTL %v, PollInterval %v: %v, want %v", tc.ttl, tc.poll, got, tc.want)
 		}
 	}

@@ -22,11 +22,10 @@ type queries struct {
 	startSession, renew, endSession, reconcile                                            string
 	acquire, takeOver, heldBy, acquireNew, syncEpoch, check                               string
 	release, releaseDurable, releaseMany, releaseManyDurable, releaseSecret, backendAlive string
-	idleHolders, endBackend                                                               string
 	// Waiting for and watching a lease.
 	pollWaited, observe string
 	// The operators' reads, force-release and revocations.
-	inspectAll, inspectOne, forceRelease, revoke, blockers string
+	inspectAll, inspectOne, forceRelease, revoke string
 }
 
 // built holds each schema's statements (the operators' functions take a
@@ -158,33 +157,6 @@ UPDATE {leases} l SET token = DEFAULT, holder = $2, secret = $3, session = $4, a
  WHERE l.name = locked.name AND EXISTS (SELECT FROM taken) AND ` + ready + `
 RETURNING ` + notifyObservers),
 
-		// The sessions idle in a transaction for at least $2 µs that block
-		// a statement waiting on the row of lease $1, if it is not held
-		// (idleholders.go). The waiter is found by its backend $3 (the
-		// row may have moved since it began to wait), or, behind
-		// PgBouncer ($3 NULL), by the row's tuple lock. Of what blocks it,
-		// only the transaction it waits on counts (not a table lock's
-		// holder: an open migration). A session whose state this role may
-		// not see has state '': reported, not ended. The transaction id
-		// and the moment it went idle pin what endBackend may end.
-		idleHolders: r(`SELECT DISTINCT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
-       a.xact_start, left(coalesce(a.query, ''), 200), a.backend_xid::text, a.state_change
-  FROM {leases} l
-  JOIN pg_locks w ON w.relation = l.tableoid
-   AND w.database = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())
-   AND (w.locktype = 'relation' AND w.pid::int8 = $3::int8
-        OR w.locktype = 'tuple' AND w.page = (l.ctid::text::point)[0]::int AND w.tuple = (l.ctid::text::point)[1]::int)
-  JOIN pg_stat_activity a ON a.pid = ANY (pg_blocking_pids(w.pid))
- WHERE l.name = $1 AND (l.session IS NULL OR EXISTS (SELECT FROM {sessions} s WHERE s.id = l.session AND s.expires_at <= now()))
-   AND (a.state IS NULL
-        OR a.state = 'idle in transaction' AND a.state_change <= now() - $2 * interval '1 microsecond'
-           AND EXISTS (SELECT 1 FROM pg_locks x WHERE x.pid = w.pid AND NOT x.granted
-                          AND x.locktype = 'transactionid' AND x.transactionid = a.backend_xid))`),
-
-		// Ends backend $1 if it is still idle in transaction $2 since $3.
-		endBackend: `SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a
- WHERE a.pid = $1 AND a.backend_xid::text = $2 AND a.state = 'idle in transaction' AND a.state_change = $3`,
-
 		// The row after a failed acquire (no row: the name's first
 		// acquisition): whether it holds the caller's secret $2 (an
 		// earlier attempt won and its reply was lost), and the session it
@@ -251,11 +223,6 @@ SELECT v.name, NOT coalesce(v.holder IS NOT NULL AND v.expires_at > now(), false
            FOR NO KEY UPDATE SKIP LOCKED) m
    WHERE l.name = m.name)
 ` + inspect + ` WHERE name = $1`),
-
-		// The sessions that block backend $1 (ForceRelease).
-		blockers: `SELECT a.pid, coalesce(a.application_name, ''), coalesce(a.usename::text, ''), coalesce(a.state, ''),
-       a.xact_start, left(coalesce(a.query, ''), 200)
-  FROM pg_stat_activity a WHERE a.pid = ANY (pg_blocking_pids($1)) ORDER BY a.pid`,
 
 		inspectAll: r(inspect + ` ORDER BY name`),
 		inspectOne: r(inspect + ` WHERE name = $1`),
