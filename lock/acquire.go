@@ -326,7 +326,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		if w == nil {
 			w = c.waits.subscribe(name)
 			select {
-			case <-w.ready:
+			case <-w.Ready:
 			case <-time.After(c.cfg.PollInterval):
 			case <-ctx.Done():
 				return nil, ctx.Err()

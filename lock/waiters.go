@@ -3,14 +3,13 @@ package lock
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"sync"
 	"time"
 
 	"github.com/pgfence/pgfence/internal/bg"
 	"github.com/pgfence/pgfence/internal/clock"
+	"github.com/pgfence/pgfence/internal/notify"
 	"github.com/pgfence/pgfence/internal/retry"
-	"github.com/pgfence/pgfence/internal/wait"
 )
 
 // listenerLinger is how long the listening connection stays open after
@@ -20,59 +19,55 @@ const listenerLinger = 30 * time.Second
 // waiters are a client's blocked Acquires, Watches and Observes, by lease
 // name. Two loops wake them, each a Demand of the client's group that runs
 // while it has waiters (paced by the real clock: they decide nothing):
-//   - the listener holds the LISTEN connection (and listenerLinger after)
-//     and wakes a lease's waiters when its release is announced;
+//   - the listener (package notify) holds the LISTEN connection (and
+//     listenerLinger after) and wakes a lease's waiters when its release is
+//     announced;
 //   - the poller watches the leases of the waiters that ask for it (the
 //     Acquires) with one statement per PollInterval whatever their number:
 //     it asks each held lease's release to NOTIFY (waiters_until), and
 //     wakes the waiters of the free or expired ones.
 type waiters struct {
-	c            *Client
-	listen, poll *bg.Demand
+	c      *Client
+	listen *notify.Hub
+	poll   *bg.Demand
 
 	mu      sync.Mutex
-	by      map[string]map[*waiter]struct{}
-	polled  int           // waiters the poller covers
-	ready   chan struct{} // closed once LISTEN is in place; nil when no listener is meant to run
-	stopped bool          // the client is closing: no new polled waiters
-	kick    chan struct{} // cap 1: a waiter asked to be polled for
+	polled  map[*waiter]bool // the waiters the poller covers: true until a poll covers it
+	stopped bool             // the client is closing: no new polled waiters
+	kick    chan struct{}    // cap 1: a waiter asked to be polled for
 }
 
 // waiter is one registration.
 type waiter struct {
-	// C receives a value when the lease may have been freed.
-	C      chan struct{}
-	ready  <-chan struct{} // closed once the listener listens
-	name   string
-	polled bool // the poller covers it
-	fresh  bool // no poll has covered it yet
-	ws     *waiters
+	*notify.Sub
+	ws *waiters
 }
 
 func newWaiters(c *Client) *waiters {
-	ws := &waiters{c: c, by: make(map[string]map[*waiter]struct{}), kick: make(chan struct{}, 1)}
-	ws.listen = c.bg.Demand(ws.listenLoop, listenerLinger, clock.Real())
+	ws := &waiters{c: c, polled: make(map[*waiter]bool), kick: make(chan struct{}, 1)}
+	ws.listen = notify.New(c.bg, c.pool, notify.Config{
+		Listen: listenSQL,
+		Key: func(payload string) (string, bool) {
+			var p struct {
+				Schema string `json:"schema"`
+				Name   string `json:"name"`
+			}
+			return p.Name, json.Unmarshal([]byte(payload), &p) == nil && p.Schema == c.cfg.Schema
+		},
+		Bound:      c.cfg.TTL,
+		Linger:     listenerLinger,
+		MaxBackoff: c.cfg.PollInterval,
+		Log:        c.log,
+		Failed:     "pgfence: release listener failed, reconnecting; waiters poll meanwhile",
+		Recovered:  "pgfence: release listener listening again",
+	})
 	ws.poll = c.bg.Demand(ws.pollLoop, 0, clock.Real())
 	return ws
 }
 
 // subscribe registers a waiter for the releases of name.
 func (ws *waiters) subscribe(name string) *waiter {
-	ws.mu.Lock()
-	defer ws.mu.Unlock()
-	w := &waiter{C: make(chan struct{}, 1), name: name, ws: ws}
-	if ws.by[name] == nil {
-		ws.by[name] = make(map[*waiter]struct{})
-	}
-	ws.by[name][w] = struct{}{}
-	if ws.ready == nil {
-		ws.ready = make(chan struct{}) // the next listener closes it
-	}
-	w.ready = ws.ready
-	if !ws.listen.Want() {
-		w.ready = make(chan struct{}) // closed client: never ready
-	}
-	return w
+	return &waiter{Sub: ws.listen.Subscribe(name), ws: ws}
 }
 
 // pollFor makes the poller cover w at once; once the client is closing, w
@@ -82,12 +77,11 @@ func (w *waiter) pollFor() {
 	ws.mu.Lock()
 	defer ws.mu.Unlock()
 	if ws.stopped {
-		signal(w)
+		w.Signal()
 		return
 	}
-	if !w.polled {
-		w.polled, w.fresh = true, true
-		ws.polled++
+	if _, ok := ws.polled[w]; !ok {
+		ws.polled[w] = true
 	}
 	select {
 	case ws.kick <- struct{}{}:
@@ -100,22 +94,14 @@ func (w *waiter) pollFor() {
 func (w *waiter) cancel() {
 	ws := w.ws
 	ws.mu.Lock()
-	defer ws.mu.Unlock()
-	if _, ok := ws.by[w.name][w]; !ok {
-		return
-	}
-	delete(ws.by[w.name], w)
-	if len(ws.by[w.name]) == 0 {
-		delete(ws.by, w.name)
-	}
-	if w.polled {
-		if ws.polled--; ws.polled == 0 {
+	if _, ok := ws.polled[w]; ok {
+		delete(ws.polled, w)
+		if len(ws.polled) == 0 {
 			ws.poll.Idle()
 		}
 	}
-	if len(ws.by) == 0 {
-		ws.listen.Idle()
-	}
+	ws.mu.Unlock()
+	w.Cancel()
 }
 
 // close refuses new polled waiters and wakes those it covers, whose next
@@ -124,114 +110,8 @@ func (ws *waiters) close() {
 	ws.mu.Lock()
 	defer ws.mu.Unlock()
 	ws.stopped = true
-	ws.wakeLocked("", true)
-}
-
-// wake wakes the waiters of name, or of every lease when name is "".
-func (ws *waiters) wake(name string) {
-	ws.mu.Lock()
-	defer ws.mu.Unlock()
-	ws.wakeLocked(name, false)
-}
-
-func (ws *waiters) wakeLocked(name string, polledOnly bool) {
-	for n, set := range ws.by {
-		if name != "" && n != name {
-			continue
-		}
-		for w := range set {
-			if w.polled || !polledOnly {
-				signal(w)
-			}
-		}
-	}
-}
-
-func signal(w *waiter) {
-	select {
-	case w.C <- struct{}{}:
-	default:
-	}
-}
-
-// listenLoop keeps a LISTEN connection open until ctx ends, reconnecting
-// with backoff.
-func (ws *waiters) listenLoop(ctx context.Context) {
-	ws.mu.Lock()
-	if ws.ready == nil {
-		ws.ready = make(chan struct{})
-	}
-	ready := ws.ready
-	ws.mu.Unlock()
-	readyOnce := sync.OnceFunc(func() { close(ready) })
-	defer func() {
-		readyOnce() // waiters never hang on ready, even if LISTEN failed
-		ws.mu.Lock()
-		if ws.ready == ready {
-			ws.ready = nil // the next listener has a ready of its own
-		}
-		ws.mu.Unlock()
-	}()
-	backoff := retry.Backoff{Base: 50 * time.Millisecond, Max: ws.c.cfg.PollInterval}
-	var failing retry.Failing
-	for ctx.Err() == nil {
-		err := ws.listenOnce(ctx, func() {
-			readyOnce()
-			failing.Recover(ws.c.log, "pgfence: release listener listening again")
-		})
-		if ctx.Err() != nil {
-			return
-		}
-		failing.Fail(ws.c.log, "pgfence: release listener failed, reconnecting; waiters poll meanwhile", err)
-		if !wait.Sleep(ctx, backoff.Wait(failing.Count()-1)) {
-			return
-		}
-	}
-}
-
-// listenOnce listens on a connection hijacked from the pool (it never goes
-// back with LISTEN active) until it fails.
-func (ws *waiters) listenOnce(ctx context.Context, onReady func()) error {
-	ttl := ws.c.cfg.TTL // bounds every wait: a black-holed server answers nothing
-	sctx, cancel := context.WithTimeout(ctx, ttl)
-	defer cancel()
-	pc, err := ws.c.pool.Acquire(sctx)
-	if err != nil {
-		return err
-	}
-	conn := pc.Hijack()
-	defer conn.Close(context.Background())
-	if _, err := conn.Exec(sctx, listenSQL); err != nil {
-		return err
-	}
-	cancel()
-	onReady()
-	ws.wake("") // a release may have come while the connection was down
-	for {
-		// After a TTL without a notification, a ping must come back
-		// within a TTL, or the connection is opened anew.
-		wctx, cancel := context.WithTimeout(ctx, ttl)
-		n, err := conn.WaitForNotification(wctx)
-		cancel()
-		if err != nil && ctx.Err() == nil && wctx.Err() != nil {
-			pctx, cancel := context.WithTimeout(ctx, ttl)
-			err = conn.Ping(pctx)
-			cancel()
-			if err != nil {
-				return fmt.Errorf("the listening connection did not answer a ping within %v: %w", ttl, err)
-			}
-			continue
-		}
-		if err != nil {
-			return err
-		}
-		var p struct {
-			Schema string `json:"schema"`
-			Name   string `json:"name"`
-		}
-		if json.Unmarshal([]byte(n.Payload), &p) == nil && p.Schema == ws.c.cfg.Schema {
-			ws.wake(p.Name)
-		}
+	for w := range ws.polled {
+		w.Signal()
 	}
 }
 
@@ -245,20 +125,16 @@ func (ws *waiters) pollLoop(ctx context.Context) {
 		var (
 			names []string
 			fresh []*waiter
+			seen  = make(map[string]bool)
 		)
-		for name, set := range ws.by {
-			covered := false
-			for w := range set {
-				if w.polled {
-					covered = true
-					if w.fresh {
-						w.fresh = false
-						fresh = append(fresh, w)
-					}
-				}
+		for w, isFresh := range ws.polled {
+			if isFresh {
+				ws.polled[w] = false
+				fresh = append(fresh, w)
 			}
-			if covered {
-				names = append(names, name)
+			if !seen[w.Key()] {
+				seen[w.Key()] = true
+				names = append(names, w.Key())
 			}
 		}
 		ws.mu.Unlock()
@@ -284,18 +160,22 @@ func (ws *waiters) pollLoop(ctx context.Context) {
 		} else {
 			failing.Recover(ws.c.log, "pgfence: polling for released leases recovered")
 		}
-		ws.mu.Lock()
 		for _, w := range fresh {
-			signal(w)
+			w.Signal()
 		}
-		for _, name := range free {
-			for w := range ws.by[name] {
-				if w.polled {
-					signal(w)
+		if len(free) > 0 {
+			isFree := make(map[string]bool, len(free))
+			for _, name := range free {
+				isFree[name] = true
+			}
+			ws.mu.Lock()
+			for w := range ws.polled {
+				if isFree[w.Key()] {
+					w.Signal()
 				}
 			}
+			ws.mu.Unlock()
 		}
-		ws.mu.Unlock()
 
 		timer.Reset(next)
 		select {
