@@ -77,6 +77,17 @@ func (p *Proxy) OnCommit(f func() (CommitFault, time.Duration)) {
 	p.mu.Unlock()
 }
 
+// CommitsOn makes the proxy treat, besides COMMIT, every statement whose
+// text match accepts as a commit (nil, the default: none): a statement run
+// outside a transaction block commits as it executes, so OnCommit's faults
+// apply to it as to a COMMIT (an autocommitted write whose reply is lost).
+// Set it before clients connect.
+func (p *Proxy) CommitsOn(match func(query string) bool) {
+	p.mu.Lock()
+	p.commitsOn = match
+	p.mu.Unlock()
+}
+
 // Commits returns how many COMMITs met each fault so far (CommitPass
 // included; faults none met are absent).
 func (p *Proxy) Commits() map[CommitFault]int {
@@ -123,6 +134,12 @@ func isCommit(query string) bool {
 type frontend struct {
 	stmts   map[string]bool
 	portals map[string]bool
+	also    func(query string) bool // CommitsOn's; nil: COMMITs only
+}
+
+// isCommit reports whether query commits: a COMMIT, or one CommitsOn names.
+func (f *frontend) isCommit(query string) bool {
+	return isCommit(query) || f.also != nil && f.also(query)
 }
 
 // commits reports whether the client message typ with body commits: a simple
@@ -132,11 +149,11 @@ func (f *frontend) commits(typ byte, body []byte) bool {
 	switch typ {
 	case 'Q':
 		q, _ := cstring(body)
-		return isCommit(q)
+		return f.isCommit(q)
 	case 'P': // Parse: statement name, query, parameter types
 		name, rest := cstring(body)
 		q, _ := cstring(rest)
-		mark(&f.stmts, name, isCommit(q))
+		mark(&f.stmts, name, f.isCommit(q))
 	case 'B': // Bind: portal name, statement name, parameters
 		portal, rest := cstring(body)
 		stmt, _ := cstring(rest)

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"strings"
 	"testing"
 	"time"
 )
@@ -88,6 +89,14 @@ func TestFrontendCommits(t *testing.T) {
 			{'B', bind("", "fin"), false}, // an error on the server: it no longer exists
 			{'E', exec(""), false},
 		},
+		"autocommitted write (CommitsOn)": {
+			{'Q', body("UPDATE t SET v = 1"), true},
+			{'Q', body("select 1"), false},
+			{'P', body("", "UPDATE t SET v = $1", "\x00"), false},
+			{'B', bind("", ""), false},
+			{'E', exec(""), true},
+			{'Q', body("COMMIT"), true},
+		},
 		"closed portal": {
 			{'P', body("", "commit", "\x00"), false},
 			{'B', bind("p", ""), false},
@@ -95,7 +104,10 @@ func TestFrontendCommits(t *testing.T) {
 			{'E', exec("p"), false},
 		},
 	} {
-		var f frontend
+		f := frontend{also: func(q string) bool { return strings.HasPrefix(q, "UPDATE") }}
+		if !strings.Contains(name, "CommitsOn") {
+			f.also = nil
+		}
 		for i, m := range msgs {
 			if got := f.commits(m.typ, m.body); got != m.want {
 				t.Errorf("%s: message %d (%c %q) commits = %v, want %v", name, i, m.typ, m.body, got, m.want)

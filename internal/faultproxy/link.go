@@ -136,7 +136,9 @@ func (l *link) startup(r *relay) error {
 // It holds a message only while it needs it whole to tell whether it
 // commits.
 func (l *link) messages(r *relay) error {
-	var f frontend
+	l.p.mu.Lock()
+	f := frontend{also: l.p.commitsOn}
+	l.p.mu.Unlock()
 	for {
 		typ, err := r.next()
 		if err != nil {

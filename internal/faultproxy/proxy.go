@@ -36,11 +36,13 @@ type Proxy struct {
 	mode     Mode
 	delay    time.Duration
 	onCommit func() (CommitFault, time.Duration)
-	commits  map[CommitFault]int
-	conns    map[net.Conn]struct{}
-	held     int // chunks that reached a held direction
-	done     bool
-	wg       sync.WaitGroup
+	// commitsOn: what else CommitsOn counts as a commit
+	commitsOn func(query string) bool
+	commits   map[CommitFault]int
+	conns     map[net.Conn]struct{}
+	held      int // chunks that reached a held direction
+	done      bool
+	wg        sync.WaitGroup
 }
 
 // New starts a proxy on 127.0.0.1 (a free port) forwarding to target.
