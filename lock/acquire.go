@@ -202,7 +202,7 @@ func (c *Client) attempt(ctx context.Context, name string, secret []byte, s *ses
 		if errors.Is(err, pgx.ErrNoRows) {
 			return false, nil
 		}
-		return err == nil, inFlight(err, pid)
+		return err == nil, inFlight(err, conn.Conn().PgConn())
 	}
 	if won, err := cas(c.q.acquire); won || err != nil {
 		return token, casResult{won: won}, err
@@ -218,7 +218,7 @@ func (c *Client) attempt(ctx context.Context, name string, secret []byte, s *ses
 		if errors.Is(err, pgx.ErrNoRows) {
 			return 0, casResult{}, nil // another was first
 		}
-		return token, casResult{won: err == nil}, inFlight(err, pid)
+		return token, casResult{won: err == nil}, inFlight(err, conn.Conn().PgConn())
 	case err != nil:
 		return 0, casResult{}, err
 	}

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -548,5 +549,74 @@ func TestCloseReturnsByItsDeadlineWhileAnotherCloses(t *testing.T) {
 	case <-first:
 	case <-time.After(30 * time.Second):
 		t.Fatal("the first Close did not return within 30 s")
+	}
+}
+
+// An acquisition that the server ran but whose reply the client never got
+// (the connection reset after the reply was sent) may have been granted:
+// TryAcquire reports the failure and frees the lease in the background, in
+// either protocol mode. pgx reports the reset of a simple-protocol
+// statement as a request never sent (pgconn.SafeToRetry), which is not
+// proof that the server did not run it.
+func TestTryAcquireWhoseReplyWasLostFreesTheLease(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.New(t)
+			ctx := ctxT(t, 2*time.Minute)
+			proxy, err := faultproxy.To(db.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// An acquisition's compare-and-set commits as it runs.
+			proxy.CommitsOn(func(q string) bool { return strings.Contains(q, "SET token = DEFAULT, holder = ") })
+			var armed atomic.Bool
+			proxy.OnCommit(func() (faultproxy.CommitFault, time.Duration) {
+				if armed.CompareAndSwap(true, false) {
+					return faultproxy.ResetAfterReply, 0
+				}
+				return faultproxy.CommitPass, 0
+			})
+			pool := pgtest.NewPool(t, pgtest.UniqueName("lost-reply"), func(c *pgxpool.Config) {
+				proxy.Route(&c.ConnConfig.Config)
+				c.ConnConfig.DefaultQueryExecMode = mode
+			})
+			t.Cleanup(func() { _ = proxy.Close() })
+			other := db.Client(t, lock.Config{Schema: db.Schema, Logger: quiet})
+			l, err := other.TryAcquire(ctx, "job") // the row exists: the next acquisition is an update
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := l.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			// A lease held meanwhile keeps the client's session renewed:
+			// a lease its session names does not expire by itself.
+			c, err := lock.New(pool, lock.Config{Schema: db.Schema, TTL: 3 * time.Second, Logger: quiet})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = c.Close(context.Background()) })
+			if _, err := c.TryAcquire(ctx, "held"); err != nil {
+				t.Fatal(err)
+			}
+			armed.Store(true)
+			if l, err := c.TryAcquire(ctx, "job"); err == nil {
+				t.Fatalf("TryAcquire whose reply was lost returned lease %v, want its error", l.Token())
+			}
+			if n := proxy.Commits()[faultproxy.ResetAfterReply]; n != 1 {
+				t.Fatalf("%d acquisitions had their reply lost, want 1", n)
+			}
+			// Freed within wait.CleanupTimeout; the session (TTL 3 s) would
+			// keep it for as long as the client lives.
+			pgtest.Eventually(t, 20*time.Second, "another client to acquire the lease whose acquisition reply was lost", func() bool {
+				l, err := other.TryAcquire(ctx, "job")
+				if err == nil {
+					_ = l.Release(ctx)
+				}
+				return err == nil
+			})
+		})
 	}
 }

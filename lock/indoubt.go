@@ -7,6 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/internal/outcome"
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
@@ -20,14 +21,19 @@ type inFlightError struct {
 func (e *inFlightError) Error() string { return e.err.Error() }
 func (e *inFlightError) Unwrap() error { return e.err }
 
-// inFlight wraps err when no server answer says it failed, and it was not
-// refused before being sent.
-func inFlight(err error, pid uint32) error {
+// inFlight wraps the error of a statement sent on conn unless the server
+// answered it (an ERROR; a FATAL may follow a commit), or pgx did not send
+// it (SafeToRetry on a connection still open: a context already done).
+// SafeToRetry alone proves nothing: pgx reports a simple-protocol
+// statement whose connection was reset after the server ran it as never
+// sent, as it does a COMMIT (package outcome).
+func inFlight(err error, conn *pgconn.PgConn) error {
 	var pg *pgconn.PgError
-	if err == nil || errors.As(err, &pg) || pgconn.SafeToRetry(err) {
+	switch {
+	case err == nil, errors.As(err, &pg) && !outcome.Fatal(pg), pgconn.SafeToRetry(err) && !conn.IsClosed():
 		return err
 	}
-	return &inFlightError{pid: pid, err: err}
+	return &inFlightError{pid: conn.PID(), err: err}
 }
 
 // inDoubt reports whether a failed acquisition may nevertheless have been
