@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
+	"github.com/pgfence/pgfence/internal/notify"
 	"github.com/pgfence/pgfence/internal/retry"
 )
 
@@ -42,7 +43,6 @@ func (c *Client) TryAcquire(ctx context.Context, name string) (*Lease, error) {
 // retransmission.
 func (c *Client) attemptBound() time.Duration { return 2*c.cfg.TTL + c.cfg.PollInterval }
 
-// newSecret returns a fresh per-acquisition secret.
 func newSecret() []byte {
 	secret := make([]byte, 16)
 	_, _ = cryptorand.Read(secret)
@@ -51,7 +51,7 @@ func newSecret() []byte {
 
 // backoffOrWake waits d, or until w (if not nil) wakes; it returns false if
 // ctx ends first.
-func backoffOrWake(ctx context.Context, d time.Duration, w *waiter) bool {
+func backoffOrWake(ctx context.Context, d time.Duration, w *notify.Sub) bool {
 	var woken <-chan struct{}
 	if w != nil {
 		woken = w.C
@@ -258,7 +258,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 	if err := fence.ValidateName(name); err != nil {
 		return nil, err
 	}
-	var w *waiter
+	var w *notify.Sub
 	secret, began := newSecret(), time.Now()
 	var (
 		doubt bool   // some attempt's outcome is unknown
@@ -266,7 +266,7 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 	)
 	defer func() {
 		if w != nil {
-			w.cancel()
+			w.Cancel()
 		}
 		if err != nil && doubt {
 			c.abandon(name, secret, pid)
@@ -324,14 +324,14 @@ func (c *Client) Acquire(ctx context.Context, name string) (l *Lease, err error)
 		// attempt catches a release before the request, the NOTIFY one
 		// after it.
 		if w == nil {
-			w = c.waits.subscribe(name)
+			w = c.waits.Subscribe(name)
 			select {
 			case <-w.Ready:
 			case <-time.After(c.cfg.PollInterval):
 			case <-ctx.Done():
 				return nil, ctx.Err()
 			}
-			w.pollFor()
+			w.Poll()
 		}
 		select {
 		case <-w.C:

@@ -17,6 +17,7 @@ import (
 	"github.com/pgfence/pgfence/internal/ctxcheck"
 	"github.com/pgfence/pgfence/internal/hint"
 	"github.com/pgfence/pgfence/internal/idleholder"
+	"github.com/pgfence/pgfence/internal/notify"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/schemaver"
 	"github.com/pgfence/pgfence/internal/wait"
@@ -35,7 +36,7 @@ type Client struct {
 	cfg   Config
 	log   *slog.Logger // cfg.Logger with the holder on every line
 	q     *queries
-	waits *waiters
+	waits *notify.Hub // the waiters of Acquire, Watch and Observe (waiters.go)
 
 	mu      sync.Mutex
 	sess    *session // the current session, nil before the first acquisition and after one ends
@@ -169,7 +170,7 @@ func (c *Client) close(ctx context.Context) error {
 	s := c.sess
 	c.mu.Unlock()
 	first := c.releaseAll(ctx, s)
-	c.waits.close()
+	c.waits.Close()
 	c.stopping = bg.Run(context.Background(), func(context.Context) {
 		c.bg.Stop() // cancel, then wait for every goroutine (each within its own bound)
 		c.idle.Close()

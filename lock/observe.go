@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctxcheck"
+	"github.com/pgfence/pgfence/internal/notify"
 	"github.com/pgfence/pgfence/internal/retry"
 	"github.com/pgfence/pgfence/internal/wait"
 )
@@ -30,10 +31,10 @@ func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) 
 		return nil, err
 	}
 	out := make(chan Info, 1)
-	sub := c.waits.subscribe(name)
+	sub := c.waits.Subscribe(name)
 	ok := c.bg.Go(func(gctx context.Context) {
 		defer close(out)
-		defer sub.cancel()
+		defer sub.Cancel()
 		ctx, cancel := context.WithCancel(ctx)
 		defer cancel()
 		stop := context.AfterFunc(gctx, cancel) // the client's Close ends it too
@@ -41,14 +42,13 @@ func (c *Client) Observe(ctx context.Context, name string) (<-chan Info, error) 
 		c.observe(ctx, name, sub, out)
 	})
 	if !ok {
-		sub.cancel()
+		sub.Cancel()
 		return nil, ErrClosed
 	}
 	return out, nil
 }
 
-// observe is Observe's loop.
-func (c *Client) observe(ctx context.Context, name string, sub *waiter, out chan Info) {
+func (c *Client) observe(ctx context.Context, name string, sub *notify.Sub, out chan Info) {
 	var (
 		last    Info
 		sent    bool

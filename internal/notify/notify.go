@@ -1,9 +1,14 @@
-// Package notify holds one LISTEN connection for its owner while anyone
-// subscribes (and a linger after), and wakes the subscriptions of the key
-// each notification names. Notifications are merged while one is pending,
-// and may be missed while the connection is re-established: every
-// subscription is woken once then, so a subscriber re-reads the state it
-// waits on, and must not rely on notifications alone.
+// Package notify wakes its owner's waiters, each waiting on a key, by two
+// means, each a goroutine of the owner's group that runs only while needed:
+//   - a LISTEN connection, held while anyone subscribes (and a linger
+//     after), wakes the subscriptions of the key each notification names.
+//     Notifications are merged while one is pending, and may be missed
+//     while the connection is re-established: every subscription is woken
+//     once then, so a subscriber re-reads the state it waits on, and must
+//     not rely on notifications alone;
+//   - a poller, while a subscription asks for it (Sub.Poll), reads the
+//     state of all their keys in one call per round, and wakes those of
+//     the keys that are ready (and each new one after its first round).
 package notify
 
 import (
@@ -37,21 +42,31 @@ type Config struct {
 	Linger time.Duration
 	// MaxBackoff caps the wait between reconnects.
 	MaxBackoff time.Duration
-	// Log hears each start and end of a failure period, as Failed and
-	// Recovered.
-	Log               *slog.Logger
-	Failed, Recovered string
+	// Poll reads the keys of the subscriptions that asked (one call for
+	// all), and returns those that are ready and when to poll next. It
+	// runs on the group's context bounded by Bound; a failure is retried
+	// after Backoff.
+	Poll    func(ctx context.Context, keys []string) (ready []string, next time.Duration, err error)
+	Backoff retry.Backoff
+	// Log hears each start and end of a failure period: the listener's as
+	// Failed and Recovered, the poller's as PollFailed and PollRecovered.
+	Log                                          *slog.Logger
+	Failed, Recovered, PollFailed, PollRecovered string
 }
 
 // Hub holds the LISTEN connection of one owner, whose group runs it.
 type Hub struct {
-	cfg    Config
-	pool   *pgxpool.Pool
-	listen *bg.Demand
+	cfg          Config
+	pool         *pgxpool.Pool
+	g            *bg.Group
+	listen, poll *bg.Demand
 
-	mu    sync.Mutex
-	by    map[string]map[*Sub]struct{}
-	ready chan struct{} // closed once LISTEN is in place; nil when no listener is meant to run
+	mu      sync.Mutex
+	by      map[string]map[*Sub]struct{}
+	ready   chan struct{} // closed once LISTEN is in place; nil when no listener is meant to run
+	polled  map[*Sub]bool // the subscriptions the poller covers: true until a round has
+	stopped bool          // Close has begun: no new polled subscriptions
+	kick    chan struct{} // cap 1: a subscription asked to be polled for
 }
 
 // Sub is one subscription.
@@ -67,8 +82,11 @@ type Sub struct {
 
 // New returns a Hub on pool whose listening goroutine g runs.
 func New(g *bg.Group, pool *pgxpool.Pool, cfg Config) *Hub {
-	h := &Hub{cfg: cfg, pool: pool, by: make(map[string]map[*Sub]struct{})}
+	h := &Hub{cfg: cfg, pool: pool, g: g, by: make(map[string]map[*Sub]struct{}), polled: make(map[*Sub]bool),
+		kick: make(chan struct{}, 1)}
+	// Paced by the real clock: they decide nothing.
 	h.listen = g.Demand(h.loop, cfg.Linger, clock.Real())
+	h.poll = g.Demand(h.pollLoop, 0, clock.Real())
 	return h
 }
 
@@ -107,10 +125,44 @@ func (s *Sub) Cancel() {
 	if len(h.by) == 0 {
 		h.listen.Idle()
 	}
+	if _, ok := h.polled[s]; ok {
+		delete(h.polled, s)
+		if len(h.polled) == 0 {
+			h.poll.Idle()
+		}
+	}
 }
 
-// Key returns the key s subscribes to.
-func (s *Sub) Key() string { return s.key }
+// Poll makes the poller cover s at once; once Close has begun, s is woken
+// instead.
+func (s *Sub) Poll() {
+	h := s.h
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.stopped {
+		s.Signal()
+		return
+	}
+	if _, ok := h.polled[s]; !ok {
+		h.polled[s] = true
+	}
+	select {
+	case h.kick <- struct{}{}:
+	default:
+	}
+	h.poll.Want()
+}
+
+// Close refuses new polled subscriptions and wakes those the poller
+// covers: their owner is closing.
+func (h *Hub) Close() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.stopped = true
+	for s := range h.polled {
+		s.Signal()
+	}
+}
 
 // Signal wakes s, unless a wake is pending.
 func (s *Sub) Signal() {
@@ -204,6 +256,80 @@ func (h *Hub) once(ctx context.Context, onReady func()) error {
 		}
 		if key, ok := h.cfg.Key(n.Payload); ok {
 			h.wake(key)
+		}
+	}
+}
+
+// pollLoop polls once per round (sooner when kicked) until ctx ends.
+func (h *Hub) pollLoop(ctx context.Context) {
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	var failing retry.Failing
+	for ctx.Err() == nil {
+		h.mu.Lock()
+		var (
+			keys  []string
+			fresh []*Sub
+			seen  = make(map[string]bool)
+		)
+		for s, isFresh := range h.polled {
+			if isFresh {
+				h.polled[s] = false
+				fresh = append(fresh, s)
+			}
+			if !seen[s.key] {
+				seen[s.key] = true
+				keys = append(keys, s.key)
+			}
+		}
+		h.mu.Unlock()
+
+		var (
+			next  = time.Hour // nobody waits: until a subscription kicks
+			ready []string
+			err   error
+		)
+		if len(keys) > 0 {
+			// On the group's context (an owner's work may wait for the
+			// statement), bounded (a black-holed connection).
+			pctx, cancel := context.WithTimeout(h.g.Context(), h.cfg.Bound)
+			ready, next, err = h.cfg.Poll(pctx, keys)
+			cancel()
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			failing.Fail(h.cfg.Log, h.cfg.PollFailed, err)
+			next = h.cfg.Backoff.Wait(failing.Count() - 1)
+		} else {
+			failing.Recover(h.cfg.Log, h.cfg.PollRecovered)
+		}
+		for _, s := range fresh {
+			s.Signal()
+		}
+		if len(ready) > 0 {
+			isReady := make(map[string]bool, len(ready))
+			for _, key := range ready {
+				isReady[key] = true
+			}
+			h.mu.Lock()
+			for s := range h.polled {
+				if isReady[s.key] {
+					s.Signal()
+				}
+			}
+			h.mu.Unlock()
+		}
+
+		timer.Reset(next)
+		select {
+		case <-timer.C:
+		case <-h.kick:
+			if !timer.Stop() {
+				<-timer.C
+			}
+		case <-ctx.Done():
 		}
 	}
 }
