@@ -3,6 +3,8 @@ package lock
 import (
 	"sync/atomic"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/skew"
 )
 
 // Stats is a snapshot of a client's lease health, for metrics and alerts.
@@ -29,14 +31,11 @@ type Stats struct {
 
 type stats struct {
 	renewals, failures atomic.Uint64
-	latency, skew      atomic.Int64
-	// leastSkew is the smallest skew (in absolute value) the last renewal
-	// is consistent with: 0 when the clocks may agree.
-	leastSkew atomic.Int64
-	skewed    atomic.Bool // leastSkew is past Config.SkewWarning
-	slow      atomic.Uint64
-	renewSlow atomic.Bool // the last renewal was slow
-	idleEnded atomic.Uint64
+	latency            atomic.Int64
+	skew               skew.Gauge // judged at each renewal
+	slow               atomic.Uint64
+	renewSlow          atomic.Bool // the last renewal was slow
+	idleEnded          atomic.Uint64
 	// idleLooks, idleLookErrors: looks for idle holders begun, failed.
 	idleLooks, idleLookErrors atomic.Uint64
 }
@@ -56,37 +55,17 @@ func (c *Client) Stats() Stats {
 		IdleHoldersEnded:     c.stats.idleEnded.Load(),
 		IdleHolderLooks:      c.stats.idleLooks.Load(),
 		IdleHolderLookErrors: c.stats.idleLookErrors.Load(),
-		ClockSkew:            time.Duration(c.stats.skew.Load()),
+		ClockSkew:            c.stats.skew.Estimate(),
 	}
 }
 
 // observe records a successful renewal and returns its round trip.
 func (s *stats) observe(sent, got, dbNow time.Time) time.Duration {
 	rtt := got.Sub(sent)
-	estimate, least := skewOf(sent, got, dbNow)
 	s.renewals.Add(1)
 	s.latency.Store(int64(rtt))
-	s.skew.Store(int64(estimate))
-	s.leastSkew.Store(int64(least))
+	s.skew.Observe(sent, got, dbNow)
 	return rtt
-}
-
-// skewOf judges the database's clock against this machine's from a
-// statement sent at sent, answered at got, that read dbNow: the skew lies
-// between dbNow-got and dbNow-sent. estimate is the middle, least the
-// smallest in absolute value (0 when the clocks may agree: a slow round
-// trip is not skew).
-func skewOf(sent, got, dbNow time.Time) (estimate, least time.Duration) {
-	rtt := got.Sub(sent)
-	lo, hi := dbNow.Sub(sent.Add(rtt)), dbNow.Sub(sent) // dbNow-got, dbNow-sent on one clock reading
-	estimate = lo + (hi-lo)/2
-	switch {
-	case lo > 0:
-		least = lo
-	case hi < 0:
-		least = -hi
-	}
-	return estimate, least
 }
 
 // watchSkew logs once when the skew is surely past Config.SkewWarning,
@@ -95,18 +74,18 @@ func (c *Client) watchSkew() {
 	if c.cfg.SkewWarning < 0 {
 		return
 	}
-	skew := time.Duration(c.stats.skew.Load())
-	over := time.Duration(c.stats.leastSkew.Load()) > c.cfg.SkewWarning
-	if c.stats.skewed.Swap(over) == over {
+	over, changed := c.stats.skew.Crossed(c.cfg.SkewWarning)
+	if !changed {
 		return
 	}
+	est := c.stats.skew.Estimate()
 	if over {
 		c.log.Warn("pgfence: the database's clock and this machine's differ by more than SkewWarning; "+
-			"expiry is judged by the database, but the skew eats into SafetyMargin", "skew", skew,
-			"at_least", time.Duration(c.stats.leastSkew.Load()), "round_trip", time.Duration(c.stats.latency.Load()),
+			"expiry is judged by the database, but the skew eats into SafetyMargin", "skew", est,
+			"at_least", c.stats.skew.Least(), "round_trip", time.Duration(c.stats.latency.Load()),
 			"warning", c.cfg.SkewWarning, "safety_margin", c.cfg.SafetyMargin)
 	} else {
-		c.log.Info("pgfence: clock skew back under SkewWarning", "skew", skew)
+		c.log.Info("pgfence: clock skew back under SkewWarning", "skew", est)
 	}
 }
 
