@@ -226,7 +226,6 @@ func (l *Lease) handOut() bool {
 	return l.out
 }
 
-// isOut reports whether the lease was handed out.
 func (l *Lease) isOut() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()

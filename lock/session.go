@@ -50,14 +50,12 @@ func (s *session) left(now time.Time) time.Duration {
 	return s.trustUntil.Sub(now)
 }
 
-// generation counts the reconciliations begun (session.gen).
 func (s *session) generation() uint64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.gen
 }
 
-// isEnded reports whether s has ended.
 func (s *session) isEnded() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -83,14 +81,12 @@ func (s *session) remove(l *Lease) int {
 	return len(s.leases)
 }
 
-// held returns s's leases.
 func (s *session) held() []*Lease {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return slices.Collect(maps.Keys(s.leases))
 }
 
-// count is the number of leases s holds.
 func (s *session) count() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -163,7 +159,6 @@ type loss struct {
 	err   error
 }
 
-// startSession starts the client's session.
 func (c *Client) startSession(ctx context.Context) error {
 	sent := c.clock.Now()
 	s := &session{c: c, leases: make(map[*Lease]struct{})}
