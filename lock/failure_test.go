@@ -608,6 +608,16 @@ func TestTryAcquireWhoseReplyWasLostFreesTheLease(t *testing.T) {
 			if n := proxy.Commits()[faultproxy.ResetAfterReply]; n != 1 {
 				t.Fatalf("%d acquisitions had their reply lost, want 1", n)
 			}
+			// Unless freed already (it is, within wait.CleanupTimeout),
+			// the lease is the client's: the acquisition was granted.
+			if i, err := lock.Inspect(ctx, db.Pool, db.Schema, "job"); err != nil || i.Held && i.Holder != c.Config().Holder {
+				t.Fatalf("the lease after its acquisition's reply was lost: %+v, %v; want it free or the client's", i, err)
+			}
+			var granted bool
+			if err := db.Pool.QueryRow(ctx, "SELECT token > $1 FROM "+pgx.Identifier{db.Schema, "pgfence_leases"}.Sanitize()+
+				" WHERE name = 'job'", int64(l.Token())).Scan(&granted); err != nil || !granted {
+				t.Fatalf("the lease's token after the lost reply: granted %v, %v; want a new token", granted, err)
+			}
 			// Freed within wait.CleanupTimeout; the session (TTL 3 s) would
 			// keep it for as long as the client lives.
 			pgtest.Eventually(t, 20*time.Second, "another client to acquire the lease whose acquisition reply was lost", func() bool {

@@ -12,7 +12,7 @@ import (
 )
 
 // inFlightError is the error of an acquisition that may have reached
-// backend pid and got no answer: the database may still grant it.
+// backend pid, with no answer proving it failed: it may be granted.
 type inFlightError struct {
 	pid uint32
 	err error

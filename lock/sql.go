@@ -244,6 +244,3 @@ UPDATE {leases} l SET token = DEFAULT, ` + free + `
 RETURNING l.token, coalesce(old.holder, ''), ` + wake),
 	}
 }
-
-// listenSQL subscribes to the releases' notifications.
-const listenSQL = "LISTEN pgfence_released"

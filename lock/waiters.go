@@ -2,7 +2,6 @@ package lock
 
 import (
 	"context"
-	"encoding/json"
 	"time"
 
 	"github.com/pgfence/pgfence/internal/notify"
@@ -19,14 +18,7 @@ const listenerLinger = 30 * time.Second
 // number: it asks each held lease's release to NOTIFY (waiters_until).
 func newWaiters(c *Client) *notify.Hub {
 	return notify.New(c.bg, c.pool, notify.Config{
-		Listen: listenSQL,
-		Key: func(payload string) (string, bool) {
-			var p struct {
-				Schema string `json:"schema"`
-				Name   string `json:"name"`
-			}
-			return p.Name, json.Unmarshal([]byte(payload), &p) == nil && p.Schema == c.cfg.Schema
-		},
+		Schema:        c.cfg.Schema,
 		Bound:         c.cfg.TTL,
 		Linger:        listenerLinger,
 		MaxBackoff:    c.cfg.PollInterval,

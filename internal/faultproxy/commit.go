@@ -78,18 +78,20 @@ func (p *Proxy) OnCommit(f func() (CommitFault, time.Duration)) {
 }
 
 // CommitsOn makes the proxy treat, besides COMMIT, every statement whose
-// text match accepts as a commit (nil, the default: none): a statement run
-// outside a transaction block commits as it executes, so OnCommit's faults
-// apply to it as to a COMMIT (an autocommitted write whose reply is lost).
-// Set it before clients connect.
+// text match accepts as a commit (nil, the default: none), so that
+// OnCommit's faults (and Commits' counts) apply to an autocommitted write
+// as to a COMMIT. A simple Query commits as it runs; an extended-protocol
+// statement outside a transaction block only at the Sync after its
+// Execute, which ResetAfterCommit does not forward: there it is a
+// ResetBeforeCommit. Set it before clients connect.
 func (p *Proxy) CommitsOn(match func(query string) bool) {
 	p.mu.Lock()
 	p.commitsOn = match
 	p.mu.Unlock()
 }
 
-// Commits returns how many COMMITs met each fault so far (CommitPass
-// included; faults none met are absent).
+// Commits returns how many COMMITs (and statements CommitsOn names) met
+// each fault so far (CommitPass included; faults none met are absent).
 func (p *Proxy) Commits() map[CommitFault]int {
 	p.mu.Lock()
 	defer p.mu.Unlock()

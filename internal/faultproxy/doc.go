@@ -19,4 +19,5 @@
 // transaction that ends by any other means; and it stops reading a
 // connection (passing its bytes through unchanged) once the server accepts
 // an SSLRequest or GSSENCRequest, so commit faults need sslmode=disable.
+// CommitsOn adds statements of the caller's choosing (autocommitted writes).
 package faultproxy

@@ -1,7 +1,10 @@
-// Package notify wakes its owner's waiters, each waiting on a key, by two
-// means, each a goroutine of the owner's group that runs only while needed:
-//   - a LISTEN connection, held while anyone subscribes (and a linger
-//     after), wakes the subscriptions of the key each notification names.
+// Package notify wakes a lock client's waiters, each waiting on a lease
+// name (its key), by two means, each a goroutine of the client's group that
+// runs only while needed:
+//   - a connection listening on pgfence_released, held while anyone
+//     subscribes (and a linger after), wakes the subscriptions of the lease
+//     each release notification names (pgfence_wake_waiters sends
+//     {"schema", "name"}; other schemas' are ignored).
 //     Notifications are merged while one is pending, and may be missed
 //     while the connection is re-established: every subscription is woken
 //     once then, so a subscriber re-reads the state it waits on, and must
@@ -13,6 +16,7 @@ package notify
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -26,12 +30,13 @@ import (
 	"github.com/pgfence/pgfence/internal/wait"
 )
 
-// Config says what a Hub listens to and how.
+// listenSQL subscribes to the releases' notifications.
+const listenSQL = "LISTEN pgfence_released"
+
+// Config says how a Hub listens and polls.
 type Config struct {
-	// Listen is the LISTEN statement.
-	Listen string
-	// Key names the key a notification's payload is for (false: ignore it).
-	Key func(payload string) (string, bool)
+	// Schema is the schema whose release notifications wake subscriptions.
+	Schema string
 	// Bound bounds every wait: the connect and LISTEN, and the ping sent
 	// after Bound without a notification, which must come back within
 	// Bound or the connection is opened anew (a black-holed server answers
@@ -54,7 +59,8 @@ type Config struct {
 	Failed, Recovered, PollFailed, PollRecovered string
 }
 
-// Hub holds the LISTEN connection of one owner, whose group runs it.
+// Hub holds a client's subscriptions, its listening connection and its
+// poller, which the client's group runs.
 type Hub struct {
 	cfg          Config
 	pool         *pgxpool.Pool
@@ -64,23 +70,25 @@ type Hub struct {
 	mu      sync.Mutex
 	by      map[string]map[*Sub]struct{}
 	ready   chan struct{} // closed once LISTEN is in place; nil when no listener is meant to run
-	polled  map[*Sub]bool // the subscriptions the poller covers: true until a round has
+	polled  map[*Sub]bool // the subscriptions the poller covers: true until a round covers it
 	stopped bool          // Close has begun: no new polled subscriptions
 	kick    chan struct{} // cap 1: a subscription asked to be polled for
 }
 
 // Sub is one subscription.
 type Sub struct {
-	// C receives a value when a notification for its key may have come.
+	// C receives a value when its key's release may have come: a
+	// notification, a poll that found it ready, a reconnect, Close.
 	C chan struct{}
-	// Ready is closed once the connection listens (or has failed to; never
-	// once the owner's group has stopped).
+	// Ready is closed once the connection listens, or once the listener
+	// that was to listen has ended (idled or stopped); never if the group
+	// had stopped.
 	Ready <-chan struct{}
 	key   string
 	h     *Hub
 }
 
-// New returns a Hub on pool whose listening goroutine g runs.
+// New returns a Hub on pool whose listener and poller g runs.
 func New(g *bg.Group, pool *pgxpool.Pool, cfg Config) *Hub {
 	h := &Hub{cfg: cfg, pool: pool, g: g, by: make(map[string]map[*Sub]struct{}), polled: make(map[*Sub]bool),
 		kick: make(chan struct{}, 1)}
@@ -133,12 +141,15 @@ func (s *Sub) Cancel() {
 	}
 }
 
-// Poll makes the poller cover s at once; once Close has begun, s is woken
-// instead.
+// Poll makes the poller cover s at once (until Cancel); once Close has
+// begun, s is woken instead.
 func (s *Sub) Poll() {
 	h := s.h
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if _, ok := h.by[s.key][s]; !ok {
+		return // cancelled
+	}
 	if h.stopped {
 		s.Signal()
 		return
@@ -232,7 +243,7 @@ func (h *Hub) once(ctx context.Context, onReady func()) error {
 	}
 	conn := pc.Hijack()
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(sctx, h.cfg.Listen); err != nil {
+	if _, err := conn.Exec(sctx, listenSQL); err != nil {
 		return err
 	}
 	cancel()
@@ -254,8 +265,12 @@ func (h *Hub) once(ctx context.Context, onReady func()) error {
 		if err != nil {
 			return err
 		}
-		if key, ok := h.cfg.Key(n.Payload); ok {
-			h.wake(key)
+		var p struct {
+			Schema string `json:"schema"`
+			Name   string `json:"name"`
+		}
+		if json.Unmarshal([]byte(n.Payload), &p) == nil && p.Schema == h.cfg.Schema && p.Name != "" {
+			h.wake(p.Name)
 		}
 	}
 }

@@ -57,8 +57,7 @@ func TestPollerWakesNewAndReadySubscriptions(t *testing.T) {
 		rounds = make(chan []string, 16)
 	)
 	h := New(g, pool, Config{
-		Listen: "LISTEN nothing",
-		Key:    func(string) (string, bool) { return "", false },
+		Schema: "pgfence",
 		Bound:  time.Second, Linger: 0, MaxBackoff: time.Second,
 		Poll: func(_ context.Context, keys []string) ([]string, time.Duration, error) {
 			slices.Sort(keys)
@@ -77,16 +76,17 @@ func TestPollerWakesNewAndReadySubscriptions(t *testing.T) {
 		Log:     slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
 	// round waits for a round that polls want (a kick that came during a
-	// round brings one more of the same).
-	round := func(want ...string) {
+	// round brings one more of the same), and returns those before it.
+	round := func(want ...string) (before [][]string) {
 		t.Helper()
 		deadline := time.After(30 * time.Second)
 		for {
 			select {
 			case got := <-rounds:
 				if slices.Equal(got, want) {
-					return
+					return before
 				}
+				before = append(before, got)
 			case <-deadline:
 				t.Fatalf("no round polled %v within 30 s", want)
 			}
@@ -113,6 +113,16 @@ func TestPollerWakesNewAndReadySubscriptions(t *testing.T) {
 	b.Poll() // covered already: a round, no longer for a
 	round("b")
 	notWoken(t, b, "a polled subscription after its later rounds, its key not ready")
+	for len(rounds) > 0 {
+		<-rounds
+	}
+	a.Poll() // cancelled: not covered again
+	b.Poll()
+	for _, keys := range round("b") {
+		if slices.Contains(keys, "a") {
+			t.Fatalf("a round polled %v, for a subscription cancelled before it asked", keys)
+		}
+	}
 
 	h.Close()
 	woken(t, b, "a polled subscription at Close")
