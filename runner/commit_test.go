@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgfence/pgfence/internal/faultproxy"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/wait"
 	"github.com/pgfence/pgfence/lock"
 	"github.com/pgfence/pgfence/runner"
 )
@@ -198,5 +199,68 @@ func TestRunNamesJobsThatDidNotStop(t *testing.T) {
 	}
 	if n := queryInt(t, db, "SELECT count(*) FROM "+tbl(db, "pgfence_leases")+" WHERE holder IS NOT NULL"); n != 0 {
 		t.Fatalf("%d leases still held after Run returned", n)
+	}
+}
+
+// A job whose function returned is not named as one that did not stop,
+// even when recording its run, ending its term and releasing its lease do
+// not finish within ShutdownTimeout (the database cut off by a partition
+// that black-holes packets): what Run says of the jobs is true.
+func TestRunDoesNotNameJobsThatStoppedWhenItsDatabaseIsCutOff(t *testing.T) {
+	t.Parallel()
+	db := pgtest.New(t)
+	link, err := faultproxy.To(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := pgtest.NewPool(t, pgtest.UniqueName("cut-at-stop"), func(cfg *pgxpool.Config) { link.Route(&cfg.ConnConfig.Config) })
+	t.Cleanup(func() { _ = link.Close() })
+	started, returned := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	job := runner.Job{Name: "prompt", Schedule: "@every 100ms", Run: func(ctx context.Context, _ *runner.Run) error {
+		once.Do(func() { close(started) })
+		<-ctx.Done()
+		defer close(returned)
+		return nil // finished: its run is recorded as succeeded
+	}}
+	const shutdown = 2 * time.Second
+	r, err := runner.New(lockClient(t, pool, lock.Config{Schema: db.Schema, TTL: time.Minute}), runner.Config{ShutdownTimeout: shutdown})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Register(job); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	select {
+	case <-started:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job did not start")
+	}
+	link.Set(faultproxy.Blackhole)
+	cancel()
+	stopping := time.Now()
+	select {
+	case <-returned:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job's function did not return")
+	}
+	var runErr error
+	select {
+	case runErr = <-done:
+	case <-time.After(shutdown + wait.CleanupTimeout + 30*time.Second):
+		t.Fatal("Run did not return")
+	}
+	took := time.Since(stopping)
+	if errors.Is(runErr, runner.ErrNotStopped) {
+		t.Fatalf("Run, after %v, its job's function returned at once: %v; want no job named as not stopped", took, runErr)
+	}
+	if runErr == nil {
+		t.Fatalf("Run, after %v, returned nil: its terms could not be recorded as ended, nor their leases released", took)
+	}
+	if bound := shutdown + wait.CleanupTimeout + wait.PastDeadline; took > bound+2*time.Second {
+		t.Fatalf("Run returned %v after its context ended, past ShutdownTimeout + 5.5 s (%v)", took, bound)
 	}
 }

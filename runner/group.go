@@ -605,6 +605,8 @@ func (w *worker) consumeLoop(ctx context.Context, p *Partition) error {
 
 // callConsume calls Consume, turning a panic into an error.
 func (w *worker) callConsume(ctx context.Context, p *Partition) (err error) {
+	w.calls.Add(1)
+	defer w.calls.Add(-1)
 	defer func() {
 		if v := recover(); v != nil {
 			err = &panicError{value: v}

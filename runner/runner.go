@@ -215,7 +215,8 @@ var ErrNotStopped = errors.New("runner: jobs did not stop")
 // but their goroutines still run: a function that ignores its context
 // cannot be stopped from outside. It matches ErrNotStopped.
 type StopError struct {
-	// Jobs names the jobs (job/shard for a shard) still running.
+	// Jobs names the jobs (job/shard for a shard) whose function still
+	// runs.
 	Jobs []string
 	// Timeout is the ShutdownTimeout they did not return within.
 	Timeout time.Duration
@@ -235,8 +236,12 @@ func (e *StopError) Is(target error) bool { return target == ErrNotStopped }
 // return, and every lease is released so another replica takes over at once.
 // A run that does not return in time is abandoned: its lease is released
 // anyway, so its later guarded writes are refused, and Run returns a
-// *StopError naming it (its goroutine is still running then). Run returns
-// nil after a clean stop, only.
+// *StopError naming it (its goroutine is still running then). When every
+// job has returned but ending their terms (recording runs and ends,
+// releasing leases) outlasts ShutdownTimeout, on a database slow or cut
+// off, their leases are released the same way and Run returns an error
+// that says so, which names no job. Run returns nil after a clean stop,
+// only.
 //
 // Run first checks that the schema is migrated (a
 // *migrations.NotMigratedError if not) and registers the jobs and consumer
@@ -329,9 +334,20 @@ func (r *Runner) Run(ctx context.Context) error {
 	cctx, cancel := wait.Detached(context.Background())
 	defer cancel()
 	if !stopped {
-		stuck := &StopError{Jobs: r.heldJobs(), Timeout: r.cfg.ShutdownTimeout}
-		r.log.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway", "jobs", stuck.Jobs)
-		err = errors.Join(stuck, r.releaseHeld(cctx))
+		// A job's function that has returned is not named: its term may
+		// still be ending (recording its run and its end, releasing its
+		// lease) on a database slow or cut off.
+		if running := r.runningJobs(); len(running) > 0 {
+			stuck := &StopError{Jobs: running, Timeout: r.cfg.ShutdownTimeout}
+			r.log.Warn("pgfence runner: jobs did not stop within ShutdownTimeout; releasing their leases anyway", "jobs", stuck.Jobs)
+			err = stuck
+		} else {
+			r.log.Warn("pgfence runner: the jobs stopped, but ending their terms outlasted ShutdownTimeout (the database " +
+				"is slow or cut off); releasing their leases now")
+			err = fmt.Errorf("runner: the jobs stopped, but ending their terms did not finish within ShutdownTimeout (%v); "+
+				"it goes on in the background, and their leases were released", r.cfg.ShutdownTimeout)
+		}
+		err = errors.Join(err, r.releaseHeld(cctx))
 	}
 	if _, lerr := r.pool.Exec(cctx, r.q.leave, r.lcfg.Holder, membersName); lerr != nil {
 		// The others see this instance gone when its heartbeat row expires.
@@ -358,13 +374,16 @@ func (r *Runner) hold(w *worker, l *lock.Lease) func() {
 	}
 }
 
-// heldJobs names the jobs (job/shard) whose terms still run, sorted.
-func (r *Runner) heldJobs() []string {
+// runningJobs names the jobs (job/shard) whose terms still run one of
+// their functions, sorted.
+func (r *Runner) runningJobs() []string {
 	r.heldMu.Lock()
 	defer r.heldMu.Unlock()
 	names := make([]string, 0, len(r.held))
-	for l := range r.held {
-		names = append(names, strings.TrimPrefix(strings.TrimPrefix(l.Name(), jobLeasePrefix), groupLeasePrefix))
+	for l, w := range r.held {
+		if w.calls.Load() > 0 {
+			names = append(names, strings.TrimPrefix(strings.TrimPrefix(l.Name(), jobLeasePrefix), groupLeasePrefix))
+		}
 	}
 	slices.Sort(names)
 	return names

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -24,8 +25,9 @@ type worker struct {
 	j     *job
 	shard int
 
-	runStart time.Time // of the attempt under way, for its duration
-	failures int       // attempts failed in a row (for the log's pace)
+	runStart time.Time    // of the attempt under way, for its duration
+	failures int          // attempts failed in a row (for the log's pace)
+	calls    atomic.Int32 // the job's functions running now (call, callConsume): Run's StopError names them
 }
 
 func (w *worker) leaseName() string {
