@@ -157,6 +157,29 @@ func TestRunNowReplyLost(t *testing.T) {
 	}
 }
 
+// runUntilStarted runs a runner of job on client until started is closed
+// (the job's function has begun), and returns its cancel and Run's result.
+func runUntilStarted(t *testing.T, client *lock.Client, cfg runner.Config, job runner.Job, started <-chan struct{}) (context.CancelFunc, <-chan error) {
+	t.Helper()
+	r, err := runner.New(client, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Register(job); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	select {
+	case <-started:
+	case <-time.After(30 * time.Second):
+		cancel()
+		t.Fatal("the job did not start")
+	}
+	return cancel, done
+}
+
 // Run does not pretend to have stopped cleanly while a job still runs: a
 // job that ignores its context past ShutdownTimeout is named in a
 // *StopError (its lease released), and nil comes only after a clean stop.
@@ -170,21 +193,8 @@ func TestRunNamesJobsThatDidNotStop(t *testing.T) {
 		<-release // ignores its context
 		return nil
 	}}
-	r, err := runner.New(lockClient(t, db.Pool, lock.Config{Schema: db.Schema}), runner.Config{ShutdownTimeout: 200 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Register(job); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	select {
-	case <-started:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the job did not start")
-	}
+	cancel, done := runUntilStarted(t, lockClient(t, db.Pool, lock.Config{Schema: db.Schema}),
+		runner.Config{ShutdownTimeout: 200 * time.Millisecond}, job, started)
 	cancel()
 	var err2 error
 	select {
@@ -224,21 +234,8 @@ func TestRunDoesNotNameJobsThatStoppedWhenItsDatabaseIsCutOff(t *testing.T) {
 		return nil // finished: its run is recorded as succeeded
 	}}
 	const shutdown = 2 * time.Second
-	r, err := runner.New(lockClient(t, pool, lock.Config{Schema: db.Schema, TTL: time.Minute}), runner.Config{ShutdownTimeout: shutdown})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Register(job); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-	select {
-	case <-started:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the job did not start")
-	}
+	cancel, done := runUntilStarted(t, lockClient(t, pool, lock.Config{Schema: db.Schema, TTL: time.Minute}),
+		runner.Config{ShutdownTimeout: shutdown}, job, started)
 	link.Set(faultproxy.Blackhole)
 	cancel()
 	stopping := time.Now()
