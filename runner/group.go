@@ -413,7 +413,11 @@ func (p *Partition) reportEnd(ctx context.Context) {
 	hctx, cancel := context.WithTimeout(ctx, max(p.poll, time.Second))
 	defer cancel()
 	log := p.w.log()
-	n, err := end(hctx, p.Index)
+	var (
+		n   int64
+		err error
+	)
+	p.w.user(func() { n, err = end(hctx, p.Index) })
 	if err == nil {
 		_, err = p.w.r.pool.Exec(hctx, p.w.r.q.end, p.Group, p.Index, n)
 	}
@@ -605,14 +609,13 @@ func (w *worker) consumeLoop(ctx context.Context, p *Partition) error {
 
 // callConsume calls Consume, turning a panic into an error.
 func (w *worker) callConsume(ctx context.Context, p *Partition) (err error) {
-	w.calls.Add(1)
-	defer w.calls.Add(-1)
 	defer func() {
 		if v := recover(); v != nil {
 			err = &panicError{value: v}
 		}
 	}()
-	return w.j.group.Consume(ctx, p)
+	w.user(func() { err = w.j.group.Consume(ctx, p) })
+	return err
 }
 
 // Seek sets the committed offset of group's partition in schema ("" means

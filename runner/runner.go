@@ -209,6 +209,13 @@ var errShutdown = errors.New("runner: shutting down")
 // still run.
 var ErrNotStopped = errors.New("runner: jobs did not stop")
 
+// ErrTermsNotEnded is matched by Run's error when every job's function
+// returned within ShutdownTimeout of its context's end but ending their
+// terms (recording their runs and ends, releasing their leases, on a
+// database slow or cut off) did not: it goes on in the background, and
+// their leases are released at once, as for a *StopError.
+var ErrTermsNotEnded = errors.New("runner: the jobs stopped, but their terms did not end within ShutdownTimeout")
+
 // StopError is Run's error when jobs did not return within
 // ShutdownTimeout of its context's end. Their leases were released (so
 // their later guarded writes are refused and another replica takes over),
@@ -216,7 +223,7 @@ var ErrNotStopped = errors.New("runner: jobs did not stop")
 // cannot be stopped from outside. It matches ErrNotStopped.
 type StopError struct {
 	// Jobs names the jobs (job/shard for a shard) whose function still
-	// runs.
+	// runs: Job.Run, a group's Consume or End, or an OnEvent of theirs.
 	Jobs []string
 	// Timeout is the ShutdownTimeout they did not return within.
 	Timeout time.Duration
@@ -224,8 +231,8 @@ type StopError struct {
 
 // Error names the jobs.
 func (e *StopError) Error() string {
-	return fmt.Sprintf("runner: jobs did not stop within ShutdownTimeout (%v): %s; their leases were released",
-		e.Timeout, strings.Join(e.Jobs, ", "))
+	return fmt.Sprintf("runner: jobs did not stop within ShutdownTimeout (%v): %s; their leases are released at once "+
+		"(one whose release fails expires by its TTL)", e.Timeout, strings.Join(e.Jobs, ", "))
 }
 
 // Is makes errors.Is(err, ErrNotStopped) true.
@@ -240,8 +247,8 @@ func (e *StopError) Is(target error) bool { return target == ErrNotStopped }
 // job has returned but ending their terms (recording runs and ends,
 // releasing leases) outlasts ShutdownTimeout, on a database slow or cut
 // off, their leases are released the same way and Run returns an error
-// that says so, which names no job. Run returns nil after a clean stop,
-// only.
+// matching ErrTermsNotEnded, which names no job. Run returns nil after a
+// clean stop, only.
 //
 // Run first checks that the schema is migrated (a
 // *migrations.NotMigratedError if not) and registers the jobs and consumer
@@ -344,8 +351,8 @@ func (r *Runner) Run(ctx context.Context) error {
 		} else {
 			r.log.Warn("pgfence runner: the jobs stopped, but ending their terms outlasted ShutdownTimeout (the database " +
 				"is slow or cut off); releasing their leases now")
-			err = fmt.Errorf("runner: the jobs stopped, but ending their terms did not finish within ShutdownTimeout (%v); "+
-				"it goes on in the background, and their leases were released", r.cfg.ShutdownTimeout)
+			err = fmt.Errorf("%w (%v): it goes on in the background, and their leases are released at once "+
+				"(one whose release fails expires by its TTL)", ErrTermsNotEnded, r.cfg.ShutdownTimeout)
 		}
 		err = errors.Join(err, r.releaseHeld(cctx))
 	}

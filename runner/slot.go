@@ -265,8 +265,6 @@ func (w *worker) claim(ctx context.Context, t *term, slot slotRef) (attempt int,
 // call runs the job function with its timeout, turning a panic into a
 // *panicError.
 func (w *worker) call(ctx context.Context, run *Run) (err error) {
-	w.calls.Add(1)
-	defer w.calls.Add(-1)
 	if w.j.Timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, w.j.Timeout)
@@ -277,7 +275,8 @@ func (w *worker) call(ctx context.Context, run *Run) (err error) {
 			err = &panicError{job: w.j.Name, value: p, stack: debug.Stack()}
 		}
 	}()
-	return w.j.Run(ctx, run)
+	w.user(func() { err = w.j.Run(ctx, run) })
+	return err
 }
 
 // panicError is a job's panic, recorded with status panicked.

@@ -27,7 +27,7 @@ type worker struct {
 
 	runStart time.Time    // of the attempt under way, for its duration
 	failures int          // attempts failed in a row (for the log's pace)
-	calls    atomic.Int32 // the job's functions running now (call, callConsume): Run's StopError names them
+	calls    atomic.Int32 // the application's functions running now (user): Run's StopError names them
 }
 
 func (w *worker) leaseName() string {
@@ -46,7 +46,15 @@ func (w *worker) event(k EventKind, s slotRef, l *lock.Lease, attempt int, err e
 		e.Token = l.Token()
 	}
 	w.r.m.event(e, w.r.clock.Now().Sub(w.runStart))
-	w.r.emit(e)
+	w.user(func() { w.r.emit(e) })
+}
+
+// user runs f, the application's code under the worker's term (a job's
+// function, a group's Consume or End, OnEvent), counted in calls.
+func (w *worker) user(f func()) {
+	w.calls.Add(1)
+	defer w.calls.Add(-1)
+	f()
 }
 
 // loop campaigns, leads, releases and campaigns again until ctx ends, with
